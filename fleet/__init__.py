@@ -1,0 +1,1 @@
+"""fleet: durable execution for Python."""

@@ -1,0 +1,218 @@
+"""Every error fleet raises, in one tree.
+
+Each error carries a stable ``code`` and says whether retrying the same call
+can succeed (``retryable``). Messages say what was wrong and what to do.
+
+::
+
+    FleetError
+    ├── ConfigurationError            a setting or an argument is unusable
+    │   └── MissingDependencyError    an optional extra is not installed
+    ├── ValidationError               bad input refused before anything was written
+    │   ├── NotSerializableError      a value that is not JSON
+    │   ├── DuplicateStepError        a step id asked for twice in one execution
+    │   ├── InvalidPropensityError    a propensity outside (0, 1]
+    │   ├── ReservedNameError         a gate / step / emit name the kernel keeps
+    │   ├── KernelEventForgeryError   userspace tried to write a kernel-only kind or field
+    │   └── PayloadTooLargeError      an event over the configured size limit
+    ├── FlowNotFoundError             no registered flow for an id / version / hash
+    ├── ExecutionNotFoundError        no log for an execution id
+    ├── ExecutionStateError           the execution is not in a state that allows the op
+    │   ├── ExecutionNotParkedError   resume of a running or finished execution
+    │   ├── GateMismatchError         resume names a gate the execution is not waiting on
+    │   ├── ExecutionFinishedError    the execution already ended
+    │   └── ExecutionBusyError        a live lease elsewhere holds it (retryable)
+    ├── AccessDeniedError             the principal may not do that op
+    ├── StepFailedError               a step failed for good; the flow may catch it
+    ├── ExecutionFailedError          handle.result() of a failed execution
+    ├── ExecutionCancelledError       handle.result() of a cancelled execution
+    ├── StoreError                    the store could not do what it was asked
+    │   ├── StaleFenceError           an append under a superseded fence token
+    │   ├── DuplicateSequenceError    the slot is taken (the plain-append CAS)
+    │   ├── SequenceGapError          an append that would leave a hole
+    │   ├── CorruptLogError           a stored row that does not parse
+    │   ├── StoreUnavailableError     a connection or I/O fault (retryable)
+    │   └── SchemaVersionError        the database schema is newer than this code
+    └── ReplayError
+        └── NondeterminismError       the body asked for a recorded id with another kind
+
+Run control (parking, cancellation) is not an error and deliberately not a
+``FleetError``: it derives from ``BaseException`` (like ``asyncio.CancelledError``)
+so a flow's ``except Exception`` cannot swallow it by accident.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class FleetError(Exception):
+    """The root of every error fleet raises."""
+
+    code: ClassVar[str] = "fleet_error"
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form used in STEP_FAILED / EXECUTION_FAILED payloads."""
+        return {"type": type(self).__name__, "code": self.code, "message": self.message,
+                "retryable": self.retryable}
+
+
+class ConfigurationError(FleetError):
+    code = "configuration"
+
+
+class MissingDependencyError(ConfigurationError):
+    code = "missing_dependency"
+
+
+class ValidationError(FleetError):
+    code = "validation"
+
+
+class NotSerializableError(ValidationError):
+    code = "not_serializable"
+
+
+class DuplicateStepError(ValidationError):
+    code = "duplicate_step"
+
+
+class InvalidPropensityError(ValidationError):
+    code = "invalid_propensity"
+
+
+class ReservedNameError(ValidationError):
+    code = "reserved_name"
+
+
+class KernelEventForgeryError(ValidationError):
+    code = "kernel_event_forgery"
+
+
+class PayloadTooLargeError(ValidationError):
+    code = "payload_too_large"
+
+
+class FlowNotFoundError(FleetError):
+    code = "flow_not_found"
+
+
+class ExecutionNotFoundError(FleetError):
+    code = "execution_not_found"
+
+
+class ExecutionStateError(FleetError):
+    code = "execution_state"
+
+
+class ExecutionNotParkedError(ExecutionStateError):
+    code = "execution_not_parked"
+
+
+class GateMismatchError(ExecutionStateError):
+    code = "gate_mismatch"
+
+
+class ExecutionFinishedError(ExecutionStateError):
+    code = "execution_finished"
+
+
+class ExecutionBusyError(ExecutionStateError):
+    code = "execution_busy"
+    retryable = True
+
+
+class AccessDeniedError(FleetError):
+    code = "access_denied"
+
+
+class StepFailedError(FleetError):
+    """A step failed for good. ``error`` is the recorded failure."""
+
+    code = "step_failed"
+
+    def __init__(self, message: str, *, step_id: str, error: dict[str, Any]) -> None:
+        super().__init__(message, step_id=step_id)
+        self.step_id = step_id
+        self.error = error
+
+
+class ExecutionFailedError(FleetError):
+    code = "execution_failed"
+
+    def __init__(self, message: str, *, error: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.error = error or {}
+
+
+class ExecutionCancelledError(FleetError):
+    code = "execution_cancelled"
+
+
+class StoreError(FleetError):
+    code = "store"
+
+
+class StaleFenceError(StoreError):
+    code = "stale_fence"
+
+    def __init__(self, message: str, *, presented: int | None = None,
+                 current: int | None = None) -> None:
+        super().__init__(message, presented=presented, current=current)
+        self.presented = presented
+        self.current = current
+
+
+class DuplicateSequenceError(StoreError):
+    code = "duplicate_sequence"
+
+
+class SequenceGapError(StoreError):
+    code = "sequence_gap"
+
+
+class CorruptLogError(StoreError):
+    code = "corrupt_log"
+
+
+class StoreUnavailableError(StoreError):
+    code = "store_unavailable"
+    retryable = True
+
+
+class SchemaVersionError(StoreError):
+    code = "schema_version"
+
+
+class ReplayError(FleetError):
+    code = "replay"
+
+
+class NondeterminismError(ReplayError):
+    code = "nondeterminism"
+
+
+class RunInterrupt(BaseException):  # noqa: N818 - control flow, not an error
+    """Unwinds a flow body without being an ``Exception`` the body could swallow."""
+
+
+class ExecutionParked(RunInterrupt):  # noqa: N818
+    """The run reached a gate, timer or receive the log cannot answer yet."""
+
+    def __init__(self, condition: dict[str, Any]) -> None:
+        super().__init__(condition.get("on", "park"))
+        self.condition = condition
+
+
+class RunAborted(RunInterrupt):  # noqa: N818
+    """The run lost the right to write (fenced out, a write failed)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause

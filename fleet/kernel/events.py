@@ -1,0 +1,367 @@
+"""The log: the envelope and one payload model per event kind.
+
+The log is a wire format. Field names are camelCase exactly as the decision
+records spell them; a second implementation must read what this one writes.
+``EVENT_SCHEMA`` is bumped for every additive change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import ValidationError as PydanticValidationError
+
+from fleet.kernel.errors import CorruptLogError, NotSerializableError
+
+EVENT_SCHEMA = "1.0.0"
+
+
+class EventType(StrEnum):
+    EXECUTION_STARTED = "EXECUTION_STARTED"
+    STEP_STARTED = "STEP_STARTED"
+    STEP_COMPLETED = "STEP_COMPLETED"
+    STEP_FAILED = "STEP_FAILED"
+    STEP_CANCELLED = "STEP_CANCELLED"
+    EFFECT_INDOUBT = "EFFECT_INDOUBT"
+    DECISION_RECORDED = "DECISION_RECORDED"
+    OUTCOME_RECORDED = "OUTCOME_RECORDED"
+    EMITTED = "EMITTED"
+    VALUE_RECORDED = "VALUE_RECORDED"
+    TIMER_SCHEDULED = "TIMER_SCHEDULED"
+    TIMER_FIRED = "TIMER_FIRED"
+    EXECUTION_SUSPENDED = "EXECUTION_SUSPENDED"
+    EXECUTION_RESUMED = "EXECUTION_RESUMED"
+    MESSAGE_RECEIVED = "MESSAGE_RECEIVED"
+    PARALLEL_STARTED = "PARALLEL_STARTED"
+    PARALLEL_COMPLETED = "PARALLEL_COMPLETED"
+    EXECUTION_MIGRATED = "EXECUTION_MIGRATED"
+    EXECUTION_CONTINUED = "EXECUTION_CONTINUED"
+    EXECUTION_COMPLETED = "EXECUTION_COMPLETED"
+    EXECUTION_FAILED = "EXECUTION_FAILED"
+    EXECUTION_CANCELLED = "EXECUTION_CANCELLED"
+    EXECUTION_DENIED = "EXECUTION_DENIED"
+    RECOVERED = "RECOVERED"
+
+
+TERMINAL_TYPES = frozenset({
+    EventType.EXECUTION_COMPLETED, EventType.EXECUTION_FAILED,
+    EventType.EXECUTION_CANCELLED, EventType.EXECUTION_CONTINUED,
+})
+
+# Fields only a kernel-stamped envelope (metadata.kernel = true) may carry.
+KERNEL_ONLY_FIELDS = frozenset({"recordedBy", "late", "innerSteps", "innerStepsOverflow",
+                                "innerFrom", "scope"})
+
+Json = Any
+
+
+class _Payload(BaseModel):
+    # Additive optional fields from newer writers are kept, not refused.
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class Owner(_Payload):
+    actor: str
+    tenant: str | None = None
+
+
+class ErrorInfo(_Payload):
+    type: str
+    message: str
+    code: str | None = None
+    retryable: bool = False
+
+
+class PolicyInfo(_Payload):
+    name: str
+    version: str | int | None = None
+    propensity: float = Field(gt=0, le=1)
+
+
+class ExecutionStarted(_Payload):
+    flowId: str
+    flowVersion: int
+    flowHash: str
+    codeHash: str | None = None
+    input: Json = None
+    owner: Owner | None = None
+    deadlineAt: int | None = None
+    continuedFrom: str | None = None
+
+
+class StepStarted(_Payload):
+    stepId: str
+    attempt: int = Field(ge=1)
+    scope: str | None = None
+
+
+class StepCompleted(_Payload):
+    stepId: str
+    attempt: int = Field(ge=1)
+    output: Json = None
+
+
+class StepFailed(_Payload):
+    stepId: str
+    attempt: int = Field(ge=1)
+    error: ErrorInfo
+    final: bool
+    retryAt: int | None = None
+
+
+class StepCancelled(_Payload):
+    stepId: str
+    reason: str = ""
+
+
+class EffectIndoubt(_Payload):
+    stepId: str
+    attempt: int = Field(ge=1)
+    idempotent: bool = True
+
+
+class DecisionRecorded(_Payload):
+    decisionId: str
+    choice: Json = None
+    policy: PolicyInfo | None = None
+    alternatives: list[Json] | None = None
+    context: Json = None
+    innerSteps: list[str] | None = None
+    innerStepsOverflow: bool | None = None
+    innerFrom: int | None = None
+
+
+class OutcomeRecorded(_Payload):
+    decisionId: str
+    key: str
+    score: float | None = None
+    success: bool | None = None
+    recordedBy: str | None = None
+    late: bool | None = None
+
+
+class Emitted(_Payload):
+    type: str
+    payload: Json = None
+
+
+class ValueRecorded(_Payload):
+    name: str
+    kind: Literal["now", "random", "uuid"]
+    value: Json = None
+
+
+class TimerScheduled(_Payload):
+    timerId: str
+    dueAt: int
+
+
+class TimerFired(_Payload):
+    timerId: str
+
+
+class Condition(_Payload):
+    on: str
+    kind: Literal["gate", "timer", "message", "indoubt", "diverged"] = "gate"
+    correlationKey: str | None = None
+
+
+class ExecutionSuspended(_Payload):
+    condition: Condition
+
+
+class ExecutionResumed(_Payload):
+    gate: str
+    payload: Json = None
+    by: str | None = None
+
+
+class MessageReceived(_Payload):
+    key: str
+    payload: Json = None
+
+
+class ParallelStarted(_Payload):
+    scope: str
+    branches: int = Field(ge=0)
+
+
+class ParallelCompleted(_Payload):
+    scope: str
+
+
+class ExecutionMigrated(_Payload):
+    fromFlowHash: str
+    toFlowHash: str
+    toVersion: int
+    toCodeHash: str | None = None
+
+
+class ExecutionContinued(_Payload):
+    nextExecutionId: str
+    input: Json = None
+
+
+class ExecutionCompleted(_Payload):
+    output: Json = None
+
+
+class ExecutionFailed(_Payload):
+    error: ErrorInfo | None = None
+
+
+class ExecutionCancelled(_Payload):
+    reason: str = ""
+
+
+class ExecutionDenied(_Payload):
+    op: str
+    actor: str | None = None
+    tenant: str | None = None
+    reason: str = ""
+
+
+class Recovered(_Payload):
+    by: str = ""
+    reason: str = ""
+
+
+PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
+    EventType.EXECUTION_STARTED: ExecutionStarted,
+    EventType.STEP_STARTED: StepStarted,
+    EventType.STEP_COMPLETED: StepCompleted,
+    EventType.STEP_FAILED: StepFailed,
+    EventType.STEP_CANCELLED: StepCancelled,
+    EventType.EFFECT_INDOUBT: EffectIndoubt,
+    EventType.DECISION_RECORDED: DecisionRecorded,
+    EventType.OUTCOME_RECORDED: OutcomeRecorded,
+    EventType.EMITTED: Emitted,
+    EventType.VALUE_RECORDED: ValueRecorded,
+    EventType.TIMER_SCHEDULED: TimerScheduled,
+    EventType.TIMER_FIRED: TimerFired,
+    EventType.EXECUTION_SUSPENDED: ExecutionSuspended,
+    EventType.EXECUTION_RESUMED: ExecutionResumed,
+    EventType.MESSAGE_RECEIVED: MessageReceived,
+    EventType.PARALLEL_STARTED: ParallelStarted,
+    EventType.PARALLEL_COMPLETED: ParallelCompleted,
+    EventType.EXECUTION_MIGRATED: ExecutionMigrated,
+    EventType.EXECUTION_CONTINUED: ExecutionContinued,
+    EventType.EXECUTION_COMPLETED: ExecutionCompleted,
+    EventType.EXECUTION_FAILED: ExecutionFailed,
+    EventType.EXECUTION_CANCELLED: ExecutionCancelled,
+    EventType.EXECUTION_DENIED: ExecutionDenied,
+    EventType.RECOVERED: Recovered,
+}
+
+
+class EventEnvelope(BaseModel):
+    """One entry of an execution's log.
+
+    ``id`` is ``f"{execution_id}-{sequence}"``; ``timestamp`` is milliseconds
+    since the epoch; ``metadata["kernel"] is True`` marks what the runtime wrote.
+    """
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True)
+
+    id: str
+    execution_id: str = Field(alias="executionId")
+    sequence: int = Field(ge=0)
+    type: EventType
+    timestamp: int
+    payload: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def make(cls, execution_id: str, sequence: int, type: EventType, timestamp: int,
+             payload: dict[str, Any], *, kernel: bool = True,
+             metadata: dict[str, Any] | None = None) -> EventEnvelope:
+        """Build an envelope the runtime itself writes (trusted: no validation)."""
+        meta = dict(metadata or {})
+        if kernel:
+            meta["kernel"] = True
+        return cls.model_construct(id=f"{execution_id}-{sequence}", execution_id=execution_id,
+                                   sequence=sequence, type=type, timestamp=timestamp,
+                                   payload=payload, metadata=meta)
+
+    @property
+    def kernel(self) -> bool:
+        return self.metadata.get("kernel") is True
+
+    def with_sequence(self, sequence: int) -> EventEnvelope:
+        return self.model_copy(update={"sequence": sequence,
+                                       "id": f"{self.execution_id}-{sequence}"})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "executionId": self.execution_id, "sequence": self.sequence,
+                "type": str(self.type), "timestamp": self.timestamp, "payload": self.payload,
+                "metadata": self.metadata}
+
+    def to_json(self) -> str:
+        return dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Any, *, validate_payload: bool = True) -> EventEnvelope:
+        """Parse and check an envelope read from storage or the wire."""
+        try:
+            env = cls.model_validate(data)
+        except PydanticValidationError as exc:
+            raise CorruptLogError(f"event is not a valid envelope: {exc.errors()[:1]}") from exc
+        if env.id != f"{env.execution_id}-{env.sequence}":
+            raise CorruptLogError(f"event id {env.id!r} does not match "
+                                  f"{env.execution_id!r}-{env.sequence}")
+        if validate_payload:
+            validate_payload_for(env.type, env.payload)
+        return env
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, validate_payload: bool = True) -> EventEnvelope:
+        try:
+            data = json.loads(text)
+        except (ValueError, TypeError) as exc:
+            raise CorruptLogError(f"event is not JSON: {exc}") from exc
+        return cls.from_dict(data, validate_payload=validate_payload)
+
+
+_ADAPTERS: dict[EventType, TypeAdapter[Any]] = {t: TypeAdapter(m) for t, m in PAYLOAD_MODELS.items()}
+
+
+def validate_payload_for(type: EventType, payload: dict[str, Any]) -> None:
+    try:
+        _ADAPTERS[type].validate_python(payload)
+    except PydanticValidationError as exc:
+        raise CorruptLogError(f"{type} payload is invalid: {exc.errors()[:1]}") from exc
+
+
+def _reject_nonfinite(value: float) -> Any:
+    raise ValueError("NaN or infinity")
+
+
+def dumps(value: Any) -> str:
+    """Canonical JSON for the log: compact, no NaN/Infinity."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def ensure_json(value: Any, what: str) -> Any:
+    """Return ``value`` as it will read back from the log, or refuse it.
+
+    A value that does not survive a JSON round trip (a set, a datetime, NaN, a
+    tuple that would come back a list) would make a replay see something other
+    than the live run did, so it is refused before anything is written.
+    """
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise NotSerializableError(f"{what} is {value!r}; the log stores finite numbers only")
+        return value
+    try:
+        text = dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise NotSerializableError(
+            f"{what} is not JSON-serialisable ({exc}); return plain dicts, lists, str, "
+            "int, float, bool or None") from exc
+    return json.loads(text)

@@ -1,0 +1,1 @@
+"""Event and snapshot stores: the SPI, the backends, the conformance kit."""

@@ -1,0 +1,249 @@
+"""What a store is: the ``EventStore`` and ``SnapshotStore`` protocols.
+
+Every backend (memory, SQLite, Postgres) and every decorator (fault
+injection, group commit) implements these and passes the conformance kit in
+``fleet.kernel.store.conformance``. Shared, backend-neutral logic lives here
+(``index_change``, ``creation_anchor``, ``check_batch``) so a backend only
+writes its storage hooks.
+
+Fencing. Each execution has a fence row: a monotonic ``token`` (0 = never
+fenced), the ``holder`` and a lease expiry. ``acquire_fence`` bumps the token
+and supersedes whoever held it; ``acquire_fence_if`` does the same only when no
+live lease is held. An append that presents a token other than the current one
+raises ``StaleFenceError`` and writes nothing. ``fence=None`` is an unfenced
+write, arbitrated by the sequence alone (the runtime uses it only for audit).
+
+Sequences. Every append lands at exactly ``head + 1`` (``0`` for a new log):
+a taken slot is ``DuplicateSequenceError``, a hole is ``SequenceGapError``.
+``append_batch`` is all or nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from fleet.kernel.errors import SequenceGapError, ValidationError
+from fleet.kernel.events import EventEnvelope, EventType
+
+Status = Literal["running", "parked", "completed", "failed", "cancelled", "continued"]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled", "continued"})
+
+
+@dataclass(frozen=True, slots=True)
+class TipObservation:
+    """What ``append_if_unchanged`` compares: the log's tip and its fence.
+
+    ``head`` is ``None`` when the execution does not exist (no sequence-0 event).
+    ``anchor`` is the creation marker of the sequence-0 event, so a log deleted
+    and re-created under the same id reads as a different execution.
+    """
+
+    head: int | None
+    fence: int
+    anchor: str | None
+    holder: str | None = None
+    lease_expires_at: int | None = None  # ms since the epoch; None = no live lease
+
+
+@dataclass(frozen=True, slots=True)
+class ConditionalAppendResult:
+    appended: bool
+    reason: Literal["moved", "gone", "observed"] | None
+    tip: TipObservation
+
+
+@dataclass(frozen=True, slots=True)
+class FenceGrant:
+    execution_id: str
+    token: int
+    holder: str
+    lease_expires_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionSummary:
+    """One row of the execution index a store keeps beside the log."""
+
+    execution_id: str
+    flow_id: str
+    tenant: str | None
+    owner: str | None
+    status: Status
+    waiting_on: str | None
+    started_at: int
+    updated_at: int
+    head: int
+    fence: int = 0
+    holder: str | None = None
+    lease_expires_at: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DueTimer:
+    execution_id: str
+    timer_id: str
+    due_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    execution_id: str
+    sequence: int
+    state: dict[str, Any]
+
+
+@runtime_checkable
+class EventStore(Protocol):
+    """An append-only log per execution, with fences and an index."""
+
+    async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
+        """Append one event at ``head + 1`` under ``fence``."""
+
+    async def append_batch(self, events: Sequence[EventEnvelope], *,
+                           fence: int | None = None) -> None:
+        """Append contiguous events of one execution, all or nothing."""
+
+    async def read(self, execution_id: str, *, after: int = -1) -> list[EventEnvelope]:
+        """Events with ``sequence > after`` in sequence order (``[]`` when none)."""
+
+    async def head(self, execution_id: str) -> int | None:
+        """The highest stored sequence, or ``None`` when there is no log."""
+
+    async def acquire_fence(self, execution_id: str, *, holder: str,
+                            lease_ms: int) -> FenceGrant:
+        """Take the fence unconditionally, superseding any holder."""
+
+    async def acquire_fence_if(self, execution_id: str, *, holder: str,
+                               lease_ms: int) -> FenceGrant | None:
+        """Take the fence only when no live lease is held; ``None`` otherwise."""
+
+    async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
+        """Extend the lease of ``token``; ``False`` when it was superseded."""
+
+    async def release_fence(self, execution_id: str, token: int) -> bool:
+        """End the lease of ``token`` (the token itself stays); ``False`` if superseded."""
+
+    async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
+                                  expect: TipObservation | None = None,
+                                  ) -> ConditionalAppendResult:
+        """ADR 0116 Q1: append ``event`` iff the tip still equals ``expect``.
+
+        Atomically: the execution exists, its head is ``expect.head``, its fence
+        token is ``expect.fence``, its anchor is ``expect.anchor`` and the event
+        sits at ``expect.head + 1``. Otherwise nothing is written and the
+        current tip is reported (``moved``, or ``gone`` with ``head=None``).
+        ``event=None`` is a pure observation (``observed``). It never presents,
+        bumps or adopts a token.
+        """
+
+    async def delete_execution(self, execution_id: str) -> bool:
+        """Remove the log and its index rows; a real fence token stays as a tombstone."""
+
+    async def list_executions(self, *, status: str | None = None, flow_id: str | None = None,
+                              tenant: str | None = None, waiting_on: str | None = None,
+                              updated_before: int | None = None,
+                              updated_after: int | None = None,
+                              lease_expired_at: int | None = None,
+                              after_id: str | None = None,
+                              limit: int = 100) -> list[ExecutionSummary]:
+        """Executions from the index, ordered by id, filtered by what is given.
+
+        ``lease_expired_at=now`` keeps those with no live lease at ``now``.
+        ``after_id`` pages.
+        """
+
+    async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
+        """One index row."""
+
+    async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
+        """Scheduled, unfired timers with ``due_at <= now_ms``, earliest first."""
+
+    async def close(self) -> None:
+        """Release connections and threads."""
+
+
+@runtime_checkable
+class SnapshotStore(Protocol):
+    """Checkpoints: a folded state at a sequence."""
+
+    async def save(self, snapshot: Snapshot) -> None: ...
+
+    async def load(self, execution_id: str) -> Snapshot | None: ...
+
+    async def delete(self, execution_id: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------
+# Shared logic every backend uses.
+# --------------------------------------------------------------------------
+
+_STATUS_AFTER: dict[EventType, Status] = {
+    EventType.EXECUTION_STARTED: "running",
+    EventType.EXECUTION_RESUMED: "running",
+    EventType.TIMER_FIRED: "running",
+    EventType.RECOVERED: "running",
+    EventType.EXECUTION_SUSPENDED: "parked",
+    EventType.EXECUTION_COMPLETED: "completed",
+    EventType.EXECUTION_FAILED: "failed",
+    EventType.EXECUTION_CANCELLED: "cancelled",
+    EventType.EXECUTION_CONTINUED: "continued",
+}
+
+
+@dataclass(slots=True)
+class IndexChange:
+    """What one event does to the execution index and the timer index."""
+
+    status: Status | None = None        # None: unchanged
+    waiting_on: str | None = None       # meaningful only when status is set
+    timer_add: DueTimer | None = None
+    timer_remove: str | None = None
+    clear_timers: bool = False
+    started: dict[str, Any] = field(default_factory=dict)  # flow_id, tenant, owner
+
+
+def index_change(event: EventEnvelope) -> IndexChange:
+    """How ``event`` moves the index. Status and timers never need the fold."""
+    change = IndexChange()
+    status = _STATUS_AFTER.get(event.type)
+    if status is not None and not (event.type is EventType.EXECUTION_STARTED
+                                   and event.sequence != 0):
+        change.status = status
+    p = event.payload
+    if event.type is EventType.EXECUTION_STARTED and event.sequence == 0:
+        owner = p.get("owner") or {}
+        change.started = {"flow_id": p.get("flowId", ""), "tenant": owner.get("tenant"),
+                          "owner": owner.get("actor")}
+    elif event.type is EventType.EXECUTION_SUSPENDED:
+        change.waiting_on = (p.get("condition") or {}).get("on")
+    elif event.type is EventType.TIMER_SCHEDULED:
+        change.timer_add = DueTimer(event.execution_id, p["timerId"], int(p["dueAt"]))
+    elif event.type is EventType.TIMER_FIRED:
+        change.timer_remove = p["timerId"]
+    if change.status in TERMINAL_STATUSES:
+        change.clear_timers = True
+    return change
+
+
+def creation_anchor(first: EventEnvelope) -> str:
+    """The creation marker of a log: timestamp and id of its sequence-0 event."""
+    return f"{first.timestamp}:{first.id}"
+
+
+def check_batch(events: Sequence[EventEnvelope]) -> str:
+    """Validate a batch's shape; return its execution id."""
+    if not events:
+        raise ValidationError("append_batch needs at least one event")
+    execution_id = events[0].execution_id
+    for prev, nxt in zip(events, events[1:], strict=False):
+        if nxt.execution_id != execution_id:
+            raise ValidationError("append_batch takes events of one execution; "
+                                  f"got {execution_id!r} and {nxt.execution_id!r}")
+        if nxt.sequence != prev.sequence + 1:
+            raise SequenceGapError(f"batch for {execution_id!r} is not contiguous: "
+                                   f"{prev.sequence} then {nxt.sequence}")
+    return execution_id
