@@ -336,10 +336,6 @@ def validate_payload_for(type: EventType, payload: dict[str, Any]) -> None:
         raise CorruptLogError(f"{type} payload is invalid: {exc.errors()[:1]}") from exc
 
 
-def _reject_nonfinite(value: float) -> Any:
-    raise ValueError("NaN or infinity")
-
-
 def dumps(value: Any) -> str:
     """Canonical JSON for the log: compact, no NaN/Infinity."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)

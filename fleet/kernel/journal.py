@@ -1,0 +1,188 @@
+"""The serial write chain of one run, and its two observers (ADR 0147).
+
+``commit`` folds an event into the live state at once and fires ``on_event``
+(immediacy: it can report an event whose write later fails). The write joins
+a chain that flushes pending events in order, several per store call when
+they queue up. ``on_durable_event`` fires from that chain after a write has
+resolved (truth): never for a lost, rejected or fenced write, nor for
+anything after one; only this runtime's writes; at most once; in order per
+writer. A consumer that throws or returns a failing awaitable never reaches
+the run; it is reported through ``on_warn`` at most once a minute.
+
+A failed write latches: later commits raise ``RunAborted`` and nothing more
+is written under this journal, so a fenced-out zombie stops at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fleet.kernel.errors import RunAborted
+from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.fold import ExecutionState, apply
+from fleet.kernel.store.spi import EventStore
+
+EventObserver = Callable[[EventEnvelope], Any]
+WarnSink = Callable[[str], Any]
+
+
+class Warner:
+    """``on_warn`` with a per-key rate limit, so a broken consumer is heard, not spammed."""
+
+    def __init__(self, sink: WarnSink | None, interval_s: float = 60.0) -> None:
+        self._sink = sink
+        self._interval = interval_s
+        self._last: dict[str, float] = {}
+
+    def warn(self, message: str, *, key: str | None = None) -> None:
+        if key is not None:
+            now = time.monotonic()
+            last = self._last.get(key)
+            if last is not None and now - last < self._interval:
+                return
+            self._last[key] = now
+        if self._sink is None:
+            import logging
+
+            logging.getLogger("fleet").warning(message)
+            return
+        try:
+            self._sink(message)
+        except Exception:  # noqa: BLE001 - a broken warn sink must not break a run
+            pass
+
+
+def deliver(observer: EventObserver | None, event: EventEnvelope, warner: Warner,
+            name: str) -> None:
+    """Call an observer, isolated: a throw or a rejected awaitable is only warned."""
+    if observer is None:
+        return
+    try:
+        result = observer(event)
+    except Exception as exc:  # noqa: BLE001
+        warner.warn(f"{name} raised {type(exc).__name__}: {exc}", key=name)
+        return
+    if inspect.isawaitable(result):
+        task = asyncio.ensure_future(result)
+        task.add_done_callback(lambda t: _report(t, warner, name))
+
+
+def _report(task: asyncio.Future[Any], warner: Warner, name: str) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        warner.warn(f"{name} failed asynchronously: {type(exc).__name__}: {exc}", key=name)
+
+
+class Journal:
+    """Writes one run's events in order under one fence token."""
+
+    __slots__ = ("_error", "_flusher", "_pending", "_waiters", "clock", "durable_seq",
+                 "fence", "on_durable_event", "on_event", "state", "store", "warner")
+
+    def __init__(self, store: EventStore, state: ExecutionState, *, fence: int | None,
+                 clock: Callable[[], int], warner: Warner,
+                 on_event: EventObserver | None = None,
+                 on_durable_event: EventObserver | None = None) -> None:
+        self.store = store
+        self.state = state
+        self.fence = fence
+        self.clock = clock
+        self.warner = warner
+        self.on_event = on_event
+        self.on_durable_event = on_durable_event
+        self.durable_seq = state.sequence
+        self._pending: list[EventEnvelope] = []
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._error
+
+    def commit(self, type: EventType, payload: dict[str, Any], *, kernel: bool = True,
+               metadata: dict[str, Any] | None = None) -> EventEnvelope:
+        """Fold an event now and queue its write."""
+        if self._error is not None:
+            raise RunAborted(self._error)
+        event = EventEnvelope.make(self.state.execution_id, self.state.sequence + 1, type,
+                                   self.clock(), payload, kernel=kernel, metadata=metadata)
+        apply(self.state, event)
+        deliver(self.on_event, event, self.warner, "on_event")
+        self._pending.append(event)
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+        return event
+
+    def adopt(self, events: list[EventEnvelope]) -> None:
+        """Fold events another path already made durable (and report them)."""
+        for event in events:
+            apply(self.state, event)
+            deliver(self.on_event, event, self.warner, "on_event")
+            self.durable_seq = max(self.durable_seq, event.sequence)
+            deliver(self.on_durable_event, event, self.warner, "on_durable_event")
+
+    async def barrier(self) -> None:
+        """Wait until everything committed so far is durable, or raise RunAborted."""
+        if self._error is not None:
+            raise RunAborted(self._error)
+        target = self.state.sequence
+        if self.durable_seq >= target:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, fut))
+        await fut
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending and self._error is None:
+                batch, self._pending = self._pending, []
+                try:
+                    if len(batch) == 1:
+                        await self.store.append(batch[0], fence=self.fence)
+                    else:
+                        await self.store.append_batch(batch, fence=self.fence)
+                except BaseException as exc:  # noqa: BLE001 - latch every failure
+                    self._fail(exc)
+                    if not isinstance(exc, Exception):
+                        raise
+                    return
+                self.durable_seq = batch[-1].sequence
+                if self.on_durable_event is not None:
+                    for event in batch:
+                        deliver(self.on_durable_event, event, self.warner, "on_durable_event")
+                self._wake()
+        finally:
+            self._flusher = None
+
+    def _wake(self) -> None:
+        if not self._waiters:
+            return
+        keep = []
+        for target, fut in self._waiters:
+            if target <= self.durable_seq:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((target, fut))
+        self._waiters = keep
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._pending.clear()
+        for _, fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(RunAborted(exc))
+        self._waiters.clear()
+
+    async def close(self) -> None:
+        """Wait for the write chain to settle (used when a run ends)."""
+        flusher = self._flusher
+        if flusher is not None:
+            await asyncio.shield(flusher)

@@ -1,0 +1,147 @@
+"""Who may do what to an execution, judged in the kernel.
+
+Ops: ``start``, ``read``, ``resume``, ``send``, ``cancel``, ``annotate``. Rules:
+``owner`` (the recorded owner's actor and tenant), ``tenant`` (the recorded
+tenant), ``any``. Defaults: ``owner`` for every op on an existing execution,
+except ``read`` which is ``tenant``. ``start`` is open to any principal (it
+records the owner); under ``strict`` every op needs a principal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fleet.kernel.errors import (
+    AccessDeniedError,
+    ConfigurationError,
+    KernelEventForgeryError,
+    ValidationError,
+)
+from fleet.kernel.events import KERNEL_ONLY_FIELDS, EventType
+
+Op = Literal["start", "read", "resume", "send", "cancel", "annotate"]
+Rule = Literal["owner", "tenant", "any"]
+OPS: tuple[Op, ...] = ("start", "read", "resume", "send", "cancel", "annotate")
+RULES: tuple[Rule, ...] = ("owner", "tenant", "any")
+DEFAULT_RULES: dict[Op, Rule] = {"start": "any", "read": "tenant", "resume": "owner",
+                                 "send": "owner", "cancel": "owner", "annotate": "owner"}
+MAX_SCORE = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: an actor within a tenant."""
+
+    actor: str
+    tenant: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.actor, str) or not self.actor:
+            raise ConfigurationError("Principal.actor must be a non-empty string")
+
+    def to_owner(self) -> dict[str, Any]:
+        return {"actor": self.actor, "tenant": self.tenant}
+
+
+SYSTEM = Principal("system")
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """Per-op rules; ``AccessPolicy(rules={"annotate": "tenant"})`` widens one op."""
+
+    rules: Mapping[str, str] = field(default_factory=dict)
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        for op, rule in self.rules.items():
+            if op not in OPS:
+                raise ConfigurationError(f"AccessPolicy: unknown op {op!r}; ops are {OPS}")
+            if rule not in RULES:
+                raise ConfigurationError(
+                    f"AccessPolicy: rule {rule!r} for {op!r} is not one of {RULES}")
+
+    def rule_for(self, op: Op) -> str:
+        return self.rules.get(op, DEFAULT_RULES[op])
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    allowed: bool
+    reason: str = ""
+
+
+def authorize(policy: AccessPolicy, op: Op, principal: Principal | None,
+              owner: Mapping[str, Any] | None, *, strict: bool = False,
+              system: bool = False) -> Verdict:
+    """Judge ``op`` by ``principal`` against the recorded ``owner``."""
+    if system:
+        return Verdict(True)
+    if principal is None:
+        if strict or policy.strict:
+            return Verdict(False, f"strict mode: {op} needs a principal")
+        return Verdict(True)
+    rule = policy.rule_for(op)
+    if rule == "any" or op == "start":
+        return Verdict(True)
+    rec_actor = (owner or {}).get("actor")
+    rec_tenant = (owner or {}).get("tenant")
+    if rule == "tenant":
+        if principal.tenant == rec_tenant:
+            return Verdict(True)
+        return Verdict(False, f"{op} needs tenant {rec_tenant!r}; "
+                              f"{principal.actor!r} is in {principal.tenant!r}")
+    if principal.actor == rec_actor and principal.tenant == rec_tenant:
+        return Verdict(True)
+    return Verdict(False, f"{op} is owner-only; {principal.actor!r} is not the owner")
+
+
+def check(policy: AccessPolicy, op: Op, principal: Principal | None,
+          owner: Mapping[str, Any] | None, *, strict: bool = False) -> None:
+    verdict = authorize(policy, op, principal, owner, strict=strict)
+    if not verdict.allowed:
+        raise AccessDeniedError(f"access denied: {verdict.reason}", op=op)
+
+
+# Kernel kinds a flow may write through ctx.emit (everything else is the
+# runtime's alone): an in-run reward.
+USERSPACE_KERNEL_EVENTS = frozenset({EventType.OUTCOME_RECORDED})
+_KERNEL_KINDS = frozenset(str(t) for t in EventType)
+
+
+def guard_userspace_emit(type: str, payload: Mapping[str, Any]) -> None:
+    """Refuse what a flow body may not write (ADR 0116 D1, forgery guard)."""
+    if not isinstance(type, str) or not type:
+        raise KernelEventForgeryError("emit type must be a non-empty string")
+    if type in _KERNEL_KINDS and type not in USERSPACE_KERNEL_EVENTS:
+        raise KernelEventForgeryError(
+            f"a flow may not emit the kernel event {type}; only the runtime writes it")
+    forged = sorted(KERNEL_ONLY_FIELDS & set(payload))
+    if forged:
+        raise KernelEventForgeryError(
+            f"emit of {type} carries kernel-only field(s) {forged}; only the runtime "
+            "writes them (record late rewards with runtime.record_outcome)")
+    if type == EventType.OUTCOME_RECORDED:
+        check_outcome_shape(payload.get("key"), payload.get("score"), payload.get("success"),
+                            payload.get("decisionId"))
+
+
+def check_outcome_shape(key: Any, score: Any, success: Any, decision_id: Any) -> None:
+    if not isinstance(decision_id, str) or not decision_id:
+        raise ValidationError("an outcome needs a decision id (a non-empty string)")
+    if not isinstance(key, str) or not key or len(key) > 256:
+        raise ValidationError("an outcome key must be a string of 1-256 characters; "
+                              "namespace reward keys, e.g. 'csat:1'")
+    if score is None and success is None:
+        raise ValidationError("an outcome needs a score, a success flag or both")
+    if score is not None:
+        if isinstance(score, bool) or not isinstance(score, (int, float)):
+            raise ValidationError(f"outcome score must be a number, got {score!r}")
+        if not math.isfinite(score) or abs(score) > MAX_SCORE:
+            raise ValidationError(
+                f"outcome score {score!r} is out of range: finite and |score| <= 1e9")
+    if success is not None and not isinstance(success, bool):
+        raise ValidationError(f"outcome success must be a bool, got {success!r}")
