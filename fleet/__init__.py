@@ -1,1 +1,120 @@
-"""fleet: durable execution for Python."""
+"""fleet: durable execution for Python.
+
+A flow is an ``async def``; every step, decision, timer and gate it passes is
+written to an append-only log per execution, so it survives crashes, deploys
+and weeks-long waits, and every decision can later be joined to its reward.
+"""
+
+from fleet.kernel.context import (
+    Context,
+    Decision,
+    Policy,
+    RetryPolicy,
+    StepFailure,
+)
+from fleet.kernel.errors import (
+    AccessDeniedError,
+    ConfigurationError,
+    CorruptLogError,
+    DuplicateSequenceError,
+    DuplicateStepError,
+    ExecutionBusyError,
+    ExecutionCancelledError,
+    ExecutionFailedError,
+    ExecutionFinishedError,
+    ExecutionNotFoundError,
+    ExecutionNotParkedError,
+    ExecutionStateError,
+    FleetError,
+    FlowNotFoundError,
+    GateMismatchError,
+    InvalidPropensityError,
+    KernelEventForgeryError,
+    MissingDependencyError,
+    NondeterminismError,
+    NotSerializableError,
+    PayloadTooLargeError,
+    ReplayError,
+    ReservedNameError,
+    SchemaVersionError,
+    SequenceGapError,
+    StaleFenceError,
+    StepFailedError,
+    StoreError,
+    StoreUnavailableError,
+    ValidationError,
+)
+from fleet.kernel.events import EVENT_SCHEMA, EventEnvelope, EventType
+from fleet.kernel.flows import Features, FlowDefinition, flow
+from fleet.kernel.fold import ExecutionState, fold, fold_log
+from fleet.kernel.runtime import ExecutionHandle, RecoveryReport, Runtime
+from fleet.kernel.security import AccessPolicy, Principal
+from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
+from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+
+__all__ = [
+    "EVENT_SCHEMA",
+    "AccessDeniedError",
+    "AccessPolicy",
+    "ConfigurationError",
+    "Context",
+    "CorruptLogError",
+    "Decision",
+    "DuplicateSequenceError",
+    "DuplicateStepError",
+    "EventEnvelope",
+    "EventType",
+    "ExecutionBusyError",
+    "ExecutionCancelledError",
+    "ExecutionFailedError",
+    "ExecutionFinishedError",
+    "ExecutionHandle",
+    "ExecutionNotFoundError",
+    "ExecutionNotParkedError",
+    "ExecutionState",
+    "ExecutionStateError",
+    "Features",
+    "FleetError",
+    "FlowDefinition",
+    "FlowNotFoundError",
+    "GateMismatchError",
+    "InvalidPropensityError",
+    "KernelEventForgeryError",
+    "MemoryEventStore",
+    "MemorySnapshotStore",
+    "MissingDependencyError",
+    "NondeterminismError",
+    "NotSerializableError",
+    "PayloadTooLargeError",
+    "Policy",
+    "PostgresEventStore",
+    "Principal",
+    "RecoveryReport",
+    "ReplayError",
+    "ReservedNameError",
+    "RetryPolicy",
+    "Runtime",
+    "SchemaVersionError",
+    "SequenceGapError",
+    "SqliteEventStore",
+    "SqliteSnapshotStore",
+    "StaleFenceError",
+    "StepFailedError",
+    "StepFailure",
+    "StoreError",
+    "StoreUnavailableError",
+    "ValidationError",
+    "flow",
+    "fold",
+    "fold_log",
+]
+
+
+def __getattr__(name: str) -> object:
+    # The Postgres store needs asyncpg (the `postgres` extra): import it lazily
+    # so `import fleet` works without it and the error names the extra.
+    if name == "PostgresEventStore":
+        from fleet.kernel.store.factory import postgres_event_store_class
+
+        return postgres_event_store_class()
+    raise AttributeError(f"module 'fleet' has no attribute {name!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -258,46 +259,60 @@ PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
 }
 
 
-class EventEnvelope(BaseModel):
-    """One entry of an execution's log.
+class _EnvelopeWire(BaseModel):
+    """The envelope's wire schema: what a stored or received event must satisfy."""
 
-    ``id`` is ``f"{execution_id}-{sequence}"``; ``timestamp`` is milliseconds
-    since the epoch; ``metadata["kernel"] is True`` marks what the runtime wrote.
-    """
-
-    model_config = ConfigDict(frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid")
 
     id: str
-    execution_id: str = Field(alias="executionId")
+    executionId: str  # noqa: N815 - wire names are camelCase
     sequence: int = Field(ge=0)
     type: EventType
     timestamp: int
     payload: dict[str, Any] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
+
+@dataclass(frozen=True, slots=True)
+class EventEnvelope:
+    """One entry of an execution's log.
+
+    ``id`` is ``f"{execution_id}-{sequence}"``; ``timestamp`` is milliseconds
+    since the epoch; ``metadata["kernel"] is True`` marks what the runtime wrote.
+    The in-memory form is a plain slotted dataclass (the runtime makes one per
+    event on the hot path); everything read from storage or the wire is
+    validated against ``_EnvelopeWire`` and the kind's payload model first.
+    """
+
+    id: str
+    execution_id: str
+    sequence: int
+    type: EventType
+    timestamp: int
+    payload: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
     @classmethod
     def make(cls, execution_id: str, sequence: int, type: EventType, timestamp: int,
              payload: dict[str, Any], *, kernel: bool = True,
              metadata: dict[str, Any] | None = None) -> EventEnvelope:
         """Build an envelope the runtime itself writes (trusted: no validation)."""
-        meta = dict(metadata or {})
+        meta = dict(metadata) if metadata else {}
         if kernel:
             meta["kernel"] = True
-        return cls.model_construct(id=f"{execution_id}-{sequence}", execution_id=execution_id,
-                                   sequence=sequence, type=type, timestamp=timestamp,
-                                   payload=payload, metadata=meta)
+        return cls(f"{execution_id}-{sequence}", execution_id, sequence, type, timestamp,
+                   payload, meta)
 
     @property
     def kernel(self) -> bool:
         return self.metadata.get("kernel") is True
 
     def with_sequence(self, sequence: int) -> EventEnvelope:
-        return self.model_copy(update={"sequence": sequence,
-                                       "id": f"{self.execution_id}-{sequence}"})
+        return replace(self, sequence=sequence, id=f"{self.execution_id}-{sequence}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "executionId": self.execution_id, "sequence": self.sequence,
-                "type": str(self.type), "timestamp": self.timestamp, "payload": self.payload,
+                "type": self.type.value, "timestamp": self.timestamp, "payload": self.payload,
                 "metadata": self.metadata}
 
     def to_json(self) -> str:
@@ -307,15 +322,16 @@ class EventEnvelope(BaseModel):
     def from_dict(cls, data: Any, *, validate_payload: bool = True) -> EventEnvelope:
         """Parse and check an envelope read from storage or the wire."""
         try:
-            env = cls.model_validate(data)
+            wire = _EnvelopeWire.model_validate(data)
         except PydanticValidationError as exc:
             raise CorruptLogError(f"event is not a valid envelope: {exc.errors()[:1]}") from exc
-        if env.id != f"{env.execution_id}-{env.sequence}":
-            raise CorruptLogError(f"event id {env.id!r} does not match "
-                                  f"{env.execution_id!r}-{env.sequence}")
+        if wire.id != f"{wire.executionId}-{wire.sequence}":
+            raise CorruptLogError(f"event id {wire.id!r} does not match "
+                                  f"{wire.executionId!r}-{wire.sequence}")
         if validate_payload:
-            validate_payload_for(env.type, env.payload)
-        return env
+            validate_payload_for(wire.type, wire.payload)
+        return cls(wire.id, wire.executionId, wire.sequence, wire.type, wire.timestamp,
+                   wire.payload, wire.metadata)
 
     @classmethod
     def from_json(cls, text: str | bytes, *, validate_payload: bool = True) -> EventEnvelope:

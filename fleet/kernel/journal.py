@@ -80,10 +80,17 @@ def _report(task: asyncio.Future[Any], warner: Warner, name: str) -> None:
 
 
 class Journal:
-    """Writes one run's events in order under one fence token."""
+    """Writes one run's events in order under one fence token.
 
-    __slots__ = ("_error", "_flusher", "_pending", "_waiters", "clock", "durable_seq",
-                 "fence", "on_durable_event", "on_event", "state", "store", "warner")
+    Writes happen at barriers: ``commit`` only folds and queues, and the first
+    task that needs durability (``barrier``) writes everything queued so far in
+    one store call while later callers wait for that write. Every path that
+    ends a run passes a barrier, so nothing committed is left unwritten, and a
+    run needs no extra task per write.
+    """
+
+    __slots__ = ("_error", "_flushing", "_pending", "clock", "durable_seq", "fence",
+                 "on_durable_event", "on_event", "state", "store", "warner")
 
     def __init__(self, store: EventStore, state: ExecutionState, *, fence: int | None,
                  clock: Callable[[], int], warner: Warner,
@@ -98,8 +105,7 @@ class Journal:
         self.on_durable_event = on_durable_event
         self.durable_seq = state.sequence
         self._pending: list[EventEnvelope] = []
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._flusher: asyncio.Task[None] | None = None
+        self._flushing: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
 
     @property
@@ -108,81 +114,56 @@ class Journal:
 
     def commit(self, type: EventType, payload: dict[str, Any], *, kernel: bool = True,
                metadata: dict[str, Any] | None = None) -> EventEnvelope:
-        """Fold an event now and queue its write."""
+        """Fold an event now and queue its write (written at the next barrier)."""
         if self._error is not None:
             raise RunAborted(self._error)
         event = EventEnvelope.make(self.state.execution_id, self.state.sequence + 1, type,
                                    self.clock(), payload, kernel=kernel, metadata=metadata)
         apply(self.state, event)
-        deliver(self.on_event, event, self.warner, "on_event")
-        self._pending.append(event)
-        if self._flusher is None:
-            self._flusher = asyncio.get_running_loop().create_task(self._flush())
-        return event
-
-    def adopt(self, events: list[EventEnvelope]) -> None:
-        """Fold events another path already made durable (and report them)."""
-        for event in events:
-            apply(self.state, event)
+        if self.on_event is not None:
             deliver(self.on_event, event, self.warner, "on_event")
-            self.durable_seq = max(self.durable_seq, event.sequence)
-            deliver(self.on_durable_event, event, self.warner, "on_durable_event")
+        self._pending.append(event)
+        return event
 
     async def barrier(self) -> None:
         """Wait until everything committed so far is durable, or raise RunAborted."""
-        if self._error is not None:
-            raise RunAborted(self._error)
         target = self.state.sequence
-        if self.durable_seq >= target:
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((target, fut))
-        await fut
+        while True:
+            if self._error is not None:
+                raise RunAborted(self._error)
+            if self.durable_seq >= target:
+                return
+            if self._flushing is not None:
+                # Another task is writing: wait for it, then look again.
+                await asyncio.shield(self._flushing)
+                continue
+            await self._flush_once()
 
-    async def _flush(self) -> None:
+    async def _flush_once(self) -> None:
+        batch, self._pending = self._pending, []
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._flushing = done
         try:
-            while self._pending and self._error is None:
-                batch, self._pending = self._pending, []
-                try:
-                    if len(batch) == 1:
-                        await self.store.append(batch[0], fence=self.fence)
-                    else:
-                        await self.store.append_batch(batch, fence=self.fence)
-                except BaseException as exc:  # noqa: BLE001 - latch every failure
-                    self._fail(exc)
-                    if not isinstance(exc, Exception):
-                        raise
-                    return
-                self.durable_seq = batch[-1].sequence
-                if self.on_durable_event is not None:
-                    for event in batch:
-                        deliver(self.on_durable_event, event, self.warner, "on_durable_event")
-                self._wake()
-        finally:
-            self._flusher = None
-
-    def _wake(self) -> None:
-        if not self._waiters:
-            return
-        keep = []
-        for target, fut in self._waiters:
-            if target <= self.durable_seq:
-                if not fut.done():
-                    fut.set_result(None)
+            if len(batch) == 1:
+                await self.store.append(batch[0], fence=self.fence)
             else:
-                keep.append((target, fut))
-        self._waiters = keep
-
-    def _fail(self, exc: BaseException) -> None:
-        self._error = exc
-        self._pending.clear()
-        for _, fut in self._waiters:
-            if not fut.done():
-                fut.set_exception(RunAborted(exc))
-        self._waiters.clear()
+                await self.store.append_batch(batch, fence=self.fence)
+        except BaseException as exc:
+            # Latch: a lost, rejected, fenced or interrupted write ends this
+            # journal; nothing after it is written or reported as durable.
+            self._error = exc
+            self._pending.clear()
+            raise RunAborted(exc) if isinstance(exc, Exception) else exc
+        else:
+            self.durable_seq = batch[-1].sequence
+            if self.on_durable_event is not None:
+                for event in batch:
+                    deliver(self.on_durable_event, event, self.warner, "on_durable_event")
+        finally:
+            self._flushing = None
+            done.set_result(None)
 
     async def close(self) -> None:
-        """Wait for the write chain to settle (used when a run ends)."""
-        flusher = self._flusher
-        if flusher is not None:
-            await asyncio.shield(flusher)
+        """Wait for an in-flight write to settle (used when a run ends)."""
+        if self._flushing is not None:
+            await asyncio.shield(self._flushing)

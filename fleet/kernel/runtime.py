@@ -370,6 +370,9 @@ class Runtime:
                 await journal.barrier()
                 await self._start_successor(run, cont)
             except _ABORTS_RUN as exc:
+                # What the run committed before the faulty call is true and
+                # stays; the faulty call itself wrote nothing.
+                await journal.barrier()
                 self.aborted += 1
                 self._fail_waiters(state.execution_id, exc)
                 self.warner.warn(f"run of {state.execution_id!r} stopped, nothing written: "

@@ -1,0 +1,1 @@
+"""Example flows bundled with fleet (used by ``fleet run`` and the docs)."""

@@ -1,0 +1,54 @@
+"""The public surface is a contract: an accidental export or a removed name fails here."""
+
+from __future__ import annotations
+
+import inspect
+
+import fleet
+from fleet.kernel import errors
+
+EXPECTED = {
+    "EVENT_SCHEMA", "AccessDeniedError", "AccessPolicy", "ConfigurationError", "Context",
+    "CorruptLogError", "Decision", "DuplicateSequenceError", "DuplicateStepError",
+    "EventEnvelope", "EventType", "ExecutionBusyError", "ExecutionCancelledError",
+    "ExecutionFailedError", "ExecutionFinishedError", "ExecutionHandle",
+    "ExecutionNotFoundError", "ExecutionNotParkedError", "ExecutionState",
+    "ExecutionStateError", "Features", "FleetError", "FlowDefinition", "FlowNotFoundError",
+    "GateMismatchError", "InvalidPropensityError", "KernelEventForgeryError",
+    "MemoryEventStore", "MemorySnapshotStore", "MissingDependencyError",
+    "NondeterminismError", "NotSerializableError", "PayloadTooLargeError", "Policy",
+    "PostgresEventStore", "Principal", "RecoveryReport", "ReplayError", "ReservedNameError",
+    "RetryPolicy", "Runtime", "SchemaVersionError", "SequenceGapError", "SqliteEventStore",
+    "SqliteSnapshotStore", "StaleFenceError", "StepFailedError", "StepFailure", "StoreError",
+    "StoreUnavailableError", "ValidationError", "flow", "fold", "fold_log",
+}
+
+
+def test_all_is_pinned() -> None:
+    assert set(fleet.__all__) == EXPECTED
+    assert len(fleet.__all__) == len(set(fleet.__all__))
+
+
+def test_every_error_in_the_tree_is_exported_and_rooted() -> None:
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
+               if issubclass(c, errors.FleetError)]
+    assert len(classes) > 20
+    for cls in classes:
+        assert issubclass(cls, errors.FleetError)
+        assert isinstance(cls.code, str) and cls.code
+        assert isinstance(cls.retryable, bool)
+        # Every error is named in the tree drawn in the module docstring.
+        assert cls.__name__ in (errors.__doc__ or ""), cls.__name__
+
+
+def test_run_control_is_not_catchable_as_exception() -> None:
+    # A flow's `except Exception` must not swallow parking or aborts.
+    assert not issubclass(errors.RunInterrupt, Exception)
+    assert issubclass(errors.ExecutionParked, BaseException)
+    assert not issubclass(errors.ExecutionParked, Exception)
+
+
+def test_only_one_error_is_retryable_by_default() -> None:
+    assert errors.StoreUnavailableError.retryable
+    assert errors.ExecutionBusyError.retryable
+    assert not errors.StaleFenceError.retryable
