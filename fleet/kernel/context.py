@@ -82,11 +82,11 @@ class StepFailure(Exception):  # noqa: N818 - users raise it; the name reads as 
     """Raise from a step to fail it for good (a typed failure: no retry)."""
 
 
-class Cancelled(RunInterrupt):  # noqa: N818
+class Cancelled(RunInterrupt):
     """Unwinds a run that is being cancelled."""
 
 
-class _ContinueAsNew(RunInterrupt):  # noqa: N818
+class _ContinueAsNew(RunInterrupt):
     def __init__(self, next_execution_id: str, input: Any) -> None:
         super().__init__(next_execution_id)
         self.next_execution_id = next_execution_id
@@ -207,7 +207,7 @@ class Context:
                     result = await result
             except (RunInterrupt, asyncio.CancelledError):
                 raise
-            except Exception as exc:  # noqa: BLE001 - the step's failure is data
+            except Exception as exc:
                 typed = isinstance(exc, (StepFailure, StepFailedError)) or (
                     bool(retry.non_retryable) and isinstance(exc, retry.non_retryable))
                 final = typed or attempt >= retry.max_attempts
@@ -442,7 +442,8 @@ class Context:
         if not isinstance(ident, str) or not ident or len(ident) > 512:
             raise ValidationError(f"a {what} id must be a string of 1-512 characters")
         if ident.startswith(RESERVED_PREFIX):
-            raise ReservedNameError(f"{what} id {ident!r} uses the reserved prefix {RESERVED_PREFIX}")
+            raise ReservedNameError(
+                f"{what} id {ident!r} uses the reserved prefix {RESERVED_PREFIX}")
 
 
 class _RetrySentinel:

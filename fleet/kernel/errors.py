@@ -198,11 +198,11 @@ class NondeterminismError(ReplayError):
     code = "nondeterminism"
 
 
-class RunInterrupt(BaseException):  # noqa: N818 - control flow, not an error
+class RunInterrupt(BaseException):
     """Unwinds a flow body without being an ``Exception`` the body could swallow."""
 
 
-class ExecutionParked(RunInterrupt):  # noqa: N818
+class ExecutionParked(RunInterrupt):
     """The run reached a gate, timer or receive the log cannot answer yet."""
 
     def __init__(self, condition: dict[str, Any]) -> None:
@@ -210,7 +210,7 @@ class ExecutionParked(RunInterrupt):  # noqa: N818
         self.condition = condition
 
 
-class RunAborted(RunInterrupt):  # noqa: N818
+class RunAborted(RunInterrupt):
     """The run lost the right to write (fenced out, a write failed)."""
 
     def __init__(self, cause: BaseException) -> None:

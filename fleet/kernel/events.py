@@ -265,7 +265,7 @@ class _EnvelopeWire(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str
-    executionId: str  # noqa: N815 - wire names are camelCase
+    executionId: str
     sequence: int = Field(ge=0)
     type: EventType
     timestamp: int
@@ -342,7 +342,8 @@ class EventEnvelope:
         return cls.from_dict(data, validate_payload=validate_payload)
 
 
-_ADAPTERS: dict[EventType, TypeAdapter[Any]] = {t: TypeAdapter(m) for t, m in PAYLOAD_MODELS.items()}
+_ADAPTERS: dict[EventType, TypeAdapter[Any]] = {
+    t: TypeAdapter(m) for t, m in PAYLOAD_MODELS.items()}
 
 
 def validate_payload_for(type: EventType, payload: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fleet.kernel.errors import RunAborted
@@ -148,12 +148,14 @@ class Journal:
                 await self.store.append(batch[0], fence=self.fence)
             else:
                 await self.store.append_batch(batch, fence=self.fence)
-        except BaseException as exc:
+        except BaseException as exc:  # latch every kind of failure, then re-raise
             # Latch: a lost, rejected, fenced or interrupted write ends this
             # journal; nothing after it is written or reported as durable.
             self._error = exc
             self._pending.clear()
-            raise RunAborted(exc) if isinstance(exc, Exception) else exc
+            if isinstance(exc, Exception):
+                raise RunAborted(exc) from exc
+            raise
         else:
             self.durable_seq = batch[-1].sequence
             if self.on_durable_event is not None:

@@ -210,6 +210,9 @@ class Runtime:
         self.local_timers = local_timers
         self._runs: dict[str, Run] = {}
         self._waiters: dict[str, list[asyncio.Future[ExecutionState]]] = {}
+        # Why this runtime's last run of an execution stopped without an end, so a
+        # result() asked after the stop raises it instead of waiting forever.
+        self._aborts: dict[str, BaseException] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._background: set[asyncio.Task[Any]] = set()
         # Counters an operator reads (and the fleet exports to Flower).
@@ -335,6 +338,7 @@ class Runtime:
                                                       name=f"fleet-run:{execution_id}")
         run.task = task
         self._runs[execution_id] = run
+        self._aborts.pop(execution_id, None)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -450,6 +454,9 @@ class Runtime:
             if state.sequence < 0:
                 raise ExecutionNotFoundError(f"no execution {execution_id!r}")
             if not state.terminal:
+                aborted = self._aborts.get(execution_id)
+                if aborted is not None and execution_id not in self._runs:
+                    raise aborted
                 fut: asyncio.Future[ExecutionState] = asyncio.get_running_loop().create_future()
                 self._waiters.setdefault(execution_id, []).append(fut)
                 state = await fut
@@ -473,6 +480,7 @@ class Runtime:
                 fut.set_result(state)
 
     def _fail_waiters(self, execution_id: str, exc: BaseException) -> None:
+        self._aborts[execution_id] = exc
         for fut in self._waiters.pop(execution_id, []):
             if not fut.done():
                 fut.set_exception(exc)

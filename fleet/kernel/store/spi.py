@@ -20,6 +20,7 @@ a taken slot is ``DuplicateSequenceError``, a hole is ``SequenceGapError``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -239,7 +240,7 @@ def check_batch(events: Sequence[EventEnvelope]) -> str:
     if not events:
         raise ValidationError("append_batch needs at least one event")
     execution_id = events[0].execution_id
-    for prev, nxt in zip(events, events[1:], strict=False):
+    for prev, nxt in itertools.pairwise(events):
         if nxt.execution_id != execution_id:
             raise ValidationError("append_batch takes events of one execution; "
                                   f"got {execution_id!r} and {nxt.execution_id!r}")
