@@ -24,6 +24,7 @@ from fleet.kernel.errors import (
     ExecutionFinishedError,
     ExecutionNotFoundError,
     ExecutionNotParkedError,
+    ExecutionNotTerminalError,
     ExecutionStateError,
     FleetError,
     FlowNotFoundError,
@@ -33,6 +34,8 @@ from fleet.kernel.errors import (
     MissingDependencyError,
     NondeterminismError,
     NotSerializableError,
+    OutcomeContendedError,
+    OutcomeRefusedError,
     PayloadTooLargeError,
     ReplayError,
     ReservedNameError,
@@ -47,6 +50,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EVENT_SCHEMA, EventEnvelope, EventType
 from fleet.kernel.flows import Features, FlowDefinition, flow
 from fleet.kernel.fold import ExecutionState, fold, fold_log
+from fleet.kernel.outcomes import OutcomeResult
 from fleet.kernel.runtime import ExecutionHandle, RecoveryReport, Runtime
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
@@ -71,6 +75,7 @@ __all__ = [
     "ExecutionHandle",
     "ExecutionNotFoundError",
     "ExecutionNotParkedError",
+    "ExecutionNotTerminalError",
     "ExecutionState",
     "ExecutionStateError",
     "Features",
@@ -85,6 +90,9 @@ __all__ = [
     "MissingDependencyError",
     "NondeterminismError",
     "NotSerializableError",
+    "OutcomeContendedError",
+    "OutcomeRefusedError",
+    "OutcomeResult",
     "PayloadTooLargeError",
     "Policy",
     "PostgresEventStore",

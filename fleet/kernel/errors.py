@@ -21,7 +21,10 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     │   ├── ExecutionNotParkedError   resume of a running or finished execution
     │   ├── GateMismatchError         resume names a gate the execution is not waiting on
     │   ├── ExecutionFinishedError    the execution already ended
+    │   ├── ExecutionNotTerminalError a late outcome for a running or parked execution
     │   └── ExecutionBusyError        a live lease elsewhere holds it (retryable)
+    ├── OutcomeRefusedError           a late outcome the log must not take
+    ├── OutcomeContendedError         the tip kept moving under a late outcome (retryable)
     ├── AccessDeniedError             the principal may not do that op
     ├── StepFailedError               a step failed for good; the flow may catch it
     ├── ExecutionFailedError          handle.result() of a failed execution
@@ -121,6 +124,19 @@ class GateMismatchError(ExecutionStateError):
 
 class ExecutionFinishedError(ExecutionStateError):
     code = "execution_finished"
+
+
+class ExecutionNotTerminalError(ExecutionStateError):
+    code = "execution_not_terminal"
+
+
+class OutcomeRefusedError(FleetError):
+    code = "outcome_refused"
+
+
+class OutcomeContendedError(FleetError):
+    code = "outcome_contended"
+    retryable = True
 
 
 class ExecutionBusyError(ExecutionStateError):

@@ -45,6 +45,7 @@ from fleet.kernel.events import EventEnvelope, EventType, ensure_json
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import INDOUBT_GATE, ExecutionState, fold_log
 from fleet.kernel.journal import EventObserver, Journal, Warner, deliver
+from fleet.kernel.outcomes import OutcomeResult, record_outcome
 from fleet.kernel.security import (
     AccessPolicy,
     Op,
@@ -503,6 +504,20 @@ class Runtime:
         if not state.execution_id:
             state.execution_id = execution_id
         return state, (events[-1].type if events else None)
+
+    async def record_outcome(self, execution_id: str, *, decision_id: str, key: str,
+                             score: float | None = None, success: bool | None = None,
+                             principal: Principal | None = None,
+                             system: bool = False) -> OutcomeResult:
+        """Attach a reward to a decision of a finished execution (ADR 0116).
+
+        Authorised as ``annotate`` against the recorded owner. Idempotent by
+        ``(decision_id, key)``: the same value again is ``appended=False``, a
+        different one is refused (``OutcomeRefusedError``).
+        """
+        return await record_outcome(self, execution_id, decision_id=decision_id, key=key,
+                                    score=score, success=success, principal=principal,
+                                    system=system)
 
     async def load_state(self, execution_id: str, *, principal: Principal | None = None,
                          system: bool = False) -> ExecutionState:

@@ -1,0 +1,141 @@
+"""``record_outcome``: a reward for a past decision of a finished execution (ADR 0116).
+
+A late outcome is one conditional append (``append_if_unchanged``): it never
+takes a fence, so it can never displace a holder; a holder or another writer
+that moves the tip makes it re-observe and re-judge, within a bound.
+
+Order of checks, exactly as the record states: not found; authorise
+``annotate`` against the recorded owner; shape; then, inside the conditional
+loop: terminal, the decision exists, ``(decision_id, key)`` idempotent, the
+per-execution cap. A denial appends nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fleet.kernel.errors import (
+    ExecutionNotFoundError,
+    ExecutionNotTerminalError,
+    OutcomeContendedError,
+    OutcomeRefusedError,
+)
+from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.fold import ExecutionState, fold_log
+from fleet.kernel.journal import deliver
+from fleet.kernel.security import Principal, authorize, check_outcome_shape
+
+if TYPE_CHECKING:
+    from fleet.kernel.runtime import Runtime
+
+MAX_LATE_OUTCOMES = 1024
+MAX_ATTEMPTS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeResult:
+    """``appended`` is False for a duplicate; ``sequence`` is where the outcome sits."""
+
+    appended: bool
+    sequence: int | None = None
+
+
+async def record_outcome(runtime: Runtime, execution_id: str, *, decision_id: str, key: str,
+                         score: float | None = None, success: bool | None = None,
+                         principal: Principal | None = None,
+                         system: bool = False) -> OutcomeResult:
+    store = runtime.store
+    state = await runtime._fold(execution_id)
+    if state.sequence < 0:
+        raise ExecutionNotFoundError(f"no execution {execution_id!r}")
+    verdict = authorize(runtime.access_policy, "annotate", principal, state.owner,
+                        strict=runtime.strict, system=system)
+    if not verdict.allowed:
+        await runtime._denied(state, "annotate", principal, verdict.reason, audit=False)
+    check_outcome_shape(key, score, success, decision_id)
+    if not callable(getattr(store, "append_if_unchanged", None)):
+        raise OutcomeRefusedError(
+            f"{type(store).__name__} has no append_if_unchanged; a late outcome is written "
+            "only by a conditional append, never by a plain one")
+    recorded_by = "system" if system else (principal.actor if principal else "anonymous")
+    body: dict[str, Any] = {"decisionId": decision_id, "key": key}
+    if score is not None:
+        body["score"] = score
+    if success is not None:
+        body["success"] = success
+    body["recordedBy"] = recorded_by
+    body["late"] = True
+
+    for _ in range(MAX_ATTEMPTS):
+        tip = (await store.append_if_unchanged(execution_id, None)).tip
+        if tip.head is None:
+            raise ExecutionNotFoundError(f"no execution {execution_id!r}")
+        if tip.anchor is None:
+            raise OutcomeRefusedError(
+                f"{type(store).__name__} returned no creation anchor for {execution_id!r}; "
+                "a store or decorator must forward it")
+        state = await _fold_to(runtime, execution_id, tip.head)
+        if state is None:  # the log grew between the observation and the read
+            continue
+        _judge(state, execution_id, decision_id, key, score, success)
+        if _duplicate(state, decision_id, key, score, success):
+            return OutcomeResult(False)
+        if state.sequence > tip.head:
+            raise OutcomeRefusedError(
+                f"execution {execution_id!r} folds to sequence {state.sequence} above its "
+                f"stored head {tip.head} (compacted by an old kernel); run "
+                "`fleet repair terminal-event` first")
+        event = EventEnvelope.make(execution_id, tip.head + 1, EventType.OUTCOME_RECORDED,
+                                   runtime.clock(), dict(body))
+        result = await store.append_if_unchanged(execution_id, event, tip)
+        if result.appended:
+            deliver(runtime.on_durable_event, event, runtime.warner, "on_durable_event")
+            return OutcomeResult(True, event.sequence)
+        if result.reason == "gone":
+            raise ExecutionNotFoundError(f"no execution {execution_id!r}")
+    raise OutcomeContendedError(
+        f"the log of {execution_id!r} kept moving ({MAX_ATTEMPTS} tries); retry later")
+
+
+async def _fold_to(runtime: Runtime, execution_id: str, head: int) -> ExecutionState | None:
+    base: ExecutionState | None = None
+    after = -1
+    if runtime.snapshots is not None:
+        snap = await runtime.snapshots.load(execution_id)
+        if snap is not None and snap.sequence <= head:
+            base = ExecutionState.from_dict(snap.state)
+            after = snap.sequence
+    events = await runtime.store.read(execution_id, after=after)
+    if events and events[-1].sequence > head:
+        return None
+    return fold_log(events, base)
+
+
+def _judge(state: ExecutionState, execution_id: str, decision_id: str, key: str,
+           score: float | None, success: bool | None) -> None:
+    if not state.terminal:
+        raise ExecutionNotTerminalError(
+            f"execution {execution_id!r} is {state.status}; a live run records its own "
+            "outcomes with ctx.outcome, late ones attach once it has finished")
+    if decision_id not in state.decisions:
+        raise OutcomeRefusedError(
+            f"execution {execution_id!r} made no decision {decision_id!r}; an outcome must "
+            "name a decision the log holds")
+    late = sum(1 for o in state.outcomes if o.get("late"))
+    if late >= MAX_LATE_OUTCOMES and not _duplicate(state, decision_id, key, score, success):
+        raise OutcomeRefusedError(
+            f"execution {execution_id!r} already holds {MAX_LATE_OUTCOMES} late outcomes")
+
+
+def _duplicate(state: ExecutionState, decision_id: str, key: str, score: float | None,
+               success: bool | None) -> bool:
+    for existing in state.outcomes:
+        if existing.get("decisionId") == decision_id and existing.get("key") == key:
+            if existing.get("score") == score and existing.get("success") == success:
+                return True
+            raise OutcomeRefusedError(
+                f"outcome {key!r} for decision {decision_id!r} is already recorded with "
+                f"score={existing.get('score')!r} success={existing.get('success')!r}; the "
+                "log is append-only: record a correction under a new key")
+    return False
