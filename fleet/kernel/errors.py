@@ -23,6 +23,7 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     │   ├── ExecutionFinishedError    the execution already ended
     │   ├── ExecutionNotTerminalError a late outcome for a running or parked execution
     │   └── ExecutionBusyError        a live lease elsewhere holds it (retryable)
+    ├── MigrationRefusedError         resume_as would orphan recorded frames
     ├── OutcomeRefusedError           a late outcome the log must not take
     ├── OutcomeContendedError         the tip kept moving under a late outcome (retryable)
     ├── AccessDeniedError             the principal may not do that op
@@ -128,6 +129,10 @@ class ExecutionFinishedError(ExecutionStateError):
 
 class ExecutionNotTerminalError(ExecutionStateError):
     code = "execution_not_terminal"
+
+
+class MigrationRefusedError(FleetError):
+    code = "migration_refused"
 
 
 class OutcomeRefusedError(FleetError):

@@ -200,6 +200,8 @@ class ExecutionMigrated(_Payload):
     toFlowHash: str
     toVersion: int
     toCodeHash: str | None = None
+    discard: list[str] | None = None
+    reopen: bool | None = None
 
 
 class ExecutionContinued(_Payload):

@@ -201,6 +201,14 @@ def _started(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
     st.started_at = ts
 
 
+def _attempt(value: Any, default: int) -> int:
+    """An attempt number from a payload; ``default`` when it is not one (total)."""
+    try:
+        return int(value or 1)
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
 def _frame(st: ExecutionState, p: dict[str, Any], seq: int, ts: int) -> Frame:
     step_id = str(p.get("stepId", ""))
     frame = st.frames.get(step_id)
@@ -217,7 +225,7 @@ def _step_started(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq:
     is_new = str(p.get("stepId", "")) not in st.frames
     frame = _frame(st, p, seq, ts)
     frame.status = "started"
-    frame.attempts = int(p.get("attempt", frame.attempts + 1) or 1)
+    frame.attempts = _attempt(p.get("attempt", frame.attempts + 1), frame.attempts + 1)
     frame.retry_at = None
     if is_new and ev.kernel and isinstance(p.get("scope"), str):
         frame.scope = p["scope"]
@@ -230,14 +238,14 @@ def _step_completed(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], se
     frame.output = p.get("output")
     frame.error = None
     frame.retry_at = None
-    frame.attempts = max(frame.attempts, int(p.get("attempt", 1) or 1))
+    frame.attempts = max(frame.attempts, _attempt(p.get("attempt", 1), 1))
 
 
 def _step_failed(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
                  ts: int) -> None:
     frame = _frame(st, p, seq, ts)
     frame.error = p.get("error")
-    frame.attempts = max(frame.attempts, int(p.get("attempt", 1) or 1))
+    frame.attempts = max(frame.attempts, _attempt(p.get("attempt", 1), 1))
     if p.get("final", True):
         frame.status = "failed"
         frame.retry_at = None
@@ -248,7 +256,9 @@ def _step_failed(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: 
 
 def _step_cancelled(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
                     ts: int) -> None:
-    _frame(st, p, seq, ts).status = "cancelled"
+    frame = _frame(st, p, seq, ts)
+    frame.status = "cancelled"
+    frame.retry_at = None  # a cancelled step never retries
 
 
 def _indoubt(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
@@ -352,6 +362,17 @@ def _migrated(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int
     if "toCodeHash" in p:
         st.code_hash = p.get("toCodeHash") or None
     st.migrated_at_seq = seq
+    if not ev.kernel:
+        return
+    # A migration can discard frames (they run again) and reopen a finished
+    # execution (resume_as); only the runtime writes either.
+    for step_id in p.get("discard") or ():
+        st.frames.pop(str(step_id), None)
+    if p.get("reopen") is True and st.status in ("completed", "failed", "cancelled"):
+        st.status = "running"
+        st.waiting = None
+        st.output = None
+        st.error = None
 
 
 def _terminal(status: str) -> Any:

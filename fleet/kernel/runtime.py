@@ -45,6 +45,7 @@ from fleet.kernel.events import EventEnvelope, EventType, ensure_json
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import INDOUBT_GATE, ExecutionState, fold_log
 from fleet.kernel.journal import EventObserver, Journal, Warner, deliver
+from fleet.kernel.migration import resume_as
 from fleet.kernel.outcomes import OutcomeResult, record_outcome
 from fleet.kernel.security import (
     AccessPolicy,
@@ -61,7 +62,8 @@ _INNER_MAX_IDS = 4096
 # A log that ends on one of these has not been driven since it was (re)opened;
 # any other last event means a holder stopped mid-run and a drive is a recovery.
 _WAKE_EVENTS = frozenset({EventType.EXECUTION_STARTED, EventType.EXECUTION_RESUMED,
-                          EventType.TIMER_FIRED, EventType.RECOVERED})
+                          EventType.TIMER_FIRED, EventType.RECOVERED,
+                          EventType.EXECUTION_MIGRATED})
 _INNER_MAX_BYTES = 64 * 1024
 
 
@@ -370,10 +372,14 @@ class Runtime:
                 self.parked += 1
                 self._arm_local_timer(state)
             except _ContinueAsNew as cont:
+                # The successor exists before the CONTINUED that names it: a crash in
+                # between re-drives this run, which finds the successor and only
+                # writes CONTINUED; a reader following the chain never finds a gap.
+                await journal.barrier()
+                await self._start_successor(run, cont)
                 journal.commit(EventType.EXECUTION_CONTINUED,
                                {"nextExecutionId": cont.next_execution_id, "input": cont.input})
                 await journal.barrier()
-                await self._start_successor(run, cont)
             except _ABORTS_RUN as exc:
                 # What the run committed before the faulty call is true and
                 # stays; the faulty call itself wrote nothing.
@@ -519,6 +525,18 @@ class Runtime:
                                     score=score, success=success, principal=principal,
                                     system=system)
 
+    async def resume_as(self, execution_id: str, *, version: int | None = None,
+                        strategy: str = "replay-check", discard: Sequence[str] = (),
+                        principal: Principal | None = None) -> ExecutionHandle:
+        """Migrate an execution to another registered version and drive it.
+
+        ``strategy="replay-check"`` refuses a target that would orphan recorded
+        frames (``MigrationRefusedError``); ``discard`` drops frames so they run
+        again; a finished execution is reopened. Authorised as ``resume``.
+        """
+        return await resume_as(self, execution_id, version=version, strategy=strategy,
+                               discard=discard, principal=principal)
+
     async def load_state(self, execution_id: str, *, principal: Principal | None = None,
                          system: bool = False) -> ExecutionState:
         """The folded state (snapshot + tail). Authorised as ``read``."""
@@ -547,11 +565,11 @@ class Runtime:
         try:
             state = await self._fold(execution_id)  # re-judge under the fence
             self._check_resumable(state, gate)
+            if gate == INDOUBT_GATE:
+                data = self._indoubt_answer(state, data)
         except FleetError:
             await self.store.release_fence(execution_id, grant.token)
             raise
-        if gate == INDOUBT_GATE:
-            data = self._indoubt_answer(state, data)
         body: dict[str, Any] = {"gate": gate, "payload": data}
         if principal is not None:
             body["by"] = principal.actor

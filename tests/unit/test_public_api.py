@@ -15,7 +15,7 @@ EXPECTED = {
     "ExecutionNotFoundError", "ExecutionNotParkedError", "ExecutionNotTerminalError", "ExecutionState",
     "ExecutionStateError", "Features", "FleetError", "FlowDefinition", "FlowNotFoundError",
     "GateMismatchError", "InvalidPropensityError", "KernelEventForgeryError",
-    "MemoryEventStore", "MemorySnapshotStore", "MissingDependencyError",
+    "MemoryEventStore", "MemorySnapshotStore", "MigrationRefusedError", "MissingDependencyError",
     "NondeterminismError", "NotSerializableError", "OutcomeContendedError",
     "OutcomeRefusedError", "OutcomeResult", "PayloadTooLargeError", "Policy",
     "PostgresEventStore", "Principal", "RecoveryReport", "ReplayError", "ReservedNameError",
