@@ -26,6 +26,7 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     ├── MigrationRefusedError         resume_as would orphan recorded frames
     ├── OutcomeRefusedError           a late outcome the log must not take
     ├── OutcomeContendedError         the tip kept moving under a late outcome (retryable)
+    ├── EvaluationError               off-policy evaluation found no usable or no finite estimate
     ├── AccessDeniedError             the principal may not do that op
     ├── StepFailedError               a step failed for good; the flow may catch it
     ├── ExecutionFailedError          handle.result() of a failed execution
@@ -147,6 +148,10 @@ class OutcomeContendedError(FleetError):
 class ExecutionBusyError(ExecutionStateError):
     code = "execution_busy"
     retryable = True
+
+
+class EvaluationError(FleetError):
+    code = "evaluation"
 
 
 class AccessDeniedError(FleetError):

@@ -10,6 +10,7 @@ from fleet.kernel import errors
 EXPECTED = {
     "EVENT_SCHEMA", "AccessDeniedError", "AccessPolicy", "ConfigurationError", "Context",
     "CorruptLogError", "Decision", "DuplicateSequenceError", "DuplicateStepError",
+    "EvaluationError",
     "EventEnvelope", "EventType", "ExecutionBusyError", "ExecutionCancelledError",
     "ExecutionFailedError", "ExecutionFinishedError", "ExecutionHandle",
     "ExecutionNotFoundError", "ExecutionNotParkedError", "ExecutionNotTerminalError", "ExecutionState",

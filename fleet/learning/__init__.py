@@ -1,0 +1,50 @@
+"""Learning from logged decisions: trajectories, evidence, off-policy evaluation.
+
+Everything here reads what the kernel logged (``DECISION_RECORDED`` with the
+logging policy's propensity, ``OUTCOME_RECORDED`` rewards, late ones included,
+and the terminal event) and imports nothing of fleet but ``fleet.kernel``::
+
+    state = await runtime.load_state(execution_id)
+    log = await store.read(execution_id)
+    paths = trajectories(evidence_events(state, log))
+    report = evaluate_policy(paths, new_policy)
+    verdict = promotion_gate(report, min_lift=0.01, min_ess=200)
+"""
+
+from fleet.learning.evaluation import (
+    GateResult,
+    PolicyEvaluation,
+    RewardFn,
+    TargetPolicy,
+    direct_reward,
+    evaluate_policy,
+    promotion_gate,
+    terminal_credit,
+)
+from fleet.learning.evidence import evidence_events
+from fleet.learning.trajectories import (
+    DecisionPoint,
+    Reward,
+    TerminalReward,
+    Trajectory,
+    success_reward,
+    trajectories,
+)
+
+__all__ = [
+    "DecisionPoint",
+    "GateResult",
+    "PolicyEvaluation",
+    "Reward",
+    "RewardFn",
+    "TargetPolicy",
+    "TerminalReward",
+    "Trajectory",
+    "direct_reward",
+    "evaluate_policy",
+    "evidence_events",
+    "promotion_gate",
+    "success_reward",
+    "terminal_credit",
+    "trajectories",
+]
