@@ -415,7 +415,9 @@ class Runtime:
                 except Exception as exc:  # noqa: BLE001 - the lease expires on its own
                     self.warner.warn(f"could not release the lease of {state.execution_id!r}: "
                                      f"{exc}", key="release")
-        self._settle(state)
+            # Every way out settles (the deadline branch returns early); only a
+            # terminal state wakes result() waiters, an abort already failed them.
+            self._settle(state)
 
     def _heartbeat(self, run: Run) -> asyncio.TimerHandle:
         loop = asyncio.get_running_loop()
@@ -457,16 +459,27 @@ class Runtime:
     async def result(self, execution_id: str) -> Any:
         """Wait for an execution (and its continuations) to finish; its output."""
         while True:
-            state = await self._fold(execution_id)
-            if state.sequence < 0:
-                raise ExecutionNotFoundError(f"no execution {execution_id!r}")
-            if not state.terminal:
-                aborted = self._aborts.get(execution_id)
-                if aborted is not None and execution_id not in self._runs:
-                    raise aborted
-                fut: asyncio.Future[ExecutionState] = asyncio.get_running_loop().create_future()
-                self._waiters.setdefault(execution_id, []).append(fut)
-                state = await fut
+            # Wait first, read second: a run that ends while the read is in
+            # flight settles this future instead of being missed.
+            fut: asyncio.Future[ExecutionState] = asyncio.get_running_loop().create_future()
+            self._waiters.setdefault(execution_id, []).append(fut)
+            try:
+                state = await self._fold(execution_id)
+                if state.sequence < 0:
+                    raise ExecutionNotFoundError(f"no execution {execution_id!r}")
+                if not state.terminal:
+                    aborted = self._aborts.get(execution_id)
+                    if aborted is not None and execution_id not in self._runs:
+                        raise aborted
+                    state = await fut
+            finally:
+                if fut.done() and not fut.cancelled():
+                    fut.exception()  # an abort that raced the read is raised above
+                waiters = self._waiters.get(execution_id)
+                if waiters is not None and fut in waiters:
+                    waiters.remove(fut)
+                    if not waiters:
+                        del self._waiters[execution_id]
             if state.status == "completed":
                 return state.output
             if state.status == "continued" and state.next_execution_id:

@@ -1,0 +1,108 @@
+"""Helpers the kernel's behavioural tests share (not fixtures: plain code).
+
+``FaultyStore`` is fault injection, not a mock: it wraps a real store and
+refuses chosen writes the way a dying process or a broken disk would, so the
+journal sees a write that rejects (ADR 0147: a write that "succeeds" silently
+cannot show a lost write).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from fleet.kernel.errors import StoreUnavailableError
+from fleet.kernel.events import EventEnvelope
+from fleet.kernel.runtime import Runtime
+from fleet.kernel.store.spi import EventStore
+
+
+class ManualClock:
+    """Milliseconds since the epoch that only move when a test says so."""
+
+    def __init__(self, start: int | None = None) -> None:
+        self.now = start if start is not None else time.time_ns() // 1_000_000
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, seconds: float) -> int:
+        self.now += int(seconds * 1000)
+        return self.now
+
+
+class FaultyStore:
+    """A real store whose writes of chosen events raise, as a crash mid-write would.
+
+    ``fail_when(event)`` picks the events whose write is refused; the whole
+    write (a batch too) then raises ``StoreUnavailableError`` and nothing of it
+    lands. ``armed`` switches the fault off and on.
+    """
+
+    def __init__(self, inner: EventStore, fail_when: Callable[[EventEnvelope], bool]) -> None:
+        self.inner = inner
+        self.fail_when = fail_when
+        self.armed = True
+        self.refused: list[EventEnvelope] = []
+
+    def _check(self, events: Sequence[EventEnvelope]) -> None:
+        if self.armed and any(self.fail_when(e) for e in events):
+            self.refused.extend(events)
+            raise StoreUnavailableError("injected fault: the process died before this write")
+
+    async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
+        self._check([event])
+        await self.inner.append(event, fence=fence)
+
+    async def append_batch(self, events: Sequence[EventEnvelope], *,
+                           fence: int | None = None) -> None:
+        self._check(events)
+        await self.inner.append_batch(events, fence=fence)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def kinds(events: Sequence[EventEnvelope]) -> list[str]:
+    """The event kinds of a log, in order."""
+    return [str(e.type) for e in events]
+
+
+def dumped(events: Sequence[EventEnvelope]) -> list[dict[str, Any]]:
+    """A log as plain dicts, for exact before/after comparisons."""
+    return [e.to_dict() for e in events]
+
+
+async def settle(runtime: Runtime, timeout: float = 5.0) -> None:
+    """Wait until every run this runtime launched has ended (parked, finished, aborted).
+
+    ``Runtime.close`` does the same but also stops local timers; tests keep
+    using the runtime afterwards, so they wait on its background tasks here.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        pending = [t for t in runtime._background if not t.done()]
+        if not pending:
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"runs still active after {timeout}s: {pending}")
+        await asyncio.wait(pending, timeout=remaining)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    """Poll ``check`` until it holds (for state another task moves)."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition never held")
+        await asyncio.sleep(0.002)
+
+
+async def started(runtime: Runtime, flow_id: str, input: Any = None, **kw: Any) -> str:
+    """Start an execution and wait until its first drive ends; its id."""
+    handle = await runtime.start(flow_id, input, **kw)
+    await settle(runtime)
+    return handle.execution_id
