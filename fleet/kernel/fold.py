@@ -366,7 +366,8 @@ def _migrated(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int
         return
     # A migration can discard frames (they run again) and reopen a finished
     # execution (resume_as); only the runtime writes either.
-    for step_id in p.get("discard") or ():
+    discard = p.get("discard")
+    for step_id in discard if isinstance(discard, list) else ():
         st.frames.pop(str(step_id), None)
     if p.get("reopen") is True and st.status in ("completed", "failed", "cancelled"):
         st.status = "running"
