@@ -29,14 +29,13 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventType, ensure_json
-from fleet.kernel.fold import INDOUBT_GATE
+from fleet.kernel.fold import INDOUBT_GATE, MESSAGE_GATE
 from fleet.kernel.security import check_outcome_shape, guard_userspace_emit
 
 if TYPE_CHECKING:
     from fleet.kernel.runtime import Run
 
 RESERVED_PREFIX = "__fleet_"
-MESSAGE_GATE = "__fleet_message__"
 
 
 @dataclass(frozen=True, slots=True)

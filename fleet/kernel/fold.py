@@ -22,6 +22,9 @@ from fleet.kernel.events import EventEnvelope, EventType
 
 TERMINAL = frozenset({"completed", "failed", "cancelled", "continued"})
 DIVERGED_GATE = "__fleet_diverged__"
+MESSAGE_GATE = "__fleet_message__"
+# Gates whose answer only changes status: it never reaches the flow.
+STATUS_ONLY_GATES = frozenset({DIVERGED_GATE, MESSAGE_GATE})
 INDOUBT_GATE = "__fleet_indoubt__"
 
 
@@ -189,6 +192,8 @@ def apply(st: ExecutionState, ev: EventEnvelope) -> None:
 
 def _started(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
              ts: int) -> None:
+    if st.status != "pending":
+        return  # a log starts once; a stray second start changes nothing
     st.status = "running"
     st.flow_id = p.get("flowId")
     st.flow_version = p.get("flowVersion")
@@ -330,8 +335,8 @@ def _suspended(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: in
 def _resumed(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
              ts: int) -> None:
     gate = str(p.get("gate", ""))
-    # The divergence gate's answer is status-only: it never reaches the flow.
-    if gate != DIVERGED_GATE:
+    # A status-only gate's answer (divergence retry, message wake) never reaches the flow.
+    if gate not in STATUS_ONLY_GATES:
         st.resume_payloads.setdefault(gate, []).append(p.get("payload"))
     if not st.terminal:
         st.status = "running"
