@@ -471,7 +471,7 @@ class Runtime:
                     aborted = self._aborts.get(execution_id)
                     if aborted is not None and execution_id not in self._runs:
                         raise aborted
-                    state = await fut
+                    state = await self._await_end(execution_id, fut)
             finally:
                 if fut.done() and not fut.cancelled():
                     fut.exception()  # an abort that raced the read is raised above
@@ -491,6 +491,20 @@ class Runtime:
             raise ExecutionFailedError(
                 f"execution {execution_id!r} failed: {error.get('type', '')}: "
                 f"{error.get('message', '')}", error=error)
+
+    async def _await_end(self, execution_id: str,
+                         fut: asyncio.Future[ExecutionState]) -> ExecutionState:
+        """Wait for a local run to settle ``fut``, re-reading the log now and then:
+        an execution another runtime drives (a worker) must be seen to end too."""
+        delay = 0.05
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=delay)
+            if done:
+                return fut.result()
+            state = await self._fold(execution_id)
+            if state.terminal:
+                return state
+            delay = min(delay * 2, 1.0)
 
     def _settle(self, state: ExecutionState) -> None:
         if not state.terminal:
@@ -600,6 +614,13 @@ class Runtime:
         if waiting != gate:
             raise GateMismatchError(
                 f"execution {eid!r} waits on {waiting!r}, not {gate!r}; resume that gate")
+        kind = (state.waiting or {}).get("kind")
+        if kind in ("timer", "message"):
+            # A timer or a receive is not a gate: resuming it would only log a
+            # spurious EXECUTION_RESUMED and park again.
+            how = "fire_due_timers fires it" if kind == "timer" else "runtime.send wakes it"
+            raise GateMismatchError(
+                f"execution {eid!r} waits on a {kind} ({waiting!r}), not a gate; {how}")
 
     @staticmethod
     def _indoubt_answer(state: ExecutionState, data: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ cannot show a lost write).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -92,10 +93,15 @@ async def settle(runtime: Runtime, timeout: float = 5.0) -> None:
         await asyncio.wait(pending, timeout=remaining)
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    """Poll ``check`` until it holds (for state another task moves)."""
+async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0) -> None:
+    """Poll ``check`` (sync or async) until it holds, for state another task moves."""
     deadline = time.monotonic() + timeout
-    while not await check():
+    while True:
+        held = check()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
         if time.monotonic() > deadline:
             raise AssertionError("condition never held")
         await asyncio.sleep(0.002)

@@ -23,6 +23,7 @@ from fleet import (
     InvalidPropensityError,
     NotSerializableError,
     Policy,
+    ReservedNameError,
     Runtime,
     SqliteEventStore,
     ValidationError,
@@ -191,3 +192,54 @@ async def test_a_corrupt_row_in_the_sqlite_file(tmp_path: Path) -> None:
         assert raw_after == raw_before
     finally:
         await store.close()
+
+
+async def test_a_flow_output_that_is_not_json(store: EventStore) -> None:
+    @flow("bad-flow-output")
+    async def body(ctx: Context, _: Any) -> Any:
+        await ctx.step("fine", lambda: 1)
+        return datetime.date(2026, 1, 1)
+
+    runtime = Runtime(store, flows=[body])
+    handle = await runtime.start("bad-flow-output")
+    with pytest.raises(NotSerializableError, match="output of flow 'bad-flow-output'"):
+        await handle.result(timeout=2)
+    await settle(runtime)
+    assert [e["type"] for e in dumped(await store.read(handle.execution_id))] == [
+        "EXECUTION_STARTED", "STEP_STARTED", "STEP_COMPLETED"]
+
+
+@pytest.mark.parametrize(("step_id", "error"), [("__fleet_step", ReservedNameError),
+                                                ("", ValidationError),
+                                                (7, ValidationError)])
+async def test_a_bad_step_id(store: EventStore, step_id: Any,
+                             error: type[FleetError]) -> None:
+    calls: list[int] = []
+
+    @flow("bad-step-id")
+    async def body(ctx: Context, _: Any) -> Any:
+        return await ctx.step(step_id, lambda: calls.append(1))
+
+    runtime = Runtime(store, flows=[body])
+    handle = await runtime.start("bad-step-id")
+    with pytest.raises(error, match="step id"):
+        await handle.result(timeout=2)
+    await settle(runtime)
+    assert calls == []
+    assert [e["type"] for e in dumped(await store.read(handle.execution_id))] == [
+        "EXECUTION_STARTED"]
+
+
+async def test_a_non_json_emit_payload(store: EventStore) -> None:
+    @flow("bad-emit")
+    async def body(ctx: Context, _: Any) -> Any:
+        try:
+            await ctx.emit("app.event", {"when": datetime.datetime(2026, 1, 1)})
+        except NotSerializableError as exc:
+            return exc.message
+        return "written"
+
+    runtime = Runtime(store, flows=[body])
+    handle = await runtime.start("bad-emit")
+    assert "payload of emit 'app.event'" in await handle.result()
+    assert "EMITTED" not in [e["type"] for e in dumped(await store.read(handle.execution_id))]

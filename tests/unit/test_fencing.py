@@ -14,12 +14,13 @@ from fleet.kernel.store.spi import EventStore
 
 async def test_a_superseded_runtime_is_refused_and_writes_nothing_more(
         store: EventStore) -> None:
-    release = asyncio.Event()
+    release, entered = asyncio.Event(), asyncio.Event()
     calls: list[str] = []
 
     async def effect() -> str:
         calls.append("call")
         if len(calls) == 1:
+            entered.set()
             await release.wait()  # the zombie: stuck mid-step (a GC pause, a partition)
             return "zombie"
         return "successor"
@@ -34,7 +35,7 @@ async def test_a_superseded_runtime_is_refused_and_writes_nothing_more(
     zombie = Runtime(store, flows=[body], on_durable_event=zombie_durable.append)
     handle = await zombie.start("fenced")
     eid = handle.execution_id
-    await asyncio.sleep(0.02)
+    await asyncio.wait_for(entered.wait(), 2)
     assert kinds(await store.read(eid)) == ["EXECUTION_STARTED", "STEP_STARTED"]
     zombie_result = asyncio.ensure_future(zombie.result(eid))
     await asyncio.sleep(0)
@@ -86,9 +87,10 @@ async def test_a_stale_token_append_is_refused_by_the_store(store: EventStore) -
 
 async def test_a_second_drive_while_the_first_holds_a_live_lease_steps_aside(
         store: EventStore) -> None:
-    release = asyncio.Event()
+    release, entered = asyncio.Event(), asyncio.Event()
 
     async def slow() -> str:
+        entered.set()
         await release.wait()
         return "ok"
 
@@ -98,7 +100,7 @@ async def test_a_second_drive_while_the_first_holds_a_live_lease_steps_aside(
 
     first = Runtime(store, flows=[body])
     handle = await first.start("leased")
-    await asyncio.sleep(0.02)
+    await asyncio.wait_for(entered.wait(), 2)
     second = Runtime(store, flows=[body])
     assert await second.drive_if_free(handle.execution_id) is False
     release.set()

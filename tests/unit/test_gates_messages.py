@@ -13,6 +13,7 @@ from fleet import (
     ExecutionFinishedError,
     ExecutionNotFoundError,
     ExecutionNotParkedError,
+    ExecutionStateError,
     GateMismatchError,
     ReservedNameError,
     Runtime,
@@ -72,9 +73,10 @@ async def test_resume_of_another_gate_is_refused_and_the_log_unchanged(
 
 
 async def test_resume_of_a_running_execution_is_refused(store: EventStore) -> None:
-    release = asyncio.Event()
+    release, entered = asyncio.Event(), asyncio.Event()
 
     async def slow() -> str:
+        entered.set()
         await release.wait()
         return "done"
 
@@ -85,7 +87,7 @@ async def test_resume_of_a_running_execution_is_refused(store: EventStore) -> No
 
     runtime = Runtime(store, flows=[body])
     handle = await runtime.start("busy")
-    await asyncio.sleep(0.02)
+    await asyncio.wait_for(entered.wait(), 2)
     before = dumped(await store.read(handle.execution_id))
     assert before[-1]["type"] == "STEP_STARTED"
     with pytest.raises(ExecutionNotParkedError, match="running, not parked"):
@@ -185,3 +187,77 @@ async def test_send_to_a_finished_execution_is_refused(store: EventStore) -> Non
     with pytest.raises(ExecutionFinishedError):
         await runtime.send(eid, "late", 1)
     assert dumped(await store.read(eid)) == before
+
+
+async def test_a_timer_or_a_receive_cannot_be_resumed_like_a_gate(store: EventStore) -> None:
+    @flow("not-gates")
+    async def body(ctx: Context, _: Any) -> Any:
+        await ctx.sleep(3600)
+        return await ctx.receive("k")
+
+    runtime = Runtime(store, flows=[body], local_timers=False)
+    eid = await started(runtime, "not-gates")
+    before = dumped(await store.read(eid))
+    with pytest.raises(GateMismatchError, match="waits on a timer"):
+        await runtime.resume(eid, "sleep#0", "skip it")
+    assert dumped(await store.read(eid)) == before
+    await runtime.fire_due_timers(before[1]["payload"]["dueAt"])
+    await settle(runtime)
+    before = dumped(await store.read(eid))
+    with pytest.raises(GateMismatchError, match=r"waits on a message.*runtime\.send"):
+        await runtime.resume(eid, "__fleet_message__", "x")
+    assert dumped(await store.read(eid)) == before
+
+
+async def test_send_to_a_running_execution_goes_through_its_run(store: EventStore) -> None:
+    release, entered = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> str:
+        entered.set()
+        await release.wait()
+        return "slow"
+
+    @flow("busy-receiver")
+    async def body(ctx: Context, _: Any) -> list[Any]:
+        first = await ctx.step("slow", slow)
+        return [first, await ctx.receive("k")]
+
+    runtime = Runtime(store, flows=[body])
+    handle = await runtime.start("busy-receiver")
+    await asyncio.wait_for(entered.wait(), 2)
+    await runtime.send(handle.execution_id, "k", "early")
+    # Durable before send returns, while the step is still running.
+    assert kinds(await store.read(handle.execution_id))[-1] == "MESSAGE_RECEIVED"
+    release.set()
+    assert await handle.result() == ["slow", "early"]
+    # It never had to park for the message.
+    assert "EXECUTION_SUSPENDED" not in kinds(await store.read(handle.execution_id))
+
+
+async def test_two_concurrent_resumes_of_one_gate_append_one_answer(store: EventStore) -> None:
+    runtime = Runtime(store, flows=[approval])
+    other = Runtime(store, flows=[approval])
+    eid = await started(runtime, "approval")
+    outcomes = await asyncio.gather(runtime.resume(eid, "approve", "a"),
+                                    other.resume(eid, "approve", "b"), return_exceptions=True)
+    await settle(runtime)
+    await settle(other)
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    assert len(errors) == 1
+    assert isinstance(errors[0], ExecutionStateError)
+    log = await store.read(eid)
+    assert kinds(log).count("EXECUTION_RESUMED") == 1
+    assert kinds(log)[-1] == "EXECUTION_COMPLETED"
+
+
+async def test_result_sees_an_end_written_by_another_runtime(store: EventStore) -> None:
+    client = Runtime(store, flows=[approval])
+    worker = Runtime(store, flows=[approval])
+    eid = await started(client, "approval")
+    waiting = asyncio.ensure_future(client.result(eid))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    # Another process (a worker) answers the gate and finishes the run.
+    await worker.resume(eid, "approve", "elsewhere")
+    await settle(worker)
+    assert await asyncio.wait_for(waiting, 3) == {"approved": "elsewhere"}

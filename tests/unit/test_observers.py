@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from kernel_kit import FaultyStore, kinds, settle, started
+from kernel_kit import FaultyStore, eventually, kinds, settle, started
 
 from fleet import Context, EventEnvelope, Runtime, flow
 from fleet.kernel.store.spi import EventStore
@@ -80,7 +80,8 @@ async def test_a_write_that_never_resolves_is_never_reported_durable(
     runtime = Runtime(HangingStore(store, lambda e: False),  # type: ignore[arg-type]
                       flows=[observed], on_event=live.append, on_durable_event=durable.append)
     handle = await runtime.start("observed")
-    await asyncio.sleep(0.05)
+    await eventually(lambda: len(live) == 4)
+    await asyncio.sleep(0.01)  # give a (wrong) durable report the chance to arrive
     assert kinds(live) == ["EXECUTION_STARTED", "STEP_STARTED", "STEP_COMPLETED", "EMITTED"]
     assert kinds(durable) == ["EXECUTION_STARTED", "STEP_STARTED"]
     stuck.set()  # let the write fail so the run ends
@@ -154,9 +155,9 @@ async def test_an_async_consumer_that_rejects_is_warned(store: EventStore) -> No
     handle = await runtime.start("observed")
     assert await handle.result() == 2
     await settle(runtime)
-    await asyncio.sleep(0.01)  # async consumers are not awaited by the run
-    assert len(seen) == len(await store.read(handle.execution_id))
-    assert len(warnings) == 1
+    log = await store.read(handle.execution_id)
+    # Async consumers are not awaited by the run: their failures arrive later.
+    await eventually(lambda: len(seen) == len(log) and len(warnings) == 1)
     assert "sink unavailable" in warnings[0]
 
 

@@ -6,6 +6,7 @@ lands), or a log built by hand and appended to the store.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from fleet import (
     Context,
     EventEnvelope,
     EventType,
+    RetryPolicy,
     Runtime,
     ValidationError,
     flow,
@@ -207,3 +209,51 @@ async def test_a_fresh_start_is_not_a_recovery(store: EventStore) -> None:
     assert await runtime.result("fresh") == {"charged": 1, "call": 1}
     assert "RECOVERED" not in kinds(await store.read("fresh"))
     assert "EFFECT_INDOUBT" not in kinds(await store.read("fresh"))
+
+
+async def test_a_crash_between_retries_resumes_at_the_next_attempt(store: EventStore) -> None:
+    calls: list[int] = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("first try fails")
+        return "ok"
+
+    @flow("retry-crash")
+    async def body(ctx: Context, _: Any) -> Any:
+        return await ctx.step("flaky", flaky, retry=RetryPolicy(max_attempts=3,
+                                                                 initial_interval=0.001))
+
+    # The process dies as it starts attempt 2: STEP_FAILED(retryAt) is the last event.
+    faulty = FaultyStore(store, lambda e: str(e.type) == "STEP_STARTED"
+                         and e.payload.get("attempt") == 2)
+    dying = Runtime(faulty, flows=[body])  # type: ignore[arg-type]
+    await dying.start("retry-crash", execution_id="rc")
+    await settle(dying)
+    assert kinds(await store.read("rc")) == ["EXECUTION_STARTED", "STEP_STARTED", "STEP_FAILED"]
+
+    survivor = Runtime(store, flows=[body])
+    await survivor.drive("rc", wait=True)
+    assert await survivor.result("rc") == "ok"
+    assert len(calls) == 2
+    log = await store.read("rc")
+    # Not in doubt: the failure was recorded, so the next attempt is simply due.
+    assert "EFFECT_INDOUBT" not in kinds(log)
+    assert [e.payload["attempt"] for e in log if str(e.type) == "STEP_STARTED"] == [1, 2]
+
+
+async def test_an_idempotent_start_by_execution_id_starts_once(store: EventStore) -> None:
+    calls: list[int] = []
+    definition = _charge_flow(calls, idempotent=True)
+    runtime = Runtime(store, flows=[definition])
+    other = Runtime(store, flows=[definition])
+    handles = await asyncio.gather(runtime.start("payment", 3, execution_id="once"),
+                                   other.start("payment", 3, execution_id="once"),
+                                   runtime.start("payment", 3, execution_id="once"))
+    assert {h.execution_id for h in handles} == {"once"}
+    assert await runtime.result("once") == {"charged": 3, "call": 1}
+    await settle(runtime)
+    await settle(other)
+    assert calls == [3]
+    assert kinds(await store.read("once")).count("EXECUTION_STARTED") == 1

@@ -167,9 +167,10 @@ async def test_a_denied_send_or_read_appends_nothing(clocked_store: EventStore,
 
 
 async def test_a_denial_while_a_live_holder_runs_is_not_audited(store: EventStore) -> None:
-    release = asyncio.Event()
+    release, entered = asyncio.Event(), asyncio.Event()
 
     async def slow() -> str:
+        entered.set()
         await release.wait()
         return "ok"
 
@@ -179,7 +180,7 @@ async def test_a_denial_while_a_live_holder_runs_is_not_audited(store: EventStor
 
     runtime = Runtime(store, flows=[body])
     handle = await runtime.start("running", principal=ALICE)
-    await asyncio.sleep(0.02)
+    await asyncio.wait_for(entered.wait(), 2)
     with pytest.raises(AccessDeniedError):
         await runtime.cancel(handle.execution_id, principal=EVE)
     release.set()
