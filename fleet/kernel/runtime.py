@@ -15,6 +15,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,12 @@ class _InnerSteps:
         return out
 
 
+# The deciders open in the current task and the tasks it starts, so a step a
+# sibling parallel branch runs meanwhile is not counted as a decider's own.
+_OPEN_DECISIONS: ContextVar[tuple[tuple[Run, _InnerSteps], ...]] = ContextVar(
+    "fleet_open_decisions", default=())
+
+
 class Run:
     """One drive of one execution: the journal, the body's bookkeeping."""
 
@@ -122,7 +129,6 @@ class Run:
         self.asked_decisions: set[str] = set()
         self.emit_index = 0
         self.recorded_emits = self.state.emits
-        self._inner: list[_InnerSteps] = []
         self.task: asyncio.Task[Any] | None = None
 
     # Hooks the divergence detector (ADR 0113) fills in.
@@ -139,17 +145,17 @@ class Run:
         return None
 
     def note_step(self, step_id: str) -> None:
-        for inner in self._inner:
-            inner.add(step_id)
+        for run, inner in _OPEN_DECISIONS.get():
+            if run is self:
+                inner.add(step_id)
 
     def open_decision(self, decision_id: str) -> _InnerSteps:
         inner = _InnerSteps(self.state.sequence + 1)
-        self._inner.append(inner)
+        _OPEN_DECISIONS.set((*_OPEN_DECISIONS.get(), (self, inner)))
         return inner
 
     def close_decision(self, inner: _InnerSteps) -> None:
-        if inner in self._inner:
-            self._inner.remove(inner)
+        _OPEN_DECISIONS.set(tuple(o for o in _OPEN_DECISIONS.get() if o[1] is not inner))
 
     def successor_id(self) -> str:
         base, _, gen = self.state.execution_id.rpartition("~")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -138,3 +139,30 @@ async def test_inner_steps_of_a_decider_are_recorded(store: EventStore) -> None:
     await runtime.resume(handle.execution_id, "go", 1)
     assert await handle.result() == ["b", 1]
     assert calls == ["a", "b"]
+
+
+async def test_a_sibling_branchs_step_is_not_a_deciders_inner_step(store: EventStore) -> None:
+    sibling_ran = asyncio.Event()
+
+    @flow("inner-parallel")
+    async def body(ctx: Context, _: Any) -> Any:
+        async def deciding(c: Context) -> Any:
+            async def decider() -> str:
+                # The sibling's step runs while this decider is still open.
+                await c.step("own", lambda: asyncio.wait_for(sibling_ran.wait(), 2))
+                return "x"
+            return await c.decide("d", decider)
+
+        async def sibling(c: Context) -> Any:
+            out = await c.step("sibling", lambda: 1)
+            sibling_ran.set()
+            return out
+
+        return await ctx.parallel([deciding, sibling])
+
+    runtime = Runtime(store, flows=[body])
+    handle = await runtime.start("inner-parallel")
+    assert await handle.result(timeout=5) == ["x", 1]
+    [event] = [e for e in await store.read(handle.execution_id)
+               if str(e.type) == "DECISION_RECORDED"]
+    assert event.payload["innerSteps"] == ["own"]
