@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fleet.kernel.errors import ConfigurationError
@@ -103,13 +103,8 @@ def success_reward(status: str, output: Any) -> float | None:
     return None
 
 
-@dataclass(slots=True)
-class _Builder:
-    execution_id: str
-    started: EventEnvelope | None = None
-    terminal: EventEnvelope | None = None
-    decisions: dict[str, EventEnvelope] = field(default_factory=dict)
-    outcomes: list[EventEnvelope] = field(default_factory=list)
+_READ = frozenset({EventType.EXECUTION_STARTED, EventType.DECISION_RECORDED,
+                   EventType.OUTCOME_RECORDED, *TERMINAL_STATUS})
 
 
 def trajectories(events: Iterable[EventEnvelope], *, discount: float = 1.0,
@@ -139,48 +134,61 @@ def trajectories(events: Iterable[EventEnvelope], *, discount: float = 1.0,
     if (isinstance(discount, bool) or not isinstance(discount, (int, float))
             or not math.isfinite(discount) or not 0.0 <= discount <= 1.0):
         raise ConfigurationError(f"discount must be a number in [0, 1], got {discount!r}")
-    builders: dict[str, _Builder] = {}
+    grouped: dict[str, list[EventEnvelope]] = {}
     for ev in events:
-        b = builders.get(ev.execution_id)
-        if b is None:
-            b = builders[ev.execution_id] = _Builder(ev.execution_id)
+        if ev.type in _READ:
+            bucket = grouped.get(ev.execution_id)
+            if bucket is None:
+                grouped[ev.execution_id] = [ev]
+            else:
+                bucket.append(ev)
+    return [_build(execution_id, evs, float(discount), terminal_reward)
+            for execution_id, evs in grouped.items()]
+
+
+def _sequence(ev: EventEnvelope) -> int:
+    return ev.sequence
+
+
+def _build(execution_id: str, evs: list[EventEnvelope], discount: float,
+           terminal_reward: TerminalReward) -> Trajectory:
+    evs.sort(key=_sequence)  # a log is already in order: one linear pass
+    started: EventEnvelope | None = None
+    terminal: EventEnvelope | None = None
+    decisions: dict[str, EventEnvelope] = {}
+    outcomes: list[EventEnvelope] = []
+    for ev in evs:
         if ev.type == EventType.DECISION_RECORDED:
             decision_id = str(ev.payload.get("decisionId", ""))
-            seen = b.decisions.get(decision_id)
-            # The fold keeps the last record of an id; so does a trajectory.
-            if seen is None or seen.sequence <= ev.sequence:
-                b.decisions[decision_id] = ev
+            # The fold keeps the last record of an id; it then sits at its own place.
+            decisions.pop(decision_id, None)
+            decisions[decision_id] = ev
         elif ev.type == EventType.OUTCOME_RECORDED:
-            b.outcomes.append(ev)
-        elif ev.type in TERMINAL_STATUS:
-            # The fold honours the first terminal event; later ones change nothing.
-            if b.terminal is None or ev.sequence < b.terminal.sequence:
-                b.terminal = ev
+            outcomes.append(ev)
         elif ev.type == EventType.EXECUTION_STARTED:
-            b.started = ev
-    return [_build(b, float(discount), terminal_reward) for b in builders.values()]
-
-
-def _build(b: _Builder, discount: float, terminal_reward: TerminalReward) -> Trajectory:
-    joined: dict[str, list[Reward]] = {d: [] for d in b.decisions}
+            started = ev
+        elif terminal is None:  # the fold honours the first terminal event only
+            terminal = ev
+    joined: dict[str, list[Reward]] = {}
     unjoined = 0
-    for ev in sorted(b.outcomes, key=lambda e: e.sequence):
+    for ev in outcomes:
         p = ev.payload
-        rewards = joined.get(str(p.get("decisionId", "")))
-        if rewards is None:
+        decision_id = str(p.get("decisionId", ""))
+        if decision_id not in decisions:
             unjoined += 1
             continue
-        rewards.append(Reward(str(p.get("key", "")), _number(p.get("score")),
-                              p["success"] if isinstance(p.get("success"), bool) else None))
+        success = p.get("success")
+        joined.setdefault(decision_id, []).append(Reward(
+            str(p.get("key", "")), _number(p.get("score")),
+            success if isinstance(success, bool) else None))
     status: str | None = None
     final: float | None = None
-    if b.terminal is not None:
-        status = TERMINAL_STATUS[b.terminal.type]
-        final = terminal_reward(status, b.terminal.payload.get("output"))
-    ordered = sorted(b.decisions.items(), key=lambda kv: kv[1].sequence)
-    n = len(ordered)
+    if terminal is not None:
+        status = TERMINAL_STATUS[terminal.type]
+        final = terminal_reward(status, terminal.payload.get("output"))
+    n = len(decisions)
     points = []
-    for i, (decision_id, ev) in enumerate(ordered):
+    for i, (decision_id, ev) in enumerate(decisions.items()):
         p = ev.payload
         policy = p.get("policy") if isinstance(p.get("policy"), dict) else None
         credit = None if final is None else final * discount ** (n - 1 - i)
@@ -190,9 +198,9 @@ def _build(b: _Builder, discount: float, terminal_reward: TerminalReward) -> Tra
             policy_version=policy.get("version") if policy else None,
             propensity=_number(policy.get("propensity")) if policy else None,
             alternatives=p.get("alternatives"), context=p.get("context"),
-            rewards=tuple(joined[decision_id]), terminal_credit=credit))
-    flow_id = _text(b.started.payload.get("flowId")) if b.started is not None else None
-    return Trajectory(b.execution_id, flow_id, status, final, tuple(points), unjoined)
+            rewards=tuple(joined.get(decision_id, ())), terminal_credit=credit))
+    flow_id = _text(started.payload.get("flowId")) if started is not None else None
+    return Trajectory(execution_id, flow_id, status, final, tuple(points), unjoined)
 
 
 def _number(value: Any) -> float | None:

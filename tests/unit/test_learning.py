@@ -93,6 +93,7 @@ async def test_closed_form_ips_snips_ess_from_late_rewards() -> None:
     assert report.ips == pytest.approx(float(Fraction(13, 15)), abs=1e-12)
     assert report.snips == pytest.approx(float(Fraction(26, 41)), abs=1e-12)
     assert report.estimated_value == report.snips
+    assert report.to_dict()["confidence_interval"] == list(report.confidence_interval)
     assert report.effective_sample_size == pytest.approx(float(Fraction(1681, 733)), abs=1e-12)
     assert report.logged_value == pytest.approx(0.625, abs=1e-12)
     assert report.lift == pytest.approx(float(Fraction(3, 328)), abs=1e-12)

@@ -1,0 +1,212 @@
+"""Late outcomes and the learning evidence: what they cost.
+
+Run: ``python -m bench.outcomes [--sizes 1000,10000,30000] [--repeat 5]``. Prints a
+table per measurement and writes ``bench/results/outcomes.json``, one section
+per measurement (a run replaces only the sections it measured). Never run as
+a test.
+
+Measurements (one function each):
+
+- ``measure_evidence_and_evaluation``: ``evidence_events`` + ``trajectories`` +
+  ``evaluate_policy`` over N executions held as checkpointed folded states
+  (the log is what compaction leaves: ``[0]``, the terminal event and the late
+  outcomes above it; every decision comes from the state). The per-execution
+  cost must not grow with N (linear total cost); the run prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.fold import ExecutionState, fold_log
+from fleet.learning import evaluate_policy, evidence_events, trajectories
+
+RESULTS = Path(__file__).parent / "results"
+OUTPUT = RESULTS / "outcomes.json"
+DECISIONS_PER_EXECUTION = 3
+# Per-execution cost at one size over that at the next smaller one: above
+# this, the total grows worse than linearly (1.0 is perfectly linear; the
+# margin absorbs cache, allocator and shared-machine noise).
+LINEAR_TOLERANCE = 1.5
+
+
+def _execution(execution_id: str, rng: random.Random, t0: int) -> list[EventEnvelope]:
+    """One finished execution's full log: decisions, an in-run outcome, late ones."""
+    seq = 0
+    log: list[EventEnvelope] = []
+
+    def add(type: EventType, payload: dict[str, Any], *, kernel: bool = True) -> None:
+        nonlocal seq
+        log.append(EventEnvelope.make(execution_id, seq, type, t0 + seq, payload,
+                                      kernel=kernel))
+        seq += 1
+
+    add(EventType.EXECUTION_STARTED, {"flowId": "bench-offer", "flowVersion": 1,
+                                      "flowHash": "sha256:0", "input": None})
+    for d in range(DECISIONS_PER_EXECUTION):
+        arm = "a" if rng.random() < 0.8 else "b"
+        add(EventType.DECISION_RECORDED, {
+            "decisionId": f"d{d}", "choice": arm, "alternatives": ["a", "b"],
+            "context": {"segment": rng.choice(["smb", "ent"])},
+            "policy": {"name": "logging", "version": 1,
+                       "propensity": 0.8 if arm == "a" else 0.2}})
+        add(EventType.STEP_COMPLETED, {"stepId": f"s{d}", "attempt": 1, "output": d})
+    add(EventType.OUTCOME_RECORDED, {"decisionId": "d0", "key": "flow:ok", "success": True},
+        kernel=False)
+    add(EventType.EXECUTION_COMPLETED, {"output": "ok"})
+    for d in range(DECISIONS_PER_EXECUTION):
+        add(EventType.OUTCOME_RECORDED, {"decisionId": f"d{d}", "key": "csat:1",
+                                         "score": rng.random(), "recordedBy": "system",
+                                         "late": True})
+    return log
+
+
+def build_checkpointed(n: int, seed: int = 0) -> list[tuple[ExecutionState,
+                                                             list[EventEnvelope]]]:
+    """N executions as (full folded state, compacted log) pairs."""
+    rng = random.Random(seed)
+    corpus = []
+    for i in range(n):
+        log = _execution(f"bench-{i}", rng, 1_700_000_000_000 + i * 100)
+        end = next(e.sequence for e in log if e.type == EventType.EXECUTION_COMPLETED)
+        compacted = [e for e in log if e.sequence == 0 or e.sequence >= end]
+        corpus.append((fold_log(log), compacted))
+    return corpus
+
+
+def _target(context: Any, choice: Any, alternatives: Any) -> float:
+    best = "b" if context["segment"] == "smb" else "a"
+    return 0.9 if choice == best else 0.1
+
+
+def _lap(corpus: list[tuple[ExecutionState, list[EventEnvelope]]]) -> tuple[dict[str, float],
+                                                                             int]:
+    gc.collect()  # the previous lap's garbage is not this lap's cost
+    full = gc.get_stats()[2]["collections"]
+    wall = time.perf_counter()
+    began = time.process_time()
+    events = [e for state, log in corpus for e in evidence_events(state, log)]
+    rebuilt = time.process_time()
+    paths = trajectories(events)
+    built = time.process_time()
+    report = evaluate_policy(paths, _target)
+    done = time.process_time()
+    wall = time.perf_counter() - wall
+    return {"evidence_ms": (rebuilt - began) * 1e3, "trajectories_ms": (built - rebuilt) * 1e3,
+            "evaluate_ms": (done - built) * 1e3, "total_ms": (done - began) * 1e3,
+            "wall_ms": wall * 1e3,
+            "full_collections": gc.get_stats()[2]["collections"] - full}, report.samples
+
+
+def measure_evidence_and_evaluation(sizes: list[int], repeat: int) -> dict[str, Any]:
+    """Time evidence_events + trajectories + evaluate_policy at each size (best of ``repeat``).
+
+    Phases are timed in process CPU time (a busy neighbour on a shared machine
+    does not count), the lap also in wall time. Each size runs twice:
+
+    - ``gc_default``: the collector as a learner process has it. A full
+      collection walks everything alive, the input corpus the caller holds
+      included; a lap over 1,000 executions triggers none, one over 10,000 or
+      more a few. That is a one-off step in the per-execution cost (each
+      collection costs in proportion to N and their number per lap stops
+      growing), so growth is judged on the step between the two largest sizes;
+    - ``input_frozen``: the corpus is ``gc.freeze()``-d once built, so the
+      collector walks only what the lap allocates: the cost of the work alone.
+
+    ``full_collections`` is how many full collections fell inside the lap.
+    """
+    modes: dict[str, Any] = {}
+    for mode in ("gc_default", "input_frozen"):
+        rows = []
+        for n in sizes:
+            corpus = build_checkpointed(n)
+            if mode == "input_frozen":
+                gc.collect()
+                gc.freeze()
+            try:
+                laps = [_lap(corpus) for _ in range(repeat)]
+            finally:
+                gc.unfreeze()
+            best = min((lap for lap, _ in laps), key=lambda lap: lap["total_ms"])
+            samples = laps[-1][1]
+            if samples != n * DECISIONS_PER_EXECUTION:
+                raise SystemExit(f"evaluated {samples} decisions, expected "
+                                 f"{n * DECISIONS_PER_EXECUTION}: the corpus is wrong")
+            rows.append({"executions": n, "decisions": samples,
+                         **{k: round(v, 2) for k, v in best.items()},
+                         "us_per_execution": round(best["total_ms"] * 1e3 / n, 2)})
+            del corpus
+        steps = [round(b["us_per_execution"] / a["us_per_execution"], 3)
+                 for a, b in itertools.pairwise(rows)]
+        modes[mode] = {"rows": rows, "per_execution_steps": steps,
+                       "linear": bool(steps) and steps[-1] <= LINEAR_TOLERANCE}
+    return {"repeat": repeat, "clock": "process CPU time (wall_ms: wall clock)",
+            "linear_tolerance": LINEAR_TOLERANCE, **modes}
+
+
+def print_evidence_and_evaluation(section: dict[str, Any]) -> None:
+    """One table for both collector modes, then the per-execution growth of each."""
+    table = Table(title="evidence_events + trajectories + evaluate_policy over checkpointed "
+                        f"states (CPU time, best of {section['repeat']})")
+    for col in ("gc", "executions", "decisions", "evidence ms", "trajectories ms",
+                "evaluate ms", "total ms", "wall ms", "full GCs", "µs/execution"):
+        table.add_column(col, justify="right")
+    for mode in ("gc_default", "input_frozen"):
+        for r in section[mode]["rows"]:
+            table.add_row(mode, f"{r['executions']:,}", f"{r['decisions']:,}",
+                          f"{r['evidence_ms']:,.1f}", f"{r['trajectories_ms']:,.1f}",
+                          f"{r['evaluate_ms']:,.1f}", f"{r['total_ms']:,.1f}",
+                          f"{r['wall_ms']:,.1f}", f"{r['full_collections']:.0f}",
+                          f"{r['us_per_execution']:,.2f}")
+    console = Console(width=140)
+    console.print(table)
+    for mode in ("gc_default", "input_frozen"):
+        m = section[mode]
+        sizes = [f"{r['executions']:,}" for r in m["rows"]]
+        steps = ", ".join(f"{a} -> {b}: x{s:.2f}"
+                          for a, b, s in zip(sizes, sizes[1:], m["per_execution_steps"],
+                                             strict=False))
+        verdict = "linear" if m["linear"] else "WORSE THAN LINEAR"
+        console.print(f"{mode}: µs/execution {steps} ({verdict} at the largest step; "
+                      f"limit x{LINEAR_TOLERANCE})")
+
+
+def write_results(sections: dict[str, Any]) -> None:
+    """Merge ``sections`` into outcomes.json, keeping sections this run did not measure."""
+    RESULTS.mkdir(exist_ok=True)
+    out: dict[str, Any] = {}
+    if OUTPUT.exists():
+        out = json.loads(OUTPUT.read_text())
+    out.update({"benchmark": "outcomes", "python": platform.python_version(),
+                "machine": f"{os.cpu_count()} cpus"})
+    out.update(sections)
+    OUTPUT.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="1000,10000,30000",
+                        help="executions per row, comma-separated, ascending")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    section = measure_evidence_and_evaluation(sizes, args.repeat)
+    print_evidence_and_evaluation(section)
+    write_results({"evidence_and_evaluation": section})
+
+
+if __name__ == "__main__":
+    main()
