@@ -1,0 +1,230 @@
+"""Group commit: appends of many executions share one transaction per flush.
+
+``CoalescingEventStore`` wraps any ``EventStore``. ``append`` and
+``append_batch`` join a queue; a flush takes up to ``max_batch`` of them
+after at most ``max_wait_ms`` (0: whatever queued during the current loop
+turn, and whatever queues while the in-flight flushes run, which is the
+batching that matters under load) and hands them to the inner store at once.
+Every other call goes straight to the inner store.
+
+On a store that implements ``append_many`` (``PostgresEventStore``: one
+statement, one commit) a flush is one transaction. Each request is still
+judged alone: a stale fence, a taken slot or a gap refuses that request only
+and writes nothing of it, never its neighbours. On any other store the
+requests of a flush run concurrently, one execution's in order.
+
+Guarantees kept per request: the fence check, the slot, all or nothing for a
+batch, order among one caller's sequential appends. A caller's ``append``
+returns only after the flush that carried it committed, so the runtime's
+``on_durable_event`` (which fires when ``append`` returns) still reports only
+what the log holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from fleet.kernel.errors import StoreError, ValidationError
+from fleet.kernel.events import EventEnvelope
+from fleet.kernel.store.spi import (
+    ConditionalAppendResult,
+    DueTimer,
+    EventStore,
+    ExecutionSummary,
+    FenceGrant,
+    TipObservation,
+    check_batch,
+)
+
+__all__ = ["AppendRequest", "CoalescingEventStore", "GroupAppender"]
+
+AppendRequest = tuple[Sequence[EventEnvelope], "int | None"]
+
+
+@runtime_checkable
+class GroupAppender(Protocol):
+    """A store that commits many appends in one transaction, judging each alone."""
+
+    async def append_many(self, requests: Sequence[AppendRequest],
+                          ) -> list[BaseException | None]: ...
+
+
+@dataclass(slots=True)
+class _Pending:
+    events: Sequence[EventEnvelope]
+    fence: int | None
+    future: asyncio.Future[None]
+
+
+class CoalescingEventStore:
+    """An ``EventStore`` decorator that group-commits appends.
+
+    Args:
+        inner: The store that receives the flushes.
+        max_batch: Most requests in one flush.
+        max_wait_ms: Longest a request waits for others to join its flush.
+        max_inflight: Flushes running at once (each holds one connection).
+
+    ``flushes`` and ``flushed`` count flushes and the requests they carried.
+    """
+
+    def __init__(self, inner: EventStore, *, max_batch: int = 256, max_wait_ms: float = 0.0,
+                 max_inflight: int = 4) -> None:
+        if max_batch < 1 or max_inflight < 1 or max_wait_ms < 0:
+            raise ValidationError("max_batch and max_inflight must be >= 1 and max_wait_ms "
+                                  f">= 0; got {max_batch}, {max_inflight}, {max_wait_ms}")
+        self.inner = inner
+        self.max_batch = max_batch
+        self.max_wait = max_wait_ms / 1000
+        self.flushes = 0
+        self.flushed = 0
+        self._slots = asyncio.Semaphore(max_inflight)
+        self._pending: list[_Pending] = []
+        self._full = asyncio.Event()
+        self._driver: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # -- the coalesced writes ---------------------------------------------------
+
+    async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
+        await self._enqueue((event,), fence)
+
+    async def append_batch(self, events: Sequence[EventEnvelope], *,
+                           fence: int | None = None) -> None:
+        check_batch(events)
+        await self._enqueue(list(events), fence)
+
+    def _enqueue(self, events: Sequence[EventEnvelope],
+                 fence: int | None) -> asyncio.Future[None]:
+        if self._closed:
+            raise StoreError("the coalescing store is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._pending.append(_Pending(events, fence, future))
+        if len(self._pending) >= self.max_batch:
+            self._full.set()
+        if self._driver is None:
+            self._driver = loop.create_task(self._drive())
+        return future
+
+    async def _drive(self) -> None:
+        try:
+            while self._pending:
+                if self.max_wait > 0 and len(self._pending) < self.max_batch:
+                    self._full.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._full.wait(), self.max_wait)
+                else:
+                    await asyncio.sleep(0)  # let this loop turn's appends join
+                await self._slots.acquire()
+                batch = self._pending[:self.max_batch]
+                del self._pending[:self.max_batch]
+                task = asyncio.get_running_loop().create_task(self._flush(batch))
+                self._inflight.add(task)
+                task.add_done_callback(self._inflight.discard)
+        finally:
+            self._driver = None
+
+    async def _flush(self, batch: list[_Pending]) -> None:
+        try:
+            results = await self._commit(batch)
+        except Exception as exc:  # noqa: BLE001 - every request of the flush hears it
+            results = [exc] * len(batch)
+        finally:
+            self._slots.release()
+        self.flushes += 1
+        self.flushed += len(batch)
+        for pending, result in zip(batch, results, strict=True):
+            if pending.future.done():  # the caller was cancelled; the write may have landed
+                continue
+            if result is None:
+                pending.future.set_result(None)
+            else:
+                pending.future.set_exception(result)
+
+    async def _commit(self, batch: list[_Pending]) -> list[BaseException | None]:
+        if isinstance(self.inner, GroupAppender):
+            return await self.inner.append_many([(p.events, p.fence) for p in batch])
+        # No group commit below: run executions concurrently, each one in order.
+        results: list[BaseException | None] = [None] * len(batch)
+        lanes: dict[str, list[int]] = {}
+        for i, pending in enumerate(batch):
+            lanes.setdefault(pending.events[0].execution_id, []).append(i)
+
+        async def lane(indexes: list[int]) -> None:
+            for i in indexes:
+                pending = batch[i]
+                try:
+                    if len(pending.events) == 1:
+                        await self.inner.append(pending.events[0], fence=pending.fence)
+                    else:
+                        await self.inner.append_batch(pending.events, fence=pending.fence)
+                except Exception as exc:  # noqa: BLE001 - the request's own verdict
+                    results[i] = exc
+
+        await asyncio.gather(*(lane(indexes) for indexes in lanes.values()))
+        return results
+
+    # -- everything else goes straight through ------------------------------------
+
+    async def read(self, execution_id: str, *, after: int = -1) -> list[EventEnvelope]:
+        return await self.inner.read(execution_id, after=after)
+
+    async def head(self, execution_id: str) -> int | None:
+        return await self.inner.head(execution_id)
+
+    async def acquire_fence(self, execution_id: str, *, holder: str,
+                            lease_ms: int) -> FenceGrant:
+        return await self.inner.acquire_fence(execution_id, holder=holder, lease_ms=lease_ms)
+
+    async def acquire_fence_if(self, execution_id: str, *, holder: str,
+                               lease_ms: int) -> FenceGrant | None:
+        return await self.inner.acquire_fence_if(execution_id, holder=holder,
+                                                 lease_ms=lease_ms)
+
+    async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
+        return await self.inner.renew_lease(execution_id, token, lease_ms=lease_ms)
+
+    async def release_fence(self, execution_id: str, token: int) -> bool:
+        return await self.inner.release_fence(execution_id, token)
+
+    async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
+                                  expect: TipObservation | None = None,
+                                  ) -> ConditionalAppendResult:
+        return await self.inner.append_if_unchanged(execution_id, event, expect)
+
+    async def delete_execution(self, execution_id: str) -> bool:
+        return await self.inner.delete_execution(execution_id)
+
+    async def list_executions(self, *, status: str | None = None, flow_id: str | None = None,
+                              tenant: str | None = None, waiting_on: str | None = None,
+                              updated_before: int | None = None,
+                              updated_after: int | None = None,
+                              lease_expired_at: int | None = None,
+                              after_id: str | None = None,
+                              limit: int = 100) -> list[ExecutionSummary]:
+        return await self.inner.list_executions(
+            status=status, flow_id=flow_id, tenant=tenant, waiting_on=waiting_on,
+            updated_before=updated_before, updated_after=updated_after,
+            lease_expired_at=lease_expired_at, after_id=after_id, limit=limit)
+
+    async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
+        return await self.inner.get_execution(execution_id)
+
+    async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
+        return await self.inner.due_timers(now_ms, limit=limit)
+
+    async def close(self) -> None:
+        """Flush what is queued, then close the inner store."""
+        if self._closed:
+            return
+        self._closed = True
+        while self._driver is not None or self._inflight:
+            waiting = [t for t in (self._driver, *self._inflight) if t is not None]
+            await asyncio.gather(*waiting, return_exceptions=True)
+        await self.inner.close()

@@ -1,0 +1,395 @@
+"""The Postgres schema, as numbered migrations (see ``postgres.py`` for the why).
+
+Each entry is applied once, in order, inside the migrating transaction, and
+recorded in ``fleet_schema_version``. Never edit a released migration: add
+the next number. Text is plain SQL, no user input is ever formatted into it.
+
+Keys. Every table is keyed by ``ekey = sha256(utf-8 of the execution id)``
+(``fleet_key(id)`` in SQL), not by the id itself: a btree entry holds at most
+~2.7 KB, and execution ids, flow ids, tenants and gate names of 10 KB must be
+stored and read back exactly. The readable columns are kept beside the key;
+listing indexes use a 200-character prefix and order by the full value after
+it (an incremental sort on ties), which is the same order for every string.
+``COLLATE "C"`` makes that order the code-point order Python and SQLite use.
+
+Every append rewrites its execution's index row (head, updated_at): no index
+covers those columns, and the table leaves free space on each page, so that
+rewrite is a HOT update that touches no index. (``updated_before`` /
+``updated_after`` listings are therefore filters, not index ranges.)
+
+Writes are server-side functions so a fenced append is one round trip. Every
+one of them locks the execution's fence row ``FOR UPDATE`` first (ADR 0116):
+an append, a conditional append, an acquire and a delete of one execution are
+strictly ordered, and every check made after the lock (head, anchor, token,
+existence) reads a fresh snapshot because the function runs at READ
+COMMITTED, which it checks (``FL004``) rather than assumes.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "VERSION_TABLE"]
+
+VERSION_TABLE = """
+CREATE TABLE IF NOT EXISTS fleet_schema_version (
+    version integer PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT now())
+"""
+
+_READ_COMMITTED = """
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'fleet writes need READ COMMITTED; this transaction runs %',
+            current_setting('transaction_isolation') USING ERRCODE = 'FL004';
+    END IF;
+"""
+
+_V1_TABLES = """
+CREATE FUNCTION fleet_key(id text) RETURNS bytea
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+AS $$ SELECT sha256(convert_to(id, 'UTF8')) $$;
+
+CREATE TABLE events (
+    ekey bytea NOT NULL,
+    sequence bigint NOT NULL,
+    type text NOT NULL,
+    timestamp bigint NOT NULL,
+    body text NOT NULL,
+    PRIMARY KEY (ekey, sequence));
+
+CREATE TABLE executions (
+    ekey bytea PRIMARY KEY,
+    execution_id text COLLATE "C" NOT NULL,
+    flow_id text COLLATE "C" NOT NULL,
+    tenant text COLLATE "C",
+    owner text,
+    status text NOT NULL,
+    waiting_on text COLLATE "C",
+    started_at bigint NOT NULL,
+    updated_at bigint NOT NULL,
+    head bigint NOT NULL,
+    anchor text NOT NULL)
+    WITH (fillfactor = 70);
+CREATE INDEX executions_by_id ON executions (left(execution_id, 200));
+CREATE INDEX executions_by_status ON executions (status, left(execution_id, 200));
+CREATE INDEX executions_by_flow ON executions (left(flow_id, 200), left(execution_id, 200));
+CREATE INDEX executions_by_tenant ON executions (left(tenant, 200), left(execution_id, 200));
+CREATE INDEX executions_by_gate ON executions (left(waiting_on, 200), left(execution_id, 200))
+    WHERE waiting_on IS NOT NULL;
+
+CREATE TABLE fences (
+    ekey bytea PRIMARY KEY,
+    token bigint NOT NULL,
+    holder text,
+    lease_expires_at bigint)
+    WITH (fillfactor = 70);
+
+CREATE TABLE timers (
+    ekey bytea NOT NULL,
+    tkey bytea NOT NULL,
+    execution_id text COLLATE "C" NOT NULL,
+    timer_id text COLLATE "C" NOT NULL,
+    due_at bigint NOT NULL,
+    PRIMARY KEY (ekey, tkey));
+CREATE INDEX timers_by_due ON timers (due_at);
+
+CREATE TABLE snapshots (
+    ekey bytea PRIMARY KEY,
+    execution_id text NOT NULL,
+    sequence bigint NOT NULL,
+    state jsonb NOT NULL);
+"""
+
+# Lock (and with p_create, first create) the fence row. A row deleted while
+# this call waited on it (a gone conditional append removing the token-0 row
+# it made) reads as absent to the waiter, so the lookup loops.
+_V1_LOCK = """
+CREATE FUNCTION fleet_lock_fence(p_key bytea, p_create boolean,
+    OUT o_token bigint, OUT o_holder text, OUT o_lease bigint, OUT o_created boolean)
+LANGUAGE plpgsql AS $$
+BEGIN
+    o_created := false;
+    LOOP
+        SELECT f.token, f.holder, f.lease_expires_at INTO o_token, o_holder, o_lease
+        FROM fences AS f WHERE f.ekey = p_key FOR UPDATE;
+        IF FOUND OR NOT p_create THEN
+            RETURN;
+        END IF;
+        INSERT INTO fences (ekey, token) VALUES (p_key, 0) ON CONFLICT (ekey) DO NOTHING;
+        o_created := FOUND;
+    END LOOP;
+END $$;
+"""
+
+# Insert a checked batch at p_first and move the index. The caller holds the
+# fence row and has proved p_first = head + 1. Status, waiting_on and the net
+# timer changes were computed by the client with spi.index_change. Inlined in
+# both appends (a nested plpgsql call costs as much as a statement).
+_PLACE = """
+    n := cardinality(p_types);
+    INSERT INTO events (ekey, sequence, type, timestamp, body)
+    SELECT p_key, p_first + u.o - 1, u.t, u.ts, u.b
+    FROM unnest(p_types, p_ts, p_bodies) WITH ORDINALITY AS u(t, ts, b, o);
+    IF p_first = 0 THEN
+        INSERT INTO executions (ekey, execution_id, flow_id, tenant, owner, status,
+                                waiting_on, started_at, updated_at, head, anchor)
+        VALUES (p_key, p_id, p_flow, p_tenant, p_owner, p_status, p_waiting, p_ts[1],
+                p_ts[n], p_first + n - 1, p_anchor);
+    ELSIF p_status IS NULL THEN
+        UPDATE executions SET head = p_first + n - 1, updated_at = p_ts[n]
+        WHERE ekey = p_key;
+    ELSE
+        UPDATE executions SET head = p_first + n - 1, updated_at = p_ts[n],
+                              status = p_status, waiting_on = p_waiting
+        WHERE ekey = p_key;
+    END IF;
+    IF p_clear THEN
+        DELETE FROM timers WHERE ekey = p_key;
+    END IF;
+    IF cardinality(p_timer_ids) > 0 THEN
+        DELETE FROM timers AS t USING unnest(p_timer_ids, p_timer_dues) AS u(id, due)
+        WHERE t.ekey = p_key AND u.due IS NULL AND t.tkey = fleet_key(u.id);
+        INSERT INTO timers (ekey, tkey, execution_id, timer_id, due_at)
+        SELECT p_key, fleet_key(u.id), p_id, u.id, u.due
+        FROM unnest(p_timer_ids, p_timer_dues) AS u(id, due) WHERE u.due IS NOT NULL
+        ON CONFLICT (ekey, tkey) DO UPDATE SET due_at = EXCLUDED.due_at;
+    END IF;
+"""
+
+# The plain append. code: 0 appended, 1 stale fence (detail: current token),
+# 2 slot taken (detail: head), 3 gap (detail: head, NULL for no log).
+# p_fence NULL is an unfenced write; it still takes the row, so a delete or a
+# conditional append of the same execution is ordered against it. The lock
+# loop is fleet_lock_fence's, inlined.
+_V1_APPEND = """
+CREATE FUNCTION fleet_append(p_key bytea, p_id text, p_fence bigint, p_first bigint,
+    p_types text[], p_ts bigint[], p_bodies text[], p_status text, p_waiting text,
+    p_flow text, p_tenant text, p_owner text, p_anchor text, p_clear boolean,
+    p_timer_ids text[], p_timer_dues bigint[], OUT code integer, OUT detail bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    held bigint;
+    created boolean := false;
+    h bigint;
+    n integer;
+BEGIN
+""" + _READ_COMMITTED + """
+    LOOP
+        SELECT f.token INTO held FROM fences AS f WHERE f.ekey = p_key FOR UPDATE;
+        EXIT WHEN FOUND OR (p_fence IS NOT NULL AND p_fence <> 0);
+        INSERT INTO fences (ekey, token) VALUES (p_key, 0) ON CONFLICT (ekey) DO NOTHING;
+        created := FOUND;
+    END LOOP;
+    IF p_fence IS NOT NULL AND p_fence <> coalesce(held, 0) THEN
+        code := 1;
+        detail := coalesce(held, 0);
+        RETURN;
+    END IF;
+    SELECT e.head INTO h FROM executions AS e WHERE e.ekey = p_key;
+    IF p_first <> coalesce(h + 1, 0) THEN
+        IF created THEN
+            DELETE FROM fences WHERE ekey = p_key AND token = 0;
+        END IF;
+        code := CASE WHEN p_first < coalesce(h + 1, 0) THEN 2 ELSE 3 END;
+        detail := h;
+        RETURN;
+    END IF;
+""" + _PLACE + """
+    code := 0;
+END $$;
+"""
+
+# Group commit: many appends (of many executions) in one statement, so one
+# transaction and one WAL flush, judged set-wise: a handful of statements per
+# flush, not per append. Items arrive sorted by key and the fence rows are locked
+# in that order, so two flushes never deadlock. Each item is judged under its own
+# fence lock before anything of it is written (codes as fleet_append), so a
+# refused item writes nothing and its neighbours go on. Items of one execution
+# carry rounds 1, 2, ...: round r is judged after round r - 1 was written.
+_V1_APPEND_MANY = """
+CREATE FUNCTION fleet_append_many(p_keys bytea[], p_ids text[], p_fences bigint[],
+    p_firsts bigint[], p_heads bigint[], p_started bigint[], p_updated bigint[],
+    p_statuses text[], p_waitings text[], p_flows text[], p_tenants text[], p_owners text[],
+    p_anchors text[], p_clears boolean[], p_rounds integer[], p_event_items integer[],
+    p_seqs bigint[], p_types text[], p_ts bigint[], p_bodies text[], p_timer_items integer[],
+    p_timer_ids text[], p_timer_dues bigint[], OUT codes integer[], OUT details bigint[])
+LANGUAGE plpgsql AS $$
+DECLARE
+    n integer := coalesce(cardinality(p_keys), 0);
+    rounds integer;
+    keys bytea[];
+    created bytea[];
+    missing bigint;
+    ri bigint[];
+    rc integer[];
+    rdet bigint[];
+BEGIN
+""" + _READ_COMMITTED + """
+    codes := array_fill(NULL::integer, ARRAY[n]);
+    details := array_fill(NULL::bigint, ARRAY[n]);
+    SELECT coalesce(max(x), 0) INTO rounds FROM unnest(p_rounds) AS x;
+    FOR r IN 1 .. rounds LOOP
+        SELECT array_agg(u.k ORDER BY u.k) INTO keys
+        FROM unnest(p_keys, p_rounds) AS u(k, rd) WHERE u.rd = r;
+        created := '{}';
+        LOOP  -- a token-0 row deleted under us (see fleet_lock_fence) is made again
+            WITH made AS (
+                INSERT INTO fences (ekey, token)
+                SELECT u.k, 0 FROM unnest(p_keys, p_fences, p_rounds) AS u(k, f, rd)
+                WHERE u.rd = r AND (u.f IS NULL OR u.f = 0) ORDER BY u.k
+                ON CONFLICT (ekey) DO NOTHING RETURNING ekey)
+            SELECT created || coalesce(array_agg(made.ekey), '{}') INTO created FROM made;
+            PERFORM 1 FROM fences AS f WHERE f.ekey = ANY (keys) ORDER BY f.ekey FOR UPDATE;
+            SELECT count(*) INTO missing FROM unnest(p_keys, p_fences, p_rounds) AS u(k, f, rd)
+            WHERE u.rd = r AND (u.f IS NULL OR u.f = 0)
+              AND NOT EXISTS (SELECT 1 FROM fences AS f WHERE f.ekey = u.k);
+            EXIT WHEN missing = 0;
+        END LOOP;
+        -- Judged after the locks, in a fresh statement: a fresh snapshot.
+        SELECT array_agg(jd.i), array_agg(jd.code), array_agg(jd.detail) INTO ri, rc, rdet
+        FROM (SELECT u.i,
+                     CASE WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0) THEN 1
+                          WHEN u.first < coalesce(x.head + 1, 0) THEN 2
+                          WHEN u.first > coalesce(x.head + 1, 0) THEN 3
+                          ELSE 0 END AS code,
+                     CASE WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0)
+                          THEN coalesce(fe.token, 0) ELSE x.head END AS detail
+              FROM unnest(p_keys, p_fences, p_firsts, p_rounds)
+                   WITH ORDINALITY AS u(k, f, first, rd, i)
+              LEFT JOIN fences AS fe ON fe.ekey = u.k
+              LEFT JOIN executions AS x ON x.ekey = u.k
+              WHERE u.rd = r) AS jd;
+        FOR j IN 1 .. coalesce(cardinality(ri), 0) LOOP
+            codes[ri[j]] := rc[j];
+            details[ri[j]] := rdet[j];
+        END LOOP;
+        INSERT INTO events (ekey, sequence, type, timestamp, body)
+        SELECT p_keys[e.item], e.seq, e.t, e.ts, e.b
+        FROM unnest(p_event_items, p_seqs, p_types, p_ts, p_bodies) AS e(item, seq, t, ts, b)
+        WHERE p_rounds[e.item] = r AND codes[e.item] = 0;
+        INSERT INTO executions (ekey, execution_id, flow_id, tenant, owner, status,
+                                waiting_on, started_at, updated_at, head, anchor)
+        SELECT u.k, u.id, u.flow, u.tenant, u.owner, u.status, u.waiting, u.started,
+               u.updated, u.head, u.anchor
+        FROM unnest(p_keys, p_ids, p_flows, p_tenants, p_owners, p_statuses, p_waitings,
+                    p_started, p_updated, p_heads, p_anchors, p_firsts, p_rounds)
+             WITH ORDINALITY AS u(k, id, flow, tenant, owner, status, waiting, started,
+                                  updated, head, anchor, first, rd, i)
+        WHERE u.rd = r AND u.first = 0 AND codes[u.i] = 0;
+        UPDATE executions AS x
+        SET head = u.head, updated_at = u.updated, status = coalesce(u.status, x.status),
+            waiting_on = CASE WHEN u.status IS NULL THEN x.waiting_on ELSE u.waiting END
+        FROM unnest(p_keys, p_statuses, p_waitings, p_updated, p_heads, p_firsts, p_rounds)
+             WITH ORDINALITY AS u(k, status, waiting, updated, head, first, rd, i)
+        WHERE x.ekey = u.k AND u.rd = r AND u.first > 0 AND codes[u.i] = 0;
+        IF true = ANY (p_clears) THEN
+            DELETE FROM timers AS t
+            USING unnest(p_keys, p_clears, p_rounds) WITH ORDINALITY AS u(k, c, rd, i)
+            WHERE t.ekey = u.k AND u.c AND u.rd = r AND codes[u.i] = 0;
+        END IF;
+        IF cardinality(p_timer_items) > 0 THEN
+            DELETE FROM timers AS t
+            USING unnest(p_timer_items, p_timer_ids, p_timer_dues) AS m(item, id, due)
+            WHERE m.due IS NULL AND p_rounds[m.item] = r AND codes[m.item] = 0
+              AND t.ekey = p_keys[m.item] AND t.tkey = fleet_key(m.id);
+            INSERT INTO timers (ekey, tkey, execution_id, timer_id, due_at)
+            SELECT p_keys[m.item], fleet_key(m.id), p_ids[m.item], m.id, m.due
+            FROM unnest(p_timer_items, p_timer_ids, p_timer_dues) AS m(item, id, due)
+            WHERE m.due IS NOT NULL AND p_rounds[m.item] = r AND codes[m.item] = 0
+            ON CONFLICT (ekey, tkey) DO UPDATE SET due_at = EXCLUDED.due_at;
+        END IF;
+        IF cardinality(created) > 0 THEN  -- a refused item leaves no token-0 row it made
+            DELETE FROM fences AS f
+            USING unnest(p_keys, p_rounds) WITH ORDINALITY AS u(k, rd, i)
+            WHERE f.ekey = u.k AND u.rd = r AND codes[u.i] <> 0 AND f.token = 0
+              AND f.ekey = ANY (created);
+        END IF;
+    END LOOP;
+END $$;
+"""
+
+# ADR 0116 Q1. Returns the reason (NULL = appended) and the tip it judged.
+_V1_APPEND_IF = """
+CREATE FUNCTION fleet_append_if(p_key bytea, p_expect_head bigint, p_expect_fence bigint,
+    p_expect_anchor text, p_id text, p_first bigint, p_types text[], p_ts bigint[],
+    p_bodies text[], p_status text, p_waiting text, p_flow text, p_tenant text,
+    p_owner text, p_anchor text, p_clear boolean, p_timer_ids text[], p_timer_dues bigint[],
+    OUT o_reason text, OUT o_head bigint, OUT o_token bigint, OUT o_anchor text,
+    OUT o_holder text, OUT o_lease bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    f record;
+    n integer;
+BEGIN
+""" + _READ_COMMITTED + """
+    SELECT * INTO f FROM fleet_lock_fence(p_key, false);
+    IF f.o_token IS NULL THEN
+        -- No fence row: without a log there is nothing to lock and nothing is made.
+        PERFORM 1 FROM executions AS e WHERE e.ekey = p_key;
+        IF NOT FOUND THEN
+            o_reason := 'gone';
+            o_token := 0;
+            RETURN;
+        END IF;
+        SELECT * INTO f FROM fleet_lock_fence(p_key, true);
+    END IF;
+    o_token := f.o_token;
+    o_holder := f.o_holder;
+    o_lease := f.o_lease;
+    SELECT e.head, e.anchor INTO o_head, o_anchor FROM executions AS e WHERE e.ekey = p_key;
+    IF o_head IS NULL THEN
+        IF f.o_created THEN  -- leave no token-0 row behind; a real token stays (tombstone)
+            DELETE FROM fences WHERE ekey = p_key AND token = 0;
+            o_token := 0;
+        END IF;
+        o_reason := 'gone';
+        RETURN;
+    END IF;
+    IF o_head IS DISTINCT FROM p_expect_head OR o_token IS DISTINCT FROM p_expect_fence
+            OR o_anchor IS DISTINCT FROM p_expect_anchor OR p_first <> o_head + 1 THEN
+        o_reason := 'moved';
+        RETURN;
+    END IF;
+""" + _PLACE + """
+    o_head := p_first;
+END $$;
+"""
+
+_V1_FENCES = """
+CREATE FUNCTION fleet_acquire(p_key bytea, p_holder text, p_expires bigint, p_now bigint)
+RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    f record;
+    t bigint;
+BEGIN
+""" + _READ_COMMITTED + """
+    SELECT * INTO f FROM fleet_lock_fence(p_key, true);
+    IF p_now IS NOT NULL AND f.o_lease IS NOT NULL AND f.o_lease > p_now THEN
+        RETURN NULL;  -- acquire_fence_if: a live lease is held
+    END IF;
+    UPDATE fences SET token = token + 1, holder = p_holder, lease_expires_at = p_expires
+    WHERE ekey = p_key RETURNING token INTO t;
+    RETURN t;
+END $$;
+
+CREATE FUNCTION fleet_delete(p_key bytea) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    n bigint;
+BEGIN
+""" + _READ_COMMITTED + """
+    PERFORM 1 FROM fences WHERE ekey = p_key FOR UPDATE;
+    DELETE FROM events WHERE ekey = p_key;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    DELETE FROM executions WHERE ekey = p_key;
+    DELETE FROM timers WHERE ekey = p_key;
+    DELETE FROM fences WHERE ekey = p_key AND token = 0;
+    RETURN n > 0;
+END $$;
+"""
+
+MIGRATIONS: tuple[tuple[int, str], ...] = (
+    (1, _V1_TABLES + _V1_LOCK + _V1_APPEND + _V1_APPEND_MANY + _V1_APPEND_IF
+     + _V1_FENCES),
+)
+
+SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -1,0 +1,242 @@
+"""What the Postgres store sends and how it reads the answers (no driver here).
+
+The SQL text of every call, the client half of an append (validated,
+serialised, its index change computed with ``spi.index_change`` so every
+backend moves the index the same way), the refusal a function's code means,
+and the listing queries. ``postgres.py`` holds the connections.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet.kernel.errors import (
+    CorruptLogError,
+    DuplicateSequenceError,
+    FleetError,
+    NotSerializableError,
+    PayloadTooLargeError,
+    SequenceGapError,
+    StaleFenceError,
+    ValidationError,
+)
+from fleet.kernel.events import EventEnvelope, dumps
+from fleet.kernel.store.spi import ExecutionSummary, Status, creation_anchor, index_change
+
+__all__ = ["APPEND_IF_SQL", "APPEND_MANY_SQL", "APPEND_SQL", "DUE_TIMERS_SQL", "SUMMARY_SQL",
+           "TIP_SQL", "Write", "execution_key", "listing_sql", "many_columns", "parse_event",
+           "refusal", "summary"]
+
+PREFIX = 200  # characters of a text key that listing indexes hold (see pg_migrations)
+
+TIP_SQL = """
+SELECT e.head, e.anchor, f.token, f.holder, f.lease_expires_at
+FROM (SELECT $1::bytea AS k) AS k
+LEFT JOIN executions AS e ON e.ekey = k.k
+LEFT JOIN fences AS f ON f.ekey = k.k
+"""
+SUMMARY_SQL = """
+SELECT e.execution_id, e.flow_id, e.tenant, e.owner, e.status, e.waiting_on, e.started_at,
+       e.updated_at, e.head, f.token, f.holder, f.lease_expires_at
+FROM executions AS e LEFT JOIN fences AS f ON f.ekey = e.ekey
+"""
+DUE_TIMERS_SQL = ("SELECT execution_id, timer_id, due_at FROM timers WHERE due_at <= $1 "
+                  "ORDER BY due_at, execution_id, timer_id LIMIT $2")
+_WRITE_ARGS = ("$5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16")
+APPEND_SQL = f"SELECT code, detail FROM fleet_append($1, $2, $3, $4, {_WRITE_ARGS})"
+APPEND_IF_SQL = ("SELECT * FROM fleet_append_if($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
+                  "$11, $12, $13, $14, $15, $16, $17, $18)")
+APPEND_MANY_SQL = ("SELECT codes, details FROM fleet_append_many("
+                    + ", ".join(f"${i}" for i in range(1, 24)) + ")")
+
+
+def execution_key(execution_id: str) -> bytes:
+    """The row key of an execution: sha256 of its UTF-8 id (``fleet_key(id)`` in SQL)."""
+    try:
+        return hashlib.sha256(execution_id.encode("utf-8")).digest()
+    except UnicodeEncodeError as exc:
+        raise ValidationError(f"execution id {execution_id!r} is not valid unicode") from exc
+
+
+@dataclass(slots=True)
+class Write:
+    """An append prepared on the client: validated, serialised, its index change known."""
+
+    key: bytes
+    execution_id: str
+    first: int
+    types: list[str] = field(default_factory=list)
+    timestamps: list[int] = field(default_factory=list)
+    bodies: list[str] = field(default_factory=list)
+    status: str | None = None
+    waiting_on: str | None = None
+    flow_id: str | None = None
+    tenant: str | None = None
+    owner: str | None = None
+    anchor: str | None = None
+    clear_timers: bool = False
+    timer_ids: list[str] = field(default_factory=list)
+    timer_dues: list[int | None] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, execution_id: str, events: Sequence[EventEnvelope],
+           max_bytes: int | None) -> Write:
+        write = cls(execution_key(execution_id), execution_id, events[0].sequence)
+        timers: dict[str, int | None] = {}
+        status: tuple[Status, str | None] | None = None
+        for event in events:
+            if event.execution_id != execution_id:
+                raise ValidationError(f"event of {event.execution_id!r} in a write for "
+                                      f"{execution_id!r}")
+            if event.id != f"{execution_id}-{event.sequence}":
+                raise ValidationError(f"event id {event.id!r} does not match "
+                                      f"{execution_id!r}-{event.sequence}")
+            try:
+                body = dumps(event.to_dict())
+            except (TypeError, ValueError) as exc:
+                raise NotSerializableError(f"event {event.id!r} is not JSON: {exc}") from exc
+            if max_bytes is not None and len(body) * 4 > max_bytes:
+                size = len(body.encode("utf-8", "surrogatepass"))
+                if size > max_bytes:
+                    raise PayloadTooLargeError(f"event {event.id!r} is {size} bytes; the "
+                                               f"limit is {max_bytes}", size=size,
+                                               limit=max_bytes)
+            write.types.append(str(event.type))
+            write.timestamps.append(event.timestamp)
+            write.bodies.append(body)
+            change = index_change(event)
+            if change.status is not None:
+                status = (change.status, change.waiting_on)
+            if change.timer_add is not None:
+                timers[change.timer_add.timer_id] = change.timer_add.due_at
+            if change.timer_remove is not None:
+                timers[change.timer_remove] = None
+            if change.clear_timers:
+                write.clear_timers = True
+                timers.clear()
+        born = events[0]
+        if born.sequence == 0:
+            change = index_change(born)
+            write.flow_id = change.started.get("flow_id") or ""
+            write.tenant = change.started.get("tenant")
+            write.owner = change.started.get("owner")
+            write.anchor = creation_anchor(born)
+            if status is None:
+                status = (change.status or "running", change.waiting_on)
+        if status is not None:
+            write.status, write.waiting_on = status
+        write.timer_ids = list(timers)
+        write.timer_dues = list(timers.values())
+        return write
+
+    def args(self) -> tuple[Any, ...]:
+        """The arguments of ``fleet_place`` from ``p_first`` on (after the key and id)."""
+        return (self.first, self.types, self.timestamps, self.bodies, self.status,
+                self.waiting_on, self.flow_id, self.tenant, self.owner, self.anchor,
+                self.clear_timers, self.timer_ids, self.timer_dues)
+
+
+def refusal(write: Write, fence: int | None, code: int, detail: int | None) -> FleetError:
+    if code == 1:
+        return StaleFenceError(f"fence {fence} of {write.execution_id!r} was superseded by "
+                               f"{detail}; this writer must stop", presented=fence,
+                               current=detail)
+    if code == 2:
+        return DuplicateSequenceError(f"{write.execution_id!r} already holds sequence "
+                                      f"{write.first} (head {detail})")
+    return SequenceGapError(f"{write.execution_id!r} expects sequence "
+                            f"{0 if detail is None else detail + 1}, got {write.first}")
+
+
+def parse_event(execution_id: str, sequence: int, body: str) -> EventEnvelope:
+    try:
+        event = EventEnvelope.from_json(body)
+    except CorruptLogError as exc:
+        raise CorruptLogError(f"execution {execution_id!r} sequence {sequence} is corrupt: "
+                              f"{exc.message}", execution_id=execution_id,
+                              sequence=sequence) from exc
+    if event.execution_id != execution_id or event.sequence != sequence:
+        raise CorruptLogError(f"execution {execution_id!r} sequence {sequence} holds the "
+                              f"envelope of {event.id!r}", execution_id=execution_id,
+                              sequence=sequence)
+    return event
+
+
+def summary(row: Any) -> ExecutionSummary:
+    (execution_id, flow_id, tenant, owner, status, waiting_on, started_at, updated_at, head,
+     token, holder, lease) = row
+    return ExecutionSummary(execution_id=execution_id, flow_id=flow_id, tenant=tenant,
+                            owner=owner, status=status, waiting_on=waiting_on,
+                            started_at=started_at, updated_at=updated_at, head=head,
+                            fence=token or 0, holder=holder, lease_expires_at=lease)
+
+
+def many_columns(prepared: list[tuple[int, Write, int | None]]) -> list[list[Any]]:
+    """The 23 array arguments of ``fleet_append_many`` for (index, write, fence) items.
+
+    Sorts ``prepared`` in place into the order the arguments (and the answers) take.
+    """
+    # Sorted by key (stably: one execution's requests keep their order), so
+    # two concurrent flushes take fence rows in the same order; the n-th
+    # request of an execution goes in round n.
+    prepared.sort(key=lambda item: item[1].key)
+    columns: list[list[Any]] = [[] for _ in range(23)]
+    seen: dict[bytes, int] = {}
+    for item, (_, write, fence) in enumerate(prepared, start=1):
+        seen[write.key] = seen.get(write.key, 0) + 1
+        last = write.first + len(write.bodies) - 1
+        for column, value in zip(columns, (
+                write.key, write.execution_id, fence, write.first, last,
+                write.timestamps[0], write.timestamps[-1], write.status, write.waiting_on,
+                write.flow_id, write.tenant, write.owner, write.anchor, write.clear_timers,
+                seen[write.key]), strict=False):
+            column.append(value)
+        columns[15].extend([item] * len(write.bodies))
+        columns[16].extend(range(write.first, last + 1))
+        columns[17].extend(write.types)
+        columns[18].extend(write.timestamps)
+        columns[19].extend(write.bodies)
+        columns[20].extend([item] * len(write.timer_ids))
+        columns[21].extend(write.timer_ids)
+        columns[22].extend(write.timer_dues)
+    return columns
+
+
+def listing_sql(*, status: str | None, flow_id: str | None, tenant: str | None,
+                 waiting_on: str | None, updated_before: int | None,
+                 updated_after: int | None, lease_expired_at: int | None,
+                 after_id: str | None, limit: int) -> tuple[str, list[Any]]:
+    """One parameterised query; each text filter matches the indexed prefix and the value."""
+    where: list[str] = []
+    params: list[Any] = []
+
+    def param(value: Any) -> str:
+        params.append(value)
+        return f"${len(params)}"
+
+    if status is not None:
+        where.append(f"e.status = {param(status)}")
+    for column, value in (("flow_id", flow_id), ("tenant", tenant),
+                          ("waiting_on", waiting_on)):
+        if value is not None:
+            p = param(value)
+            where.append(f"left(e.{column}, {PREFIX}) = left({p}::text, {PREFIX}) "
+                         f"AND e.{column} = {p}")
+    if updated_before is not None:
+        where.append(f"e.updated_at < {param(updated_before)}")
+    if updated_after is not None:
+        where.append(f"e.updated_at > {param(updated_after)}")
+    if lease_expired_at is not None:
+        where.append(f"(f.lease_expires_at IS NULL OR f.lease_expires_at <= "
+                     f"{param(lease_expired_at)})")
+    if after_id is not None:
+        p = param(after_id)
+        where.append(f"left(e.execution_id, {PREFIX}) >= left({p}::text, {PREFIX}) "
+                     f"AND e.execution_id > {p}")
+    sql = (SUMMARY_SQL + (" WHERE " + " AND ".join(where) if where else "")
+           + f" ORDER BY left(e.execution_id, {PREFIX}), e.execution_id"
+           + f" LIMIT {param(limit)}")
+    return sql, params

@@ -1,0 +1,612 @@
+"""The Postgres store (asyncpg): what a real fleet runs on.
+
+Install with ``pip install 'fleet[postgres]'``; asyncpg is imported by this
+module only. The schema lives in ``pg_migrations`` and is applied on first use
+(``await store.open()`` does it eagerly), recorded in ``fleet_schema_version``;
+a database whose schema is newer than this code is refused.
+
+Round trips. Every write is one statement calling a server-side function
+(``fleet_append``, ``fleet_append_if``, ``fleet_acquire``, ``fleet_delete``)
+in its own implicit transaction, so a fenced append costs one round trip and
+one commit. The function locks the execution's fence row ``FOR UPDATE``
+before it checks anything, which orders every write, acquire and delete of
+one execution (ADR 0116, P3s).
+
+Isolation. The checks after that lock need a fresh snapshot per statement, so
+every connection of the pool is opened with ``default_transaction_isolation =
+'read committed'`` (a startup parameter: no extra round trip), whatever the
+server's or database's default is; each write function also refuses to run at
+any other level (SQLSTATE FL004 -> ``ConfigurationError``), so a pooler that
+drops the startup parameter fails loudly instead of writing under a stale
+snapshot. Explicit transactions (migrations) say READ COMMITTED themselves.
+
+Leases use the client clock (``clock``, ms), as the runtime does: the runtime
+passes its own wall clock to ``list_executions(lease_expired_at=...)``.
+
+Connections. One asyncpg pool per store (``pool_min`` / ``pool_max``, or
+``?pool_min=&pool_max=`` on the URL); ``schema=`` (or ``?schema=``) puts the
+tables in their own schema. A lost connection is ``StoreUnavailableError``
+(retryable). Reads, renewals, releases, deletes and snapshot writes are
+idempotent and retried once. An append whose connection dropped is settled by
+reading its slots back: the same bytes there mean it committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, cast
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from fleet.kernel.errors import (
+    ConfigurationError,
+    CorruptLogError,
+    DuplicateSequenceError,
+    FleetError,
+    MissingDependencyError,
+    NotSerializableError,
+    SchemaVersionError,
+    StoreError,
+    StoreUnavailableError,
+    ValidationError,
+)
+from fleet.kernel.events import EventEnvelope, dumps
+from fleet.kernel.store.memory import wall_clock_ms
+from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
+from fleet.kernel.store.pg_queries import (
+    APPEND_IF_SQL,
+    APPEND_MANY_SQL,
+    APPEND_SQL,
+    DUE_TIMERS_SQL,
+    SUMMARY_SQL,
+    TIP_SQL,
+    Write,
+    execution_key,
+    listing_sql,
+    many_columns,
+    parse_event,
+    refusal,
+    summary,
+)
+from fleet.kernel.store.spi import (
+    ConditionalAppendResult,
+    DueTimer,
+    ExecutionSummary,
+    FenceGrant,
+    Snapshot,
+    TipObservation,
+    check_batch,
+)
+
+try:
+    import asyncpg  # type: ignore[import-untyped]
+except ImportError as exc:  # pragma: no cover - exercised by the factory test
+    raise MissingDependencyError("the Postgres store needs asyncpg: "
+                                 "pip install 'fleet[postgres]'") from exc
+
+__all__ = ["SCHEMA_VERSION", "PostgresEventStore", "PostgresSnapshotStore", "execution_key"]
+
+T = TypeVar("T")
+DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
+_OWN_QUERY_KEYS = ("schema", "pool_min", "pool_max")
+
+_CONNECTION_LOST: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError, TimeoutError,
+    asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.TooManyConnectionsError)
+
+
+def _unavailable(exc: BaseException) -> StoreUnavailableError:
+    return StoreUnavailableError(f"Postgres is unavailable: {type(exc).__name__}: {exc}")
+
+
+def _translate(exc: Exception) -> Exception:
+    """A typed fleet error for whatever asyncpg or the server raised."""
+    if isinstance(exc, FleetError):
+        return exc
+    if isinstance(exc, _CONNECTION_LOST):
+        return _unavailable(exc)
+    if isinstance(exc, UnicodeError):
+        return NotSerializableError(f"a value is not valid unicode: {exc}")
+    if isinstance(exc, asyncpg.PostgresError):
+        state = str(getattr(exc, "sqlstate", "") or "")
+        if state == "FL004":
+            return ConfigurationError(
+                f"{exc}: fleet's Postgres connections must run at READ COMMITTED. A "
+                "connection pooler that drops startup parameters (PgBouncer in "
+                "transaction mode) loses it; set default_transaction_isolation = "
+                "'read committed' on the fleet role or connect directly")
+        if state == "23505":
+            return DuplicateSequenceError(f"Postgres refused a duplicate row: {exc}")
+        if state in ("40001", "40P01", "55P03", "57014"):
+            # serialization failure, deadlock, lock or statement timeout: nothing was written
+            return StoreUnavailableError(f"Postgres gave up on the call ({state}): {exc}; "
+                                         "nothing was written, retry")
+        if state.startswith("22") or state == "54000":
+            return ValidationError(f"Postgres refused a value: {exc}")
+        return StoreError(f"Postgres failed ({state}): {exc}")
+    return exc
+
+
+def _check_lease(lease_ms: int) -> None:
+    if lease_ms < 0:
+        raise ValidationError(f"lease_ms must be >= 0, got {lease_ms}")
+
+
+def _check_limit(limit: int) -> None:
+    if limit < 0:
+        raise ValidationError(f"limit must be >= 0, got {limit}")
+
+
+def _split_url(url: str) -> tuple[str, dict[str, str]]:
+    """The URL asyncpg gets, and this module's own query options taken out of it."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    own = {k: v for k, v in query if k in _OWN_QUERY_KEYS}
+    rest = [(k, v) for k, v in query if k not in _OWN_QUERY_KEYS]
+    return urlunsplit(parts._replace(query=urlencode(rest))), own
+
+
+def _quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+async def _keep_session(conn: Any) -> None:
+    """Pool reset hook: fleet never changes session state, so no reset round trip."""
+
+
+class _Database:
+    """One pool, opened lazily and migrated once; shared by an event and a snapshot store."""
+
+    def __init__(self, url: str, *, pool_min: int | None, pool_max: int | None,
+                 schema: str | None, connect_timeout: float, migrate: bool) -> None:
+        dsn, own = _split_url(url)
+        self.dsn = dsn
+        self.schema = schema if schema is not None else own.get("schema")
+        self.pool_min = pool_min if pool_min is not None else int(own.get("pool_min", 1))
+        self.pool_max = pool_max if pool_max is not None else int(own.get("pool_max", 10))
+        if not 0 <= self.pool_min <= self.pool_max or self.pool_max < 1:
+            raise ConfigurationError(f"pool sizes need 0 <= pool_min <= pool_max >= 1, got "
+                                     f"{self.pool_min} and {self.pool_max}")
+        self.connect_timeout = connect_timeout
+        self.migrate = migrate
+        self.pool: Any = None
+        self.users = 1
+        self.closed = False
+        self._opening: asyncio.Lock | None = None
+
+    async def ready(self) -> Any:
+        if self.pool is not None:
+            return self.pool
+        if self.closed:
+            raise StoreError("the Postgres store is closed")
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self.pool is None:
+                self.pool = await self._open()
+        return self.pool
+
+    async def _open(self) -> Any:
+        settings = {"default_transaction_isolation": "read committed", "jit": "off"}
+        if self.schema:
+            settings["search_path"] = _quote_ident(self.schema)
+        try:
+            pool = await asyncpg.create_pool(
+                self.dsn, min_size=self.pool_min, max_size=self.pool_max,
+                timeout=self.connect_timeout, server_settings=settings, reset=_keep_session)
+        except Exception as exc:
+            raise _translate(exc) from exc
+        try:
+            async with pool.acquire() as conn:
+                await self._check_and_migrate(conn)
+        except BaseException:
+            await pool.close()
+            raise
+        return pool
+
+    async def _check_and_migrate(self, conn: Any) -> None:
+        try:
+            encoding = await conn.fetchval("SHOW server_encoding")
+            if str(encoding).upper() not in ("UTF8", "UTF-8"):
+                raise ConfigurationError(f"the database encoding is {encoding}; fleet needs "
+                                         "UTF8 to keep ids and payloads exactly")
+            current = await self._version(conn)
+            if current > SCHEMA_VERSION:
+                raise SchemaVersionError(f"the database schema is version {current}; this "
+                                         f"fleet knows up to {SCHEMA_VERSION}: upgrade fleet")
+            if current < SCHEMA_VERSION:
+                if not self.migrate:
+                    raise SchemaVersionError(f"the database schema is version {current}, "
+                                             f"this fleet needs {SCHEMA_VERSION}: run "
+                                             "`fleet db upgrade`")
+                await self._migrate(conn)
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    async def _version(self, conn: Any) -> int:
+        if await conn.fetchval("SELECT to_regclass('fleet_schema_version')") is None:
+            return 0
+        return int(await conn.fetchval(
+            "SELECT coalesce(max(version), 0) FROM fleet_schema_version"))
+
+    async def _migrate(self, conn: Any) -> None:
+        async with conn.transaction(isolation="read_committed"):
+            # Serialise migrators of this schema across processes.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))",
+                               f"fleet-migrate:{self.schema or ''}")
+            if self.schema:
+                await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {_quote_ident(self.schema)}")
+            await conn.execute(VERSION_TABLE)
+            current = await self._version(conn)
+            if current > SCHEMA_VERSION:
+                raise SchemaVersionError(f"the database schema is version {current}; this "
+                                         f"fleet knows up to {SCHEMA_VERSION}: upgrade fleet")
+            for version, sql in MIGRATIONS:
+                if version > current:
+                    await conn.execute(sql)
+                    await conn.execute("INSERT INTO fleet_schema_version (version) VALUES ($1)",
+                                       version)
+
+    async def release(self) -> None:
+        self.users -= 1
+        if self.users > 0 or self.closed:
+            return
+        self.closed = True
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            await pool.close()
+
+
+class _PostgresBase:
+    _db: _Database
+
+    async def _call(self, op: Callable[[Any], Awaitable[T]], *, idempotent: bool) -> T:
+        """Run ``op(pool)``; typed errors; an idempotent op is retried once on a lost link."""
+        for attempt in (0, 1):
+            pool = await self._db.ready()
+            try:
+                return await op(pool)
+            except Exception as exc:
+                error = _translate(exc)
+                if attempt or not idempotent or not isinstance(exc, _CONNECTION_LOST):
+                    raise error from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+class PostgresEventStore(_PostgresBase):
+    """An ``EventStore`` in Postgres, safe for many processes and hosts.
+
+    Args:
+        url: ``postgresql://user:password@host:port/database``; the query may
+            carry ``schema``, ``pool_min`` and ``pool_max`` (arguments win).
+        pool_min: Connections the pool keeps open (default 1).
+        pool_max: Most connections the pool opens (default 10).
+        schema: The schema for fleet's tables (created if missing); default:
+            the connection's ``search_path``.
+        clock: Milliseconds since the epoch, read for leases.
+        max_event_bytes: An event whose JSON is larger is refused with
+            ``PayloadTooLargeError`` before anything is written (None: no limit).
+        migrate: Apply missing migrations on first use (else refuse to run).
+        connect_timeout: Seconds to wait for a connection.
+    """
+
+    def __init__(self, url: str, *, pool_min: int | None = None, pool_max: int | None = None,
+                 schema: str | None = None, clock: Callable[[], int] | None = None,
+                 max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES, migrate: bool = True,
+                 connect_timeout: float = 10.0) -> None:
+        self._db = _Database(url, pool_min=pool_min, pool_max=pool_max, schema=schema,
+                             connect_timeout=connect_timeout, migrate=migrate)
+        self._clock = clock or wall_clock_ms
+        self._max_event_bytes = max_event_bytes
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> PostgresEventStore:
+        """A store for ``url``; it connects on first use (or on ``open``)."""
+        return cls(url, **options)
+
+    async def open(self) -> PostgresEventStore:
+        """Connect and apply migrations now rather than on first use."""
+        await self._db.ready()
+        return self
+
+    def snapshot_store(self) -> PostgresSnapshotStore:
+        """A ``PostgresSnapshotStore`` sharing this store's pool."""
+        self._db.users += 1
+        return PostgresSnapshotStore._sharing(self._db)
+
+    @property
+    def schema(self) -> str | None:
+        return self._db.schema
+
+    # -- writes ------------------------------------------------------------
+
+    def _prepare(self, events: Sequence[EventEnvelope]) -> Write:
+        return Write.of(events[0].execution_id, events, self._max_event_bytes)
+
+    async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
+        await self._append(self._prepare((event,)), fence)
+
+    async def append_batch(self, events: Sequence[EventEnvelope], *,
+                           fence: int | None = None) -> None:
+        check_batch(events)
+        await self._append(self._prepare(events), fence)
+
+    async def _append(self, write: Write, fence: int | None) -> None:
+        async def op(pool: Any) -> Any:
+            return await pool.fetchrow(APPEND_SQL, write.key, write.execution_id, fence,
+                                       *write.args())
+
+        try:
+            row = await self._call(op, idempotent=False)
+        except StoreUnavailableError as lost:
+            await self._settle(write, fence, lost)
+            return
+        if row["code"] != 0:
+            raise refusal(write, fence, row["code"], row["detail"])
+
+    async def _settle(self, write: Write, fence: int | None,
+                      lost: StoreUnavailableError) -> None:
+        """The link dropped during an append: find out whether it committed."""
+        stored = await self._bodies(write)
+        if stored == write.bodies:
+            return  # it committed before the connection went
+        if stored:
+            raise lost  # the slots hold something else: report what we know, retryably
+        try:
+            row = await self._call(lambda pool: pool.fetchrow(
+                APPEND_SQL, write.key, write.execution_id, fence, *write.args()),
+                idempotent=False)
+        except StoreUnavailableError:
+            raise lost from None
+        if row["code"] != 0:
+            if row["code"] == 2 and await self._bodies(write) == write.bodies:
+                return  # the first attempt was still running and landed after all
+            raise refusal(write, fence, row["code"], row["detail"])
+
+    async def _bodies(self, write: Write) -> list[str]:
+        rows = await self._call(lambda pool: pool.fetch(
+            "SELECT body FROM events WHERE ekey = $1 AND sequence >= $2 AND sequence < $3 "
+            "ORDER BY sequence", write.key, write.first, write.first + len(write.bodies)),
+            idempotent=True)
+        return [row["body"] for row in rows]
+
+    async def append_many(self, requests: Sequence[tuple[Sequence[EventEnvelope], int | None]],
+                          ) -> list[BaseException | None]:
+        """Group commit: each (events, fence) as an append, all in one transaction.
+
+        The answer for each request is ``None`` (appended) or the error its own
+        append would have raised; one request's refusal never fails another's.
+        """
+        results: list[BaseException | None] = [None] * len(requests)
+        prepared: list[tuple[int, Write, int | None]] = []
+        for i, (events, fence) in enumerate(requests):
+            try:
+                check_batch(events)
+                prepared.append((i, self._prepare(events), fence))
+            except FleetError as exc:
+                results[i] = exc
+        if not prepared:
+            return results
+        columns = many_columns(prepared)
+        try:
+            row = await self._call(lambda pool: pool.fetchrow(APPEND_MANY_SQL, *columns),
+                                   idempotent=False)
+        except (StoreUnavailableError, ValidationError, DuplicateSequenceError):
+            # A lost link, a deadlock, one bad value: nothing of the flush is known
+            # to have committed, so every request gets its own verdict through the
+            # single path (which settles a lost link by reading its slots back).
+            outcomes = [self._append(write, fence) for _, write, fence in prepared]
+            for (i, _, _), outcome in zip(prepared, outcomes, strict=True):
+                try:
+                    await outcome
+                except FleetError as exc:
+                    results[i] = exc
+            return results
+        for (i, write, fence), code, detail in zip(prepared, row["codes"], row["details"],
+                                                   strict=True):
+            if code != 0:
+                results[i] = refusal(write, fence, code, detail)
+        return results
+
+    async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
+                                  expect: TipObservation | None = None,
+                                  ) -> ConditionalAppendResult:
+        key = execution_key(execution_id)
+        if event is None:
+            tip = await self._tip(key)
+            return ConditionalAppendResult(False, "gone" if tip.head is None else "observed",
+                                           tip)
+        if expect is None:
+            raise ValidationError("append_if_unchanged with an event needs `expect`, "
+                                  "the tip observed before the event was built")
+        if event.execution_id != execution_id:
+            raise ValidationError(f"event of {event.execution_id!r} offered to "
+                                  f"{execution_id!r}")
+        write = self._prepare((event,))
+        row = await self._call(lambda pool: pool.fetchrow(
+            APPEND_IF_SQL, key, expect.head, expect.fence, expect.anchor, execution_id,
+            *write.args()), idempotent=False)
+        tip = TipObservation(head=row["o_head"], fence=row["o_token"] or 0,
+                             anchor=row["o_anchor"], holder=row["o_holder"],
+                             lease_expires_at=row["o_lease"])
+        reason = row["o_reason"]
+        if reason is None:
+            return ConditionalAppendResult(True, None, tip)
+        if reason == "gone":
+            tip = TipObservation(None, tip.fence, None, tip.holder, tip.lease_expires_at)
+        return ConditionalAppendResult(False, reason, tip)
+
+    async def delete_execution(self, execution_id: str) -> bool:
+        key = execution_key(execution_id)
+        return bool(await self._call(lambda pool: pool.fetchval(
+            "SELECT fleet_delete($1)", key), idempotent=True))
+
+    # -- fences ------------------------------------------------------------
+
+    async def acquire_fence(self, execution_id: str, *, holder: str,
+                            lease_ms: int) -> FenceGrant:
+        grant = await self._acquire(execution_id, holder, lease_ms, conditional=False)
+        assert grant is not None
+        return grant
+
+    async def acquire_fence_if(self, execution_id: str, *, holder: str,
+                               lease_ms: int) -> FenceGrant | None:
+        return await self._acquire(execution_id, holder, lease_ms, conditional=True)
+
+    async def _acquire(self, execution_id: str, holder: str, lease_ms: int, *,
+                       conditional: bool) -> FenceGrant | None:
+        _check_lease(lease_ms)
+        key = execution_key(execution_id)
+        now = self._clock()
+        expires = now + lease_ms
+        # Not retried: a lost answer may hide a token bump, and a second bump
+        # would fence out the grant the first one made.
+        token = await self._call(lambda pool: pool.fetchval(
+            "SELECT fleet_acquire($1, $2, $3, $4)", key, holder, expires,
+            now if conditional else None), idempotent=False)
+        if token is None:
+            return None
+        return FenceGrant(execution_id, int(token), holder, expires)
+
+    async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
+        _check_lease(lease_ms)
+        key = execution_key(execution_id)
+        expires = self._clock() + lease_ms
+        status = await self._call(lambda pool: pool.execute(
+            "UPDATE fences SET lease_expires_at = $3 WHERE ekey = $1 AND token = $2 "
+            "AND token > 0", key, token, expires), idempotent=True)
+        return cast(str, status).endswith(" 1")
+
+    async def release_fence(self, execution_id: str, token: int) -> bool:
+        key = execution_key(execution_id)
+        status = await self._call(lambda pool: pool.execute(
+            "UPDATE fences SET lease_expires_at = NULL, holder = NULL "
+            "WHERE ekey = $1 AND token = $2 AND token > 0", key, token), idempotent=True)
+        return cast(str, status).endswith(" 1")
+
+    # -- reads -------------------------------------------------------------
+
+    async def _tip(self, key: bytes) -> TipObservation:
+        row = await self._call(lambda pool: pool.fetchrow(TIP_SQL, key), idempotent=True)
+        return TipObservation(head=row["head"], fence=row["token"] or 0, anchor=row["anchor"],
+                              holder=row["holder"], lease_expires_at=row["lease_expires_at"])
+
+    async def read(self, execution_id: str, *, after: int = -1) -> list[EventEnvelope]:
+        key = execution_key(execution_id)
+        rows = await self._call(lambda pool: pool.fetch(
+            "SELECT sequence, body FROM events WHERE ekey = $1 AND sequence > $2 "
+            "ORDER BY sequence", key, after), idempotent=True)
+        return [parse_event(execution_id, row["sequence"], row["body"]) for row in rows]
+
+    async def head(self, execution_id: str) -> int | None:
+        key = execution_key(execution_id)
+        head = await self._call(lambda pool: pool.fetchval(
+            "SELECT head FROM executions WHERE ekey = $1", key), idempotent=True)
+        return None if head is None else int(head)
+
+    async def list_executions(self, *, status: str | None = None, flow_id: str | None = None,
+                              tenant: str | None = None, waiting_on: str | None = None,
+                              updated_before: int | None = None,
+                              updated_after: int | None = None,
+                              lease_expired_at: int | None = None,
+                              after_id: str | None = None,
+                              limit: int = 100) -> list[ExecutionSummary]:
+        _check_limit(limit)
+        if limit == 0:
+            return []
+        sql, params = listing_sql(status=status, flow_id=flow_id, tenant=tenant,
+                                   waiting_on=waiting_on, updated_before=updated_before,
+                                   updated_after=updated_after,
+                                   lease_expired_at=lease_expired_at, after_id=after_id,
+                                   limit=limit)
+        rows = await self._call(lambda pool: pool.fetch(sql, *params), idempotent=True)
+        return [summary(row) for row in rows]
+
+    async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
+        key = execution_key(execution_id)
+        row = await self._call(lambda pool: pool.fetchrow(
+            SUMMARY_SQL + " WHERE e.ekey = $1", key), idempotent=True)
+        return None if row is None else summary(row)
+
+    async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
+        _check_limit(limit)
+        if limit == 0:
+            return []
+        rows = await self._call(lambda pool: pool.fetch(DUE_TIMERS_SQL, now_ms, limit),
+                                idempotent=True)
+        return [DueTimer(row["execution_id"], row["timer_id"], row["due_at"]) for row in rows]
+
+    async def close(self) -> None:
+        """Close this store's pool (once every store sharing it closed)."""
+        if not self._closed:
+            self._closed = True
+            await self._db.release()
+
+
+class PostgresSnapshotStore(_PostgresBase):
+    """A ``SnapshotStore`` in the ``snapshots`` table (jsonb).
+
+    jsonb does not keep key order; a state reads back equal, not byte-identical.
+    Takes the same arguments as ``PostgresEventStore`` (those that apply), or
+    share an event store's pool with ``event_store.snapshot_store()``.
+    """
+
+    def __init__(self, url: str, *, pool_min: int | None = None, pool_max: int | None = None,
+                 schema: str | None = None, migrate: bool = True,
+                 connect_timeout: float = 10.0) -> None:
+        self._db = _Database(url, pool_min=pool_min, pool_max=pool_max, schema=schema,
+                             connect_timeout=connect_timeout, migrate=migrate)
+        self._closed = False
+
+    @classmethod
+    def _sharing(cls, db: _Database) -> PostgresSnapshotStore:
+        store = cls.__new__(cls)
+        store._db = db
+        store._closed = False
+        return store
+
+    async def open(self) -> PostgresSnapshotStore:
+        await self._db.ready()
+        return self
+
+    async def save(self, snapshot: Snapshot) -> None:
+        try:
+            state = dumps(snapshot.state)
+        except (TypeError, ValueError) as exc:
+            raise NotSerializableError(f"snapshot of {snapshot.execution_id!r} is not "
+                                       f"JSON: {exc}") from exc
+        key = execution_key(snapshot.execution_id)
+        await self._call(lambda pool: pool.execute(
+            "INSERT INTO snapshots (ekey, execution_id, sequence, state) "
+            "VALUES ($1, $2, $3, $4::jsonb) ON CONFLICT (ekey) DO UPDATE SET "
+            "sequence = EXCLUDED.sequence, state = EXCLUDED.state",
+            key, snapshot.execution_id, snapshot.sequence, state), idempotent=True)
+
+    async def load(self, execution_id: str) -> Snapshot | None:
+        key = execution_key(execution_id)
+        row = await self._call(lambda pool: pool.fetchrow(
+            "SELECT sequence, state::text AS state FROM snapshots WHERE ekey = $1", key),
+            idempotent=True)
+        if row is None:
+            return None
+        try:
+            state = json.loads(row["state"])
+        except ValueError as exc:
+            raise CorruptLogError(f"snapshot of {execution_id!r} is not JSON: {exc}",
+                                  execution_id=execution_id) from exc
+        if not isinstance(state, dict):
+            raise CorruptLogError(f"snapshot of {execution_id!r} is not an object",
+                                  execution_id=execution_id)
+        return Snapshot(execution_id, int(row["sequence"]), state)
+
+    async def delete(self, execution_id: str) -> None:
+        key = execution_key(execution_id)
+        await self._call(lambda pool: pool.execute(
+            "DELETE FROM snapshots WHERE ekey = $1", key), idempotent=True)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._db.release()

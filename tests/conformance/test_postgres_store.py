@@ -1,0 +1,278 @@
+"""The conformance kit on the Postgres store (a real server), plus what is specific to it.
+
+Each test gets its own schema in a database this module creates and drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Iterator
+
+import asyncpg
+import pytest
+from conftest import ManualClock
+from postgres_server import throwaway_database
+
+from fleet.kernel.errors import (
+    ConfigurationError,
+    CorruptLogError,
+    DuplicateSequenceError,
+    PayloadTooLargeError,
+    SchemaVersionError,
+    StaleFenceError,
+    StoreError,
+)
+from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.store.coalescing import CoalescingEventStore
+from fleet.kernel.store.conformance import (
+    T0,
+    EventStoreConformance,
+    SnapshotStoreConformance,
+    make_event,
+    started,
+)
+from fleet.kernel.store.factory import (
+    open_event_store,
+    open_snapshot_store,
+    postgres_event_store_class,
+)
+from fleet.kernel.store.pg_migrations import SCHEMA_VERSION
+from fleet.kernel.store.postgres import PostgresEventStore, PostgresSnapshotStore
+from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
+
+pytestmark = pytest.mark.integration
+E = EventType
+
+
+@pytest.fixture(scope="module")
+def database_url() -> Iterator[str]:
+    with throwaway_database() as url:
+        yield url
+
+
+def fresh_schema() -> str:
+    return f"t_{secrets.token_hex(5)}"
+
+
+class TestPostgresEventStore(EventStoreConformance):
+    @pytest.fixture
+    async def store(self, database_url: str, clock: ManualClock) -> AsyncIterator[EventStore]:
+        self.clock = clock
+        store = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4, clock=clock)
+        yield store
+        await store.close()
+
+    async def pass_time(self, ms: int) -> None:
+        self.clock.advance(ms)
+
+
+class TestCoalescedPostgresEventStore(EventStoreConformance):
+    @pytest.fixture
+    async def store(self, database_url: str, clock: ManualClock) -> AsyncIterator[EventStore]:
+        self.clock = clock
+        inner = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4, clock=clock)
+        store = CoalescingEventStore(inner, max_batch=16, max_wait_ms=1)
+        yield store
+        await store.close()
+
+    async def pass_time(self, ms: int) -> None:
+        self.clock.advance(ms)
+
+
+class TestPostgresSnapshotStore(SnapshotStoreConformance):
+    @pytest.fixture
+    async def snapshot_store(self, database_url: str) -> AsyncIterator[SnapshotStore]:
+        store = PostgresSnapshotStore(database_url, schema=fresh_schema(), pool_max=2)
+        yield store
+        await store.close()
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[PostgresEventStore]:
+    store = await PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4).open()
+    yield store
+    await store.close()
+
+
+async def _raw(store: PostgresEventStore, database_url: str) -> asyncpg.Connection:
+    return await asyncpg.connect(database_url,
+                                 server_settings={"search_path": f'"{store.schema}"'})
+
+
+async def test_schema_version_is_recorded_and_a_newer_one_refused(
+        db: PostgresEventStore, database_url: str) -> None:
+    raw = await _raw(db, database_url)
+    try:
+        assert await raw.fetchval("SELECT max(version) FROM fleet_schema_version") == (
+            SCHEMA_VERSION)
+        await raw.execute("INSERT INTO fleet_schema_version (version) VALUES ($1)",
+                          SCHEMA_VERSION + 1)
+    finally:
+        await raw.close()
+    again = PostgresEventStore(database_url, schema=db.schema, pool_max=1)
+    with pytest.raises(SchemaVersionError, match=str(SCHEMA_VERSION + 1)):
+        await again.head("x")
+    await again.close()
+
+
+async def test_migrate_false_refuses_an_empty_database(database_url: str) -> None:
+    store = PostgresEventStore(database_url, schema=fresh_schema(), migrate=False, pool_max=1)
+    with pytest.raises(SchemaVersionError, match="fleet db upgrade"):
+        await store.open()
+    await store.close()
+
+
+async def test_two_stores_migrate_one_schema_concurrently(database_url: str) -> None:
+    schema = fresh_schema()
+    stores = [PostgresEventStore(database_url, schema=schema, pool_max=1) for _ in range(4)]
+    try:
+        await asyncio.gather(*(s.open() for s in stores))
+        await stores[0].append(started("m"))
+        assert await stores[3].head("m") == 0
+    finally:
+        for s in stores:
+            await s.close()
+
+
+async def test_corrupt_row_raises_and_neighbours_still_read(
+        db: PostgresEventStore, database_url: str) -> None:
+    await db.append_batch([started("a"), make_event("a", 1), make_event("a", 2)])
+    raw = await _raw(db, database_url)
+    try:
+        await raw.execute("UPDATE events SET body = 'not json {' "
+                          "WHERE ekey = fleet_key('a') AND sequence = 1")
+    finally:
+        await raw.close()
+    with pytest.raises(CorruptLogError, match="sequence 1") as corrupt:
+        await db.read("a")
+    assert corrupt.value.details == {"execution_id": "a", "sequence": 1}
+    assert [e.sequence for e in await db.read("a", after=1)] == [2]
+
+
+async def test_payload_over_the_limit_is_refused_before_writing(database_url: str) -> None:
+    store = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=1,
+                               max_event_bytes=4096)
+    try:
+        await store.append(started("big"))
+        with pytest.raises(PayloadTooLargeError, match="4096"):
+            await store.append(make_event("big", 1, payload={"output": "é" * 3000}))
+        assert await store.head("big") == 0
+        await store.append(make_event("big", 1, payload={"output": "x" * 1000}))
+    finally:
+        await store.close()
+
+
+async def test_closed_store_refuses(db: PostgresEventStore) -> None:
+    await db.close()
+    with pytest.raises(StoreError, match="closed"):
+        await db.head("x")
+
+
+async def test_snapshot_store_shares_the_pool(db: PostgresEventStore) -> None:
+    snapshots = db.snapshot_store()
+    await snapshots.save(Snapshot("s", 3, {"n": 1}))
+    await snapshots.close()
+    assert await db.head("s") is None  # the event store still has its pool
+    again = db.snapshot_store()
+    assert await again.load("s") == Snapshot("s", 3, {"n": 1})
+    await again.close()
+
+
+async def test_factory_opens_postgres_urls(database_url: str) -> None:
+    schema = fresh_schema()
+    store = open_event_store(f"{database_url}?schema={schema}&pool_max=2")
+    snapshots = open_snapshot_store(f"{database_url}?schema={schema}&pool_max=2")
+    try:
+        assert isinstance(store, PostgresEventStore)
+        assert isinstance(snapshots, PostgresSnapshotStore)
+        assert store.schema == schema
+        await store.append(started("f"))
+        await snapshots.save(Snapshot("f", 0, {}))
+        assert await store.head("f") == 0
+    finally:
+        await store.close()
+        await snapshots.close()
+    assert postgres_event_store_class() is PostgresEventStore
+
+
+def test_fleet_exports_the_class_lazily() -> None:
+    import fleet
+
+    assert fleet.PostgresEventStore is PostgresEventStore
+
+
+async def test_unreachable_server_is_unavailable_and_retryable() -> None:
+    from postgres_server import free_port
+
+    store = PostgresEventStore(f"postgresql://postgres@127.0.0.1:{free_port()}/none",
+                               connect_timeout=2)
+    with pytest.raises(StoreError) as refused:
+        await store.head("x")
+    assert refused.value.retryable
+    await store.close()
+
+
+def test_bad_pool_sizes_are_refused() -> None:
+    with pytest.raises(ConfigurationError):
+        PostgresEventStore("postgresql://h/db", pool_min=5, pool_max=2)
+
+
+async def test_append_many_judges_each_request_alone(db: PostgresEventStore,
+                                                     database_url: str) -> None:
+    await db.append(started("a"))
+    await db.append(started("b"))
+    await db.append_batch([started("c"), make_event("c", 1)])
+    old = await db.acquire_fence("b", holder="w1", lease_ms=60_000)
+    new = await db.acquire_fence("b", holder="w2", lease_ms=60_000)
+    requests: list[tuple[list[EventEnvelope], int | None]] = [
+        ([make_event("a", 1)], None),
+        ([make_event("b", 1)], old.token),                     # stale
+        ([make_event("c", 0)], None),                          # slot taken
+        ([make_event("c", 5)], None),                          # gap
+        ([started("n")], None),                                # a new log ...
+        ([make_event("n", 1)], None),                          # ... and two more of it,
+        ([make_event("n", 2, E.TIMER_SCHEDULED, {"timerId": "t", "dueAt": T0})], None),
+        ([make_event("ghost", 1)], None),                      # no log: a gap
+        ([make_event("b", 1), make_event("b", 2, E.EXECUTION_SUSPENDED)], new.token),
+        ([], None),                                            # not a batch
+    ]
+    results = await db.append_many(requests)
+    kinds = [type(r).__name__ if r else None for r in results]
+    assert kinds == [None, "StaleFenceError", "DuplicateSequenceError", "SequenceGapError",
+                     None, None, None, "SequenceGapError", None, "ValidationError"]
+    assert [await db.head(x) for x in ("a", "b", "c", "n", "ghost")] == [1, 2, 1, 2, None]
+    b = await db.get_execution("b")
+    assert b is not None
+    assert (b.status, b.waiting_on, b.fence) == ("parked", "approval", new.token)
+    assert [(t.execution_id, t.timer_id) for t in await db.due_timers(T0)] == [("n", "t")]
+    raw = await _raw(db, database_url)
+    try:
+        assert await raw.fetchval("SELECT count(*) FROM fences WHERE ekey = fleet_key('ghost')"
+                                  ) == 0  # the refused request left no token-0 row
+    finally:
+        await raw.close()
+
+
+async def test_coalescer_groups_and_isolates_a_failing_request(database_url: str) -> None:
+    inner = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4)
+    store = CoalescingEventStore(inner, max_batch=64)
+    try:
+        for x in ("g0", "g1", "g2", "g3"):
+            await store.append(started(x))
+        grant = await store.acquire_fence("g1", holder="w", lease_ms=60_000)
+        flushes = store.flushes
+        writes = [store.append(make_event("g0", 1)),
+                  store.append(make_event("g1", 1), fence=grant.token - 1),  # stale
+                  store.append(make_event("g2", 0)),                         # taken slot
+                  store.append_batch([make_event("g3", 1), make_event("g3", 2)])]
+        writes += [store.append(started(f"n{i}")) for i in range(40)]
+        results = await asyncio.gather(*writes, return_exceptions=True)
+        assert isinstance(results[1], StaleFenceError)
+        assert isinstance(results[2], DuplicateSequenceError)
+        assert [r for i, r in enumerate(results) if i not in (1, 2)] == [None] * 42
+        assert [await store.head(x) for x in ("g0", "g1", "g2", "g3")] == [1, 0, 0, 2]
+        assert len(await store.list_executions(limit=1000)) == 44
+        assert store.flushes - flushes < 4  # 44 requests, a few transactions
+    finally:
+        await store.close()
