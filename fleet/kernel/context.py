@@ -306,12 +306,14 @@ class Context:
             body = {k: v for k, v in payload.items() if v is not None}
             run.journal.commit(EventType.OUTCOME_RECORDED, body, kernel=False)
             return
-        n = run.emit_index
-        run.emit_index += 1
-        if n < run.recorded_emits:
+        # Emits are matched by name, per branch, so parallel branches that
+        # interleave differently on replay neither repeat nor lose one.
+        name = self._name("emit")
+        if name in run.state.emitted:
             return
         data = ensure_json(payload, f"the payload of emit {type!r}")
-        run.journal.commit(EventType.EMITTED, {"type": type, "payload": data}, kernel=False)
+        run.journal.commit(EventType.EMITTED, {"type": type, "payload": data, "name": name},
+                           kernel=False)
 
     # -- time, gates, messages -----------------------------------------------
     async def sleep(self, seconds: float) -> None:

@@ -148,6 +148,7 @@ class OutcomeRecorded(_Payload):
 class Emitted(_Payload):
     type: str
     payload: Json = None
+    name: str | None = None
 
 
 class ValueRecorded(_Payload):

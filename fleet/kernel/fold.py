@@ -92,6 +92,7 @@ class ExecutionState:
     messages: dict[str, list[Any]] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     emits: int = 0
+    emitted: set[str] = field(default_factory=set)
     scopes: dict[str, dict[str, Any]] = field(default_factory=dict)
     migrated_at_seq: int | None = None
     denials: int = 0
@@ -130,6 +131,7 @@ class ExecutionState:
             "_resumePayloads": copy.deepcopy(self.resume_payloads),
             "_messages": copy.deepcopy(self.messages),
             "_values": copy.deepcopy(self.values), "_emits": self.emits,
+            "_emitted": sorted(self.emitted),
             "scopes": copy.deepcopy(self.scopes), "migratedAtSeq": self.migrated_at_seq,
             "denials": self.denials, "recoveries": self.recoveries,
             "output": self.output, "error": self.error,
@@ -151,7 +153,8 @@ class ExecutionState:
             waiting=d.get("waiting"), timers=d.get("timers") or {},
             resume_payloads=d.get("_resumePayloads") or {},
             messages=d.get("_messages") or {}, values=d.get("_values") or {},
-            emits=d.get("_emits", 0), scopes=d.get("scopes") or {},
+            emits=d.get("_emits", 0), emitted=set(d.get("_emitted") or ()),
+            scopes=d.get("scopes") or {},
             migrated_at_seq=d.get("migratedAtSeq"), denials=d.get("denials", 0),
             recoveries=d.get("recoveries", 0), output=d.get("output"),
             error=d.get("error"), started_at=d.get("startedAt"),
@@ -300,6 +303,9 @@ def _outcome(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
 
 def _emitted(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
              ts: int) -> None:
+    name = p.get("name")
+    # An emit without a name (an older writer) was the n-th emit of the body.
+    st.emitted.add(name if isinstance(name, str) else f"emit#{st.emits}")
     st.emits += 1
 
 

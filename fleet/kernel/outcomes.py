@@ -75,9 +75,10 @@ async def record_outcome(runtime: Runtime, execution_id: str, *, decision_id: st
             raise OutcomeRefusedError(
                 f"{type(store).__name__} returned no creation anchor for {execution_id!r}; "
                 "a store or decorator must forward it")
-        state = await _fold_to(runtime, execution_id, tip.head)
-        if state is None:  # the log grew between the observation and the read
+        observed = await _fold_to(runtime, execution_id, tip.head)
+        if observed is None:  # the log grew between the observation and the read
             continue
+        state = observed
         _judge(state, execution_id, decision_id, key, score, success)
         if _duplicate(state, decision_id, key, score, success):
             return OutcomeResult(False)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.kernel.context import (
-    MESSAGE_GATE,
     RESERVED_PREFIX,
     Context,
     _ContinueAsNew,
@@ -44,7 +43,7 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope, EventType, ensure_json
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
-from fleet.kernel.fold import INDOUBT_GATE, ExecutionState, fold_log
+from fleet.kernel.fold import INDOUBT_GATE, MESSAGE_GATE, ExecutionState, fold_log
 from fleet.kernel.journal import EventObserver, Journal, Warner, deliver
 from fleet.kernel.migration import resume_as
 from fleet.kernel.outcomes import OutcomeResult, record_outcome
@@ -127,8 +126,6 @@ class Run:
         self.inline_sleep_max = runtime.inline_sleep_max
         self.asked_steps: set[str] = set()
         self.asked_decisions: set[str] = set()
-        self.emit_index = 0
-        self.recorded_emits = self.state.emits
         self.task: asyncio.Task[Any] | None = None
 
     # Hooks the divergence detector (ADR 0113) fills in.
@@ -313,7 +310,11 @@ class Runtime:
 
     async def _prepare(self, execution_id: str, grant: FenceGrant) -> Run | None:
         """Fold the log under ``grant``; a Run to launch, or None (nothing to do)."""
-        state, last_type = await self._load(execution_id)
+        try:
+            state, last_type = await self._load(execution_id)
+        except BaseException:
+            await self.store.release_fence(execution_id, grant.token)
+            raise
         if state.sequence < 0:
             await self.store.release_fence(execution_id, grant.token)
             raise ExecutionNotFoundError(f"no execution {execution_id!r}")

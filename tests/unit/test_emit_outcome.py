@@ -37,8 +37,9 @@ async def test_emit_is_appended_once_and_not_again_on_replay(store: EventStore) 
     assert await handle.result() == "ok"
     log = await store.read(eid)
     emitted = [e for e in log if str(e.type) == "EMITTED"]
-    assert [e.payload for e in emitted] == [{"type": "order.placed", "payload": {"order": 7}},
-                                            {"type": "order.shipped", "payload": {"order": 7}}]
+    assert [e.payload for e in emitted] == [
+        {"type": "order.placed", "payload": {"order": 7}, "name": "emit#0"},
+        {"type": "order.shipped", "payload": {"order": 7}, "name": "emit#1"}]
     # Userspace events are not kernel-stamped.
     assert not any(e.kernel for e in emitted)
     assert (await runtime.load_state(eid)).emits == 2
@@ -189,3 +190,28 @@ async def test_an_unstamped_forged_outcome_in_a_store_folds_without_the_fields(
     state = await runtime.load_state("x")
     assert "recordedBy" not in state.outcomes[0]
     assert "late" not in state.outcomes[0]
+
+
+async def test_parallel_emits_are_matched_per_branch_on_replay(store: EventStore) -> None:
+    # Branch b parks before it emits; on the replay after the resume, b runs
+    # first, so a single run-wide emit counter would re-append a's emit and
+    # drop b's. Names per branch keep exactly one of each.
+    async def a(ctx: Context) -> str:
+        await ctx.emit("a.done", {})
+        return "a"
+
+    async def b(ctx: Context) -> str:
+        await ctx.wait("go")
+        await ctx.emit("b.done", {})
+        return "b"
+
+    @flow("branches")
+    async def body(ctx: Context, _: Any) -> list[Any]:
+        return await ctx.parallel([b, a])
+
+    runtime = Runtime(store, flows=[body])
+    eid = await started(runtime, "branches")
+    handle = await runtime.resume(eid, "go", True)
+    assert await handle.result() == ["b", "a"]
+    emitted = [e.payload["type"] for e in await store.read(eid) if str(e.type) == "EMITTED"]
+    assert sorted(emitted) == ["a.done", "b.done"]
