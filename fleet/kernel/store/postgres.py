@@ -93,7 +93,8 @@ _OWN_QUERY_KEYS = ("schema", "pool_min", "pool_max")
 
 _CONNECTION_LOST: tuple[type[BaseException], ...] = (
     asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError, TimeoutError,
-    asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.TooManyConnectionsError)
+    asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.TooManyConnectionsError,
+    asyncpg.exceptions.InternalClientError)  # a connection left in a broken state
 
 
 def _unavailable(exc: BaseException) -> StoreUnavailableError:
@@ -269,7 +270,12 @@ class _PostgresBase:
                 return await op(pool)
             except Exception as exc:
                 error = _translate(exc)
-                if attempt or not idempotent or not isinstance(exc, _CONNECTION_LOST):
+                lost = isinstance(exc, _CONNECTION_LOST)
+                if lost:
+                    # A lost link is rarely alone (a restart kills every pooled
+                    # connection): have the pool replace them all on next use.
+                    await pool.expire_connections()
+                if attempt or not idempotent or not lost:
                     raise error from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
