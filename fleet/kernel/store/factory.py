@@ -1,0 +1,115 @@
+"""Pick a store backend from a URL.
+
+Accepted forms::
+
+    memory:                        in process memory (also ``memory://``)
+    sqlite:///relative/path.db     a file relative to the working directory
+    sqlite:////absolute/path.db    an absolute path (four slashes, as SQLAlchemy)
+    postgresql://user@host/db      Postgres via asyncpg (``pip install 'fleet[postgres]'``)
+
+``sqlite:///:memory:`` is refused: the SQLite store runs a writer and a reader
+connection, and two connections cannot share one in-memory database; use
+``memory:`` for a throwaway store.
+
+The Postgres backend is imported only when a ``postgresql://`` URL asks for
+it, so asyncpg stays an optional extra.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from types import ModuleType
+from typing import cast
+
+from fleet.kernel.errors import ConfigurationError, MissingDependencyError
+from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
+from fleet.kernel.store.spi import EventStore, SnapshotStore
+
+__all__ = ["ACCEPTED_FORMS", "open_event_store", "open_snapshot_store",
+           "postgres_event_store_class"]
+
+ACCEPTED_FORMS = ("memory:", "sqlite:///relative/path.db", "sqlite:////absolute/path.db",
+                  "postgresql://user:password@host:5432/database")
+
+_POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def open_event_store(url: str, *, clock: Callable[[], int] | None = None) -> EventStore:
+    """Open the event store ``url`` names.
+
+    Args:
+        url: One of the forms in this module's docstring.
+        clock: Milliseconds since the epoch for leases.
+
+    Raises:
+        ConfigurationError: the URL has an unknown scheme or an unusable path.
+        MissingDependencyError: Postgres was asked for and asyncpg is missing.
+    """
+    kind, target = _parse(url)
+    if kind == "memory":
+        return MemoryEventStore(clock=clock)
+    if kind == "sqlite":
+        from fleet.kernel.store.sqlite import SqliteEventStore
+
+        return SqliteEventStore(target, clock=clock)
+    return cast(EventStore, _postgres().PostgresEventStore(target, clock=clock))
+
+
+def open_snapshot_store(url: str) -> SnapshotStore:
+    """Open the snapshot store ``url`` names (same forms as ``open_event_store``)."""
+    kind, target = _parse(url)
+    if kind == "memory":
+        return MemorySnapshotStore()
+    if kind == "sqlite":
+        from fleet.kernel.store.sqlite import SqliteSnapshotStore
+
+        return SqliteSnapshotStore(target)
+    return cast(SnapshotStore, _postgres().PostgresSnapshotStore(target))
+
+
+def _parse(url: str) -> tuple[str, str]:
+    if url in ("memory:", "memory://"):
+        return "memory", ""
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):]
+        if path in ("", ":memory:") or path.startswith("file:"):
+            raise ConfigurationError(
+                f"{url!r} names no file: the SQLite store needs a file it can open twice "
+                "(a writer and a reader connection). Use `memory:` for a throwaway store "
+                "or `sqlite:///path/to/fleet.db`.")
+        return "sqlite", path
+    if url.startswith(_POSTGRES_SCHEMES):
+        return "postgres", url
+    raise ConfigurationError(f"unknown store URL {_redact(url)!r}; accepted forms: "
+                             + ", ".join(ACCEPTED_FORMS))
+
+
+def postgres_event_store_class() -> type[EventStore]:
+    """``PostgresEventStore``, imported on demand (``fleet.PostgresEventStore`` uses it)."""
+    return cast(type[EventStore], _postgres().PostgresEventStore)
+
+
+def _postgres() -> ModuleType:
+    if importlib.util.find_spec("asyncpg") is None:
+        raise MissingDependencyError("the Postgres store needs asyncpg: "
+                                     "pip install 'fleet[postgres]'")
+    try:
+        return importlib.import_module("fleet.kernel.store.postgres")
+    except ModuleNotFoundError as exc:
+        if exc.name != "fleet.kernel.store.postgres":
+            raise
+        raise ConfigurationError("the Postgres store is not available in this build of "
+                                 "fleet (fleet.kernel.store.postgres is missing); use "
+                                 "`sqlite:///...` or `memory:`") from exc
+
+
+def _redact(url: str) -> str:
+    """Hide a password before a URL goes into an error message or a log."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    credentials, _, host = rest.rpartition("@")
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in credentials else url

@@ -1,0 +1,367 @@
+"""The in-memory store: unit tests, embedded demos and the memory benchmark.
+
+Everything lives in dicts owned by one asyncio loop. Every call first yields
+to the loop once (the "tick") and then does all of its work in one
+synchronous step, so each operation is atomic, yet concurrent callers
+interleave at call boundaries the way they do against a real store; a store
+that never suspended would hide races the runtime has to survive elsewhere.
+
+Envelopes are kept by reference: they are frozen dataclasses and the runtime
+hands over JSON-clean payloads (``ensure_json``), so copying them would only
+cost time. A caller must not mutate a payload dict after appending it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from fleet.kernel.errors import (
+    DuplicateSequenceError,
+    NotSerializableError,
+    SequenceGapError,
+    StaleFenceError,
+    ValidationError,
+)
+from fleet.kernel.events import EventEnvelope
+from fleet.kernel.store.spi import (
+    ConditionalAppendResult,
+    DueTimer,
+    ExecutionSummary,
+    FenceGrant,
+    Snapshot,
+    Status,
+    TipObservation,
+    check_batch,
+    creation_anchor,
+    index_change,
+)
+
+__all__ = ["MemoryEventStore", "MemorySnapshotStore", "wall_clock_ms"]
+
+
+def wall_clock_ms() -> int:
+    """Milliseconds since the epoch, the default lease clock of every store."""
+    return time.time_ns() // 1_000_000
+
+
+async def _tick() -> None:
+    await asyncio.sleep(0)
+
+
+@dataclass(slots=True)
+class _Row:
+    """One execution's index entry (mutable: updated in place on append)."""
+
+    flow_id: str
+    tenant: str | None
+    owner: str | None
+    status: Status
+    waiting_on: str | None
+    started_at: int
+    updated_at: int
+    head: int
+    anchor: str
+
+
+@dataclass(slots=True)
+class _Fence:
+    token: int = 0
+    holder: str | None = None
+    lease_expires_at: int | None = None
+
+
+def _check_lease(lease_ms: int) -> None:
+    if lease_ms < 0:
+        raise ValidationError(f"lease_ms must be >= 0, got {lease_ms}")
+
+
+def _check_limit(limit: int) -> None:
+    if limit < 0:
+        raise ValidationError(f"limit must be >= 0, got {limit}")
+
+
+class MemoryEventStore:
+    """An ``EventStore`` held in process memory, for one asyncio loop.
+
+    Args:
+        clock: Milliseconds since the epoch, read for leases. Defaults to the
+            wall clock; tests pass a controllable one.
+    """
+
+    def __init__(self, clock: Callable[[], int] | None = None) -> None:
+        self._clock = clock or wall_clock_ms
+        self._logs: dict[str, list[EventEnvelope]] = {}
+        self._index: dict[str, _Row] = {}
+        self._fences: dict[str, _Fence] = {}
+        self._timers: dict[str, dict[str, int]] = {}
+
+    # -- writes ------------------------------------------------------------
+
+    async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
+        await _tick()
+        self._check_fence(event.execution_id, fence)
+        self._write(event.execution_id, (event,))
+
+    async def append_batch(self, events: Sequence[EventEnvelope], *,
+                           fence: int | None = None) -> None:
+        execution_id = check_batch(events)
+        await _tick()
+        self._check_fence(execution_id, fence)
+        self._write(execution_id, events)
+
+    async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
+                                  expect: TipObservation | None = None,
+                                  ) -> ConditionalAppendResult:
+        if event is not None:
+            if expect is None:
+                raise ValidationError("append_if_unchanged with an event needs `expect`, "
+                                      "the tip observed before the event was built")
+            if event.execution_id != execution_id:
+                raise ValidationError(f"event of {event.execution_id!r} offered to "
+                                      f"{execution_id!r}")
+        await _tick()
+        # From here to the return nothing awaits: the compare and the write are
+        # one step, so no other caller can move the tip in between.
+        tip = self._tip(execution_id)
+        if tip.head is None:
+            return ConditionalAppendResult(False, "gone", tip)
+        if event is None or expect is None:
+            return ConditionalAppendResult(False, "observed", tip)
+        if (tip.head != expect.head or tip.fence != expect.fence
+                or tip.anchor != expect.anchor or event.sequence != tip.head + 1):
+            return ConditionalAppendResult(False, "moved", tip)
+        self._write(execution_id, (event,))
+        return ConditionalAppendResult(True, None, self._tip(execution_id))
+
+    def _check_fence(self, execution_id: str, fence: int | None) -> None:
+        if fence is None:
+            return
+        held = self._fences.get(execution_id)
+        current = held.token if held is not None else 0
+        if fence != current:
+            raise StaleFenceError(f"fence {fence} of {execution_id!r} was superseded by "
+                                  f"{current}; this writer must stop",
+                                  presented=fence, current=current)
+
+    def _write(self, execution_id: str, events: Sequence[EventEnvelope]) -> None:
+        """Place ``events`` at the head of the log and move the index (checked first)."""
+        log = self._logs.get(execution_id)
+        expected = len(log) if log is not None else 0
+        first = events[0]
+        for event in events:
+            if event.execution_id != execution_id:
+                raise ValidationError(f"event of {event.execution_id!r} in a write for "
+                                      f"{execution_id!r}")
+            if event.id != f"{execution_id}-{event.sequence}":
+                raise ValidationError(f"event id {event.id!r} does not match "
+                                      f"{execution_id!r}-{event.sequence}")
+        if first.sequence < expected:
+            raise DuplicateSequenceError(f"{execution_id!r} already holds sequence "
+                                         f"{first.sequence} (head {expected - 1})")
+        if first.sequence > expected:
+            raise SequenceGapError(f"{execution_id!r} expects sequence {expected}, "
+                                   f"got {first.sequence}")
+        if log is None:
+            log = self._logs[execution_id] = []
+        log.extend(events)
+        self._move_index(execution_id, events)
+
+    def _move_index(self, execution_id: str, events: Iterable[EventEnvelope]) -> None:
+        row = self._index.get(execution_id)
+        for event in events:
+            change = index_change(event)
+            if row is None:  # sequence 0: the log is born
+                started = change.started
+                row = _Row(flow_id=started.get("flow_id", ""), tenant=started.get("tenant"),
+                           owner=started.get("owner"), status=change.status or "running",
+                           waiting_on=change.waiting_on, started_at=event.timestamp,
+                           updated_at=event.timestamp, head=event.sequence,
+                           anchor=creation_anchor(event))
+                self._index[execution_id] = row
+            else:
+                row.head = event.sequence
+                row.updated_at = event.timestamp
+                if change.status is not None:
+                    row.status = change.status
+                    row.waiting_on = change.waiting_on
+            if change.timer_add is not None:
+                self._timers.setdefault(execution_id, {})[change.timer_add.timer_id] = (
+                    change.timer_add.due_at)
+            if change.timer_remove is not None:
+                self._timers.get(execution_id, {}).pop(change.timer_remove, None)
+            if change.clear_timers:
+                self._timers.pop(execution_id, None)
+
+    async def delete_execution(self, execution_id: str) -> bool:
+        await _tick()
+        existed = self._logs.pop(execution_id, None) is not None
+        self._index.pop(execution_id, None)
+        self._timers.pop(execution_id, None)
+        held = self._fences.get(execution_id)
+        # A real token outlives the log: a zombie writer of a re-created id must
+        # still present a stale token and be refused.
+        if held is not None and held.token == 0:
+            del self._fences[execution_id]
+        return existed
+
+    # -- fences ------------------------------------------------------------
+
+    async def acquire_fence(self, execution_id: str, *, holder: str,
+                            lease_ms: int) -> FenceGrant:
+        _check_lease(lease_ms)
+        await _tick()
+        return self._grant(execution_id, holder, lease_ms)
+
+    async def acquire_fence_if(self, execution_id: str, *, holder: str,
+                               lease_ms: int) -> FenceGrant | None:
+        _check_lease(lease_ms)
+        await _tick()
+        held = self._fences.get(execution_id)
+        if (held is not None and held.lease_expires_at is not None
+                and held.lease_expires_at > self._clock()):
+            return None
+        return self._grant(execution_id, holder, lease_ms)
+
+    def _grant(self, execution_id: str, holder: str, lease_ms: int) -> FenceGrant:
+        held = self._fences.setdefault(execution_id, _Fence())
+        held.token += 1
+        held.holder = holder
+        held.lease_expires_at = self._clock() + lease_ms
+        return FenceGrant(execution_id, held.token, holder, held.lease_expires_at)
+
+    async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
+        _check_lease(lease_ms)
+        await _tick()
+        held = self._fences.get(execution_id)
+        if held is None or held.token != token or token == 0:
+            return False
+        held.lease_expires_at = self._clock() + lease_ms
+        return True
+
+    async def release_fence(self, execution_id: str, token: int) -> bool:
+        await _tick()
+        held = self._fences.get(execution_id)
+        if held is None or held.token != token or token == 0:
+            return False
+        held.holder = None
+        held.lease_expires_at = None
+        return True
+
+    # -- reads -------------------------------------------------------------
+
+    async def read(self, execution_id: str, *, after: int = -1) -> list[EventEnvelope]:
+        await _tick()
+        log = self._logs.get(execution_id)
+        if log is None:
+            return []
+        # The log is contiguous from 0, so a sequence is its list index.
+        return log[max(after + 1, 0):]
+
+    async def head(self, execution_id: str) -> int | None:
+        await _tick()
+        log = self._logs.get(execution_id)
+        return len(log) - 1 if log else None
+
+    def _tip(self, execution_id: str) -> TipObservation:
+        held = self._fences.get(execution_id) or _Fence()
+        row = self._index.get(execution_id)
+        return TipObservation(head=row.head if row else None, fence=held.token,
+                              anchor=row.anchor if row else None, holder=held.holder,
+                              lease_expires_at=held.lease_expires_at)
+
+    def _summary(self, execution_id: str, row: _Row) -> ExecutionSummary:
+        held = self._fences.get(execution_id) or _Fence()
+        return ExecutionSummary(
+            execution_id=execution_id, flow_id=row.flow_id, tenant=row.tenant,
+            owner=row.owner, status=row.status, waiting_on=row.waiting_on,
+            started_at=row.started_at, updated_at=row.updated_at, head=row.head,
+            fence=held.token, holder=held.holder, lease_expires_at=held.lease_expires_at)
+
+    async def list_executions(self, *, status: str | None = None, flow_id: str | None = None,
+                              tenant: str | None = None, waiting_on: str | None = None,
+                              updated_before: int | None = None,
+                              updated_after: int | None = None,
+                              lease_expired_at: int | None = None,
+                              after_id: str | None = None,
+                              limit: int = 100) -> list[ExecutionSummary]:
+        _check_limit(limit)
+        await _tick()
+        out: list[ExecutionSummary] = []
+        if limit == 0:
+            return out
+        for execution_id in sorted(self._index):
+            row = self._index[execution_id]
+            if after_id is not None and execution_id <= after_id:
+                continue
+            if ((status is not None and row.status != status)
+                    or (flow_id is not None and row.flow_id != flow_id)
+                    or (tenant is not None and row.tenant != tenant)
+                    or (waiting_on is not None and row.waiting_on != waiting_on)
+                    or (updated_before is not None and row.updated_at >= updated_before)
+                    or (updated_after is not None and row.updated_at <= updated_after)):
+                continue
+            if lease_expired_at is not None:
+                held = self._fences.get(execution_id)
+                if (held is not None and held.lease_expires_at is not None
+                        and held.lease_expires_at > lease_expired_at):
+                    continue
+            out.append(self._summary(execution_id, row))
+            if len(out) >= limit:
+                break
+        return out
+
+    async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
+        await _tick()
+        row = self._index.get(execution_id)
+        return self._summary(execution_id, row) if row is not None else None
+
+    async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
+        _check_limit(limit)
+        await _tick()
+        due = [DueTimer(execution_id, timer_id, due_at)
+               for execution_id, timers in self._timers.items()
+               for timer_id, due_at in timers.items() if due_at <= now_ms]
+        due.sort(key=lambda t: (t.due_at, t.execution_id, t.timer_id))
+        return due[:limit]
+
+    async def close(self) -> None:
+        """Nothing to release; the data stays readable until the store is dropped."""
+
+
+class MemorySnapshotStore:
+    """A ``SnapshotStore`` in process memory.
+
+    States are copied through JSON on save and on load, so a caller that keeps
+    folding the dict it saved cannot change the checkpoint, and a state that
+    would not survive a real backend is refused here too.
+    """
+
+    def __init__(self) -> None:
+        self._snapshots: dict[str, tuple[int, str]] = {}
+
+    async def save(self, snapshot: Snapshot) -> None:
+        try:
+            text = json.dumps(snapshot.state, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise NotSerializableError(f"snapshot of {snapshot.execution_id!r} is not "
+                                       f"JSON: {exc}") from exc
+        await _tick()
+        self._snapshots[snapshot.execution_id] = (snapshot.sequence, text)
+
+    async def load(self, execution_id: str) -> Snapshot | None:
+        await _tick()
+        stored = self._snapshots.get(execution_id)
+        if stored is None:
+            return None
+        return Snapshot(execution_id, stored[0], json.loads(stored[1]))
+
+    async def delete(self, execution_id: str) -> None:
+        await _tick()
+        self._snapshots.pop(execution_id, None)
+
+    async def close(self) -> None:
+        """Nothing to release."""

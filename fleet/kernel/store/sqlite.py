@@ -1,0 +1,732 @@
+"""The SQLite store: the embedded default (WAL, ``synchronous=NORMAL``).
+
+Threads. sqlite3 blocks, so it never runs on the asyncio loop. A database
+file opened by this process is served by two threads, each owning one
+connection: a *writer* and a *reader*. Every store object on the same file
+(event and snapshot stores alike) shares them, so two stores never fight over
+SQLite's file lock with its millisecond back-off sleeps.
+
+Group commit. The writer drains every write request that is queued, opens one
+``BEGIN IMMEDIATE`` transaction, runs each request inside its own
+``SAVEPOINT`` (a stale fence or a taken slot rolls back that request only, not
+its neighbours) and commits once. A request's future resolves only after the
+commit, so "appended" always means durable to the WAL. All checks (fence,
+head, anchor) and the insert of one request happen inside that transaction
+with the write lock held, so they are atomic against this process and any
+other process on the file.
+
+Reads run on the reader connection in autocommit mode: every statement sees
+the latest commit, which is all a caller can have been told about. Rows are
+validated with ``EventEnvelope.from_json``; a row that does not parse raises
+``CorruptLogError`` naming the execution and the sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fleet.kernel.errors import (
+    ConfigurationError,
+    CorruptLogError,
+    DuplicateSequenceError,
+    FleetError,
+    NotSerializableError,
+    SchemaVersionError,
+    SequenceGapError,
+    StaleFenceError,
+    StoreError,
+    StoreUnavailableError,
+    ValidationError,
+)
+from fleet.kernel.events import EventEnvelope, dumps
+from fleet.kernel.store.memory import wall_clock_ms
+from fleet.kernel.store.spi import (
+    ConditionalAppendResult,
+    DueTimer,
+    ExecutionSummary,
+    FenceGrant,
+    Snapshot,
+    Status,
+    TipObservation,
+    check_batch,
+    creation_anchor,
+    index_change,
+)
+
+__all__ = ["SCHEMA_VERSION", "SqliteEventStore", "SqliteSnapshotStore"]
+
+SCHEMA_VERSION = 1
+_GROUP_LIMIT = 512  # requests per transaction; bounds the latency of the last one
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS events (
+    execution_id TEXT NOT NULL, sequence INTEGER NOT NULL, type TEXT NOT NULL,
+    timestamp INTEGER NOT NULL, body TEXT NOT NULL,
+    PRIMARY KEY (execution_id, sequence)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS executions (
+    execution_id TEXT PRIMARY KEY, flow_id TEXT NOT NULL, tenant TEXT, owner TEXT,
+    status TEXT NOT NULL, waiting_on TEXT, started_at INTEGER NOT NULL,
+    updated_at INTEGER NOT NULL, head INTEGER NOT NULL, anchor TEXT NOT NULL) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS executions_by_status ON executions (status, execution_id);
+CREATE INDEX IF NOT EXISTS executions_by_flow ON executions (flow_id, execution_id);
+CREATE INDEX IF NOT EXISTS executions_by_tenant ON executions (tenant, execution_id);
+CREATE INDEX IF NOT EXISTS executions_by_gate ON executions (waiting_on, execution_id)
+    WHERE waiting_on IS NOT NULL;
+CREATE INDEX IF NOT EXISTS executions_by_updated ON executions (updated_at);
+CREATE TABLE IF NOT EXISTS fences (
+    execution_id TEXT PRIMARY KEY, token INTEGER NOT NULL, holder TEXT,
+    lease_expires_at INTEGER) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS timers (
+    execution_id TEXT NOT NULL, timer_id TEXT NOT NULL, due_at INTEGER NOT NULL,
+    PRIMARY KEY (execution_id, timer_id)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS timers_by_due ON timers (due_at, execution_id, timer_id);
+CREATE TABLE IF NOT EXISTS snapshots (
+    execution_id TEXT PRIMARY KEY, sequence INTEGER NOT NULL, state TEXT NOT NULL)
+    WITHOUT ROWID;
+"""
+
+# One statement, so head, anchor and fence are read from one snapshot; the
+# outer row exists even when neither the log nor the fence does.
+_TIP_SQL = """
+SELECT e.head, e.anchor, f.token, f.holder, f.lease_expires_at
+FROM (SELECT ? AS id) AS k
+LEFT JOIN executions AS e ON e.execution_id = k.id
+LEFT JOIN fences AS f ON f.execution_id = k.id
+"""
+
+_SUMMARY_SQL = """
+SELECT e.execution_id, e.flow_id, e.tenant, e.owner, e.status, e.waiting_on, e.started_at,
+       e.updated_at, e.head, f.token, f.holder, f.lease_expires_at
+FROM executions AS e LEFT JOIN fences AS f ON f.execution_id = e.execution_id
+"""
+
+T = TypeVar("T")
+Job = Callable[[sqlite3.Connection], Any]
+
+
+def _unavailable(exc: BaseException) -> StoreUnavailableError:
+    return StoreUnavailableError(f"SQLite failed: {exc}")
+
+
+def _translate(exc: Exception) -> Exception:
+    if isinstance(exc, FleetError):
+        return exc
+    if isinstance(exc, sqlite3.IntegrityError):
+        # The checks run first, so only a slot taken behind the index's back lands here.
+        return DuplicateSequenceError(f"SQLite refused the insert: {exc}")
+    if isinstance(exc, sqlite3.Error):
+        return _unavailable(exc)
+    return exc
+
+
+@dataclass(slots=True)
+class _Request:
+    job: Job | None  # None: close the connection and end the thread
+    loop: asyncio.AbstractEventLoop | None  # None: nobody awaits the answer
+    future: asyncio.Future[Any] | None
+
+
+def _settle(outcomes: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
+    for future, ok, value in outcomes:
+        if future.done():  # the caller was cancelled; the write may still have landed
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+
+class _Worker:
+    """One sqlite3 connection owned by one thread, fed through a queue.
+
+    A writer runs each drained group of requests in one transaction with a
+    savepoint per request; a reader runs them one by one in autocommit mode.
+    Results reach each caller's loop with one ``call_soon_threadsafe`` per
+    group and loop, not one wake-up per request.
+    """
+
+    def __init__(self, path: str, *, writer: bool) -> None:
+        self._path = path
+        self._writer = writer
+        self._queue: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._closed = False
+        self._ready = threading.Event()
+        self._open_error: BaseException | None = None
+        self._conn: sqlite3.Connection | None = None
+        self.requests = 0      # jobs run; with ``transactions`` it shows the grouping
+        self.transactions = 0
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"fleet-sqlite-{'writer' if writer else 'reader'}")
+        self._thread.start()
+        self._ready.wait()
+        if self._open_error is not None:
+            self._thread.join()
+            raise self._open_error
+
+    async def call(self, job: Callable[[sqlite3.Connection], T]) -> T:
+        if self._closed:
+            raise StoreError(f"the SQLite store on {self._path} is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put(_Request(job, loop, future))
+        return await future
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._queue.put(_Request(None, loop, future))
+        await future
+        self._thread.join()  # the thread has settled its last future; it is exiting
+
+    def stop(self) -> None:
+        """Stop from sync code (a failed open of the file's other connection)."""
+        self._closed = True
+        self._queue.put(_Request(None, None, None))
+        self._thread.join()
+
+    def _open(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self._path, isolation_level=None, cached_statements=256)
+        try:
+            conn.execute("PRAGMA busy_timeout = 10000")
+            if not self._writer:
+                conn.execute("PRAGMA query_only = 1")
+                return conn
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise ConfigurationError(f"SQLite at {self._path} refused WAL mode ({mode})")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise SchemaVersionError(f"{self._path} has schema {version}; this fleet "
+                                         f"reads up to {SCHEMA_VERSION}: upgrade fleet")
+            if version < SCHEMA_VERSION:
+                conn.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} "
+                                   f"PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+            return conn
+        except BaseException:
+            conn.close()
+            raise
+
+    def _run(self) -> None:
+        try:
+            conn = self._conn = self._open()
+        except FleetError as exc:
+            self._open_error = exc
+        except sqlite3.Error as exc:
+            self._open_error = StoreUnavailableError(f"cannot open SQLite at {self._path}: "
+                                                     f"{exc}")
+        finally:
+            self._ready.set()
+        if self._open_error is not None:
+            return
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
+            while len(batch) < _GROUP_LIMIT and batch[-1].job is not None:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if batch[-1].job is None:
+                stop = True
+                closer = batch.pop()
+            jobs = [req.job for req in batch if req.job is not None]
+            self.requests += len(jobs)
+            self.transactions += bool(jobs)
+            if not jobs:
+                results: list[tuple[bool, Any]] = []
+            elif self._writer:
+                results = self._group(conn, jobs)
+            else:
+                results = [self._one(conn, job) for job in jobs]
+            if stop:
+                conn.close()
+                batch.append(closer)
+                results.append((True, None))
+            by_loop: dict[asyncio.AbstractEventLoop,
+                          list[tuple[asyncio.Future[Any], bool, Any]]] = {}
+            for req, (ok, value) in zip(batch, results, strict=True):
+                if req.loop is not None and req.future is not None:
+                    by_loop.setdefault(req.loop, []).append((req.future, ok, value))
+            for loop, outcomes in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_settle, outcomes)
+                except RuntimeError:  # that loop is closed: nobody awaits these any more
+                    pass
+
+    @staticmethod
+    def _one(conn: sqlite3.Connection, job: Job) -> tuple[bool, Any]:
+        try:
+            return True, job(conn)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it; the thread lives on
+            return False, _translate(exc)
+
+    @staticmethod
+    def _group(conn: sqlite3.Connection, jobs: list[Job]) -> list[tuple[bool, Any]]:
+        results: list[tuple[bool, Any]] = []
+        # A lone request needs no savepoint: rolling back the transaction undoes it.
+        alone = len(jobs) == 1
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for job in jobs:
+                if not alone:
+                    conn.execute("SAVEPOINT request")
+                try:
+                    value = job(conn)
+                except Exception as exc:  # noqa: BLE001 - one request's error, not the group's
+                    conn.execute("ROLLBACK" if alone else "ROLLBACK TO request")
+                    results.append((False, _translate(exc)))
+                else:
+                    results.append((True, value))
+                if not alone:
+                    conn.execute("RELEASE request")
+            if conn.in_transaction:
+                conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            # The transaction is lost as a whole; every verdict in it was judged
+            # against state that never committed, so all of them fail (retryable).
+            if conn.in_transaction:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            return [(False, _unavailable(exc))] * len(jobs)
+        return results
+
+
+class _Database:
+    """The writer and reader of one file, shared by every store opened on it."""
+
+    _open: dict[str, _Database] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.users = 0
+        self.writer = _Worker(path, writer=True)
+        try:
+            self.reader = _Worker(path, writer=False)
+        except BaseException:
+            self.writer.stop()
+            raise
+
+    @classmethod
+    def acquire(cls, path: str | os.PathLike[str]) -> _Database:
+        text = os.fspath(path)
+        if text in ("", ":memory:") or text.startswith("file:"):
+            raise ConfigurationError(
+                f"SQLite store path {text!r} is not a file path: the store opens two "
+                "connections, which an in-memory SQLite database cannot share. Use the "
+                "memory store (`memory:`) or a file, e.g. a temporary directory.")
+        key = os.path.realpath(text)
+        with cls._lock:
+            db = cls._open.get(key)
+            if db is None:
+                db = cls._open[key] = _Database(key)
+            db.users += 1
+            return db
+
+    async def release(self) -> None:
+        with self._lock:
+            self.users -= 1
+            last = self.users == 0
+            if last:
+                del self._open[self.path]
+        if last:
+            await self.writer.close()
+            await self.reader.close()
+
+
+def _forget_after_fork() -> None:
+    # A forked child (a Celery prefork worker) inherits the registry but not the
+    # threads behind it; reusing an entry would queue requests nobody serves.
+    _Database._open = {}
+    _Database._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+# --------------------------------------------------------------------------
+# The jobs: plain functions of a connection, run on the writer or the reader.
+# --------------------------------------------------------------------------
+
+
+def _tip(conn: sqlite3.Connection, execution_id: str) -> TipObservation:
+    head, anchor, token, holder, lease = conn.execute(_TIP_SQL, (execution_id,)).fetchone()
+    return TipObservation(head=head, fence=token or 0, anchor=anchor, holder=holder,
+                          lease_expires_at=lease)
+
+
+@dataclass(slots=True)
+class _Write:
+    """A write prepared on the loop: validated, serialised, ready to insert."""
+
+    execution_id: str
+    events: Sequence[EventEnvelope]
+    rows: list[tuple[str, int, str, int, str]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, execution_id: str, events: Sequence[EventEnvelope]) -> _Write:
+        write = cls(execution_id, events)
+        for event in events:
+            if event.execution_id != execution_id:
+                raise ValidationError(f"event of {event.execution_id!r} in a write for "
+                                      f"{execution_id!r}")
+            if event.id != f"{execution_id}-{event.sequence}":
+                raise ValidationError(f"event id {event.id!r} does not match "
+                                      f"{execution_id!r}-{event.sequence}")
+            try:
+                body = dumps(event.to_dict())
+            except (TypeError, ValueError) as exc:
+                raise NotSerializableError(f"event {event.id!r} is not JSON: {exc}") from exc
+            write.rows.append((execution_id, event.sequence, str(event.type),
+                               event.timestamp, body))
+        return write
+
+    def place(self, conn: sqlite3.Connection, head: int | None) -> None:
+        """Insert at ``head + 1`` and move the index; the fence was checked already."""
+        expected = 0 if head is None else head + 1
+        first = self.events[0].sequence
+        if first < expected:
+            raise DuplicateSequenceError(f"{self.execution_id!r} already holds sequence "
+                                         f"{first} (head {head})")
+        if first > expected:
+            raise SequenceGapError(f"{self.execution_id!r} expects sequence {expected}, "
+                                   f"got {first}")
+        conn.executemany("INSERT INTO events (execution_id, sequence, type, timestamp, body)"
+                         " VALUES (?, ?, ?, ?, ?)", self.rows)
+        rest: Sequence[EventEnvelope] = self.events
+        if head is None:
+            born = self.events[0]
+            change = index_change(born)
+            started = change.started
+            conn.execute("INSERT INTO executions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (self.execution_id, started.get("flow_id", ""), started.get("tenant"),
+                          started.get("owner"), change.status or "running", change.waiting_on,
+                          born.timestamp, born.timestamp, born.sequence,
+                          creation_anchor(born)))
+            _move_timers(conn, self.execution_id, change.timer_add, change.timer_remove,
+                         change.clear_timers)
+            rest = self.events[1:]
+        if not rest:
+            return
+        status: tuple[Status, str | None] | None = None
+        for event in rest:
+            change = index_change(event)
+            if change.status is not None:
+                status = (change.status, change.waiting_on)
+            _move_timers(conn, self.execution_id, change.timer_add, change.timer_remove,
+                         change.clear_timers)
+        last = rest[-1]
+        if status is None:
+            conn.execute("UPDATE executions SET head = ?, updated_at = ? WHERE execution_id = ?",
+                         (last.sequence, last.timestamp, self.execution_id))
+        else:
+            conn.execute("UPDATE executions SET head = ?, updated_at = ?, status = ?, "
+                         "waiting_on = ? WHERE execution_id = ?",
+                         (last.sequence, last.timestamp, status[0], status[1],
+                          self.execution_id))
+
+
+def _move_timers(conn: sqlite3.Connection, execution_id: str, add: DueTimer | None,
+                 remove: str | None, clear: bool) -> None:
+    if add is not None:
+        conn.execute("INSERT OR REPLACE INTO timers VALUES (?, ?, ?)",
+                     (execution_id, add.timer_id, add.due_at))
+    if remove is not None:
+        conn.execute("DELETE FROM timers WHERE execution_id = ? AND timer_id = ?",
+                     (execution_id, remove))
+    if clear:
+        conn.execute("DELETE FROM timers WHERE execution_id = ?", (execution_id,))
+
+
+def _check_lease(lease_ms: int) -> None:
+    if lease_ms < 0:
+        raise ValidationError(f"lease_ms must be >= 0, got {lease_ms}")
+
+
+def _check_limit(limit: int) -> None:
+    # SQLite reads a negative LIMIT as "no limit"; refuse it rather than surprise.
+    if limit < 0:
+        raise ValidationError(f"limit must be >= 0, got {limit}")
+
+
+def _parse(execution_id: str, sequence: int, body: Any) -> EventEnvelope:
+    try:
+        event = EventEnvelope.from_json(body)
+    except CorruptLogError as exc:
+        raise CorruptLogError(f"execution {execution_id!r} sequence {sequence} is corrupt: "
+                              f"{exc.message}", execution_id=execution_id,
+                              sequence=sequence) from exc
+    if event.execution_id != execution_id or event.sequence != sequence:
+        raise CorruptLogError(f"execution {execution_id!r} sequence {sequence} holds the "
+                              f"envelope of {event.id!r}", execution_id=execution_id,
+                              sequence=sequence)
+    return event
+
+
+class SqliteEventStore:
+    """An ``EventStore`` in one SQLite file, safe for many stores and processes.
+
+    Args:
+        path: The database file (created when missing). ``":memory:"`` is
+            refused: the store needs two connections to one database.
+        clock: Milliseconds since the epoch, read for leases.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *,
+                 clock: Callable[[], int] | None = None) -> None:
+        self._db = _Database.acquire(path)
+        self._clock = clock or wall_clock_ms
+        self._closed = False
+        self.path = self._db.path
+
+    # -- writes ------------------------------------------------------------
+
+    async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
+        await self._append(_Write.of(event.execution_id, (event,)), fence)
+
+    async def append_batch(self, events: Sequence[EventEnvelope], *,
+                           fence: int | None = None) -> None:
+        await self._append(_Write.of(check_batch(events), events), fence)
+
+    async def _append(self, write: _Write, fence: int | None) -> None:
+        def job(conn: sqlite3.Connection) -> None:
+            tip = _tip(conn, write.execution_id)
+            if fence is not None and fence != tip.fence:
+                raise StaleFenceError(f"fence {fence} of {write.execution_id!r} was "
+                                      f"superseded by {tip.fence}; this writer must stop",
+                                      presented=fence, current=tip.fence)
+            write.place(conn, tip.head)
+
+        await self._db.writer.call(job)
+
+    async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
+                                  expect: TipObservation | None = None,
+                                  ) -> ConditionalAppendResult:
+        if event is None:
+            tip = await self._db.reader.call(lambda conn: _tip(conn, execution_id))
+            return ConditionalAppendResult(False, "gone" if tip.head is None else "observed",
+                                           tip)
+        if expect is None:
+            raise ValidationError("append_if_unchanged with an event needs `expect`, "
+                                  "the tip observed before the event was built")
+        write = _Write.of(execution_id, (event,))
+
+        def job(conn: sqlite3.Connection) -> ConditionalAppendResult:
+            tip = _tip(conn, execution_id)
+            if tip.head is None:
+                return ConditionalAppendResult(False, "gone", tip)
+            if (tip.head != expect.head or tip.fence != expect.fence
+                    or tip.anchor != expect.anchor or event.sequence != tip.head + 1):
+                return ConditionalAppendResult(False, "moved", tip)
+            write.place(conn, tip.head)
+            return ConditionalAppendResult(True, None, TipObservation(
+                event.sequence, tip.fence, tip.anchor, tip.holder, tip.lease_expires_at))
+
+        return await self._db.writer.call(job)
+
+    async def delete_execution(self, execution_id: str) -> bool:
+        def job(conn: sqlite3.Connection) -> bool:
+            gone = conn.execute("DELETE FROM events WHERE execution_id = ?", (execution_id,))
+            conn.execute("DELETE FROM executions WHERE execution_id = ?", (execution_id,))
+            conn.execute("DELETE FROM timers WHERE execution_id = ?", (execution_id,))
+            # A real token stays as a tombstone so a zombie of a re-created id is refused.
+            conn.execute("DELETE FROM fences WHERE execution_id = ? AND token = 0",
+                         (execution_id,))
+            return gone.rowcount > 0
+
+        return await self._db.writer.call(job)
+
+    # -- fences ------------------------------------------------------------
+
+    async def acquire_fence(self, execution_id: str, *, holder: str,
+                            lease_ms: int) -> FenceGrant:
+        _check_lease(lease_ms)
+        return await self._db.writer.call(lambda conn: self._grant(conn, execution_id,
+                                                                   holder, lease_ms))
+
+    async def acquire_fence_if(self, execution_id: str, *, holder: str,
+                               lease_ms: int) -> FenceGrant | None:
+        _check_lease(lease_ms)
+
+        def job(conn: sqlite3.Connection) -> FenceGrant | None:
+            tip = _tip(conn, execution_id)
+            if tip.lease_expires_at is not None and tip.lease_expires_at > self._clock():
+                return None
+            return self._grant(conn, execution_id, holder, lease_ms)
+
+        return await self._db.writer.call(job)
+
+    def _grant(self, conn: sqlite3.Connection, execution_id: str, holder: str,
+               lease_ms: int) -> FenceGrant:
+        expires = self._clock() + lease_ms
+        (token,) = conn.execute(
+            "INSERT INTO fences VALUES (?, 1, ?, ?) ON CONFLICT (execution_id) DO UPDATE SET "
+            "token = token + 1, holder = excluded.holder, "
+            "lease_expires_at = excluded.lease_expires_at RETURNING token",
+            (execution_id, holder, expires)).fetchone()
+        return FenceGrant(execution_id, token, holder, expires)
+
+    async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
+        _check_lease(lease_ms)
+
+        def job(conn: sqlite3.Connection) -> bool:
+            return conn.execute(
+                "UPDATE fences SET lease_expires_at = ? WHERE execution_id = ? AND token = ? "
+                "AND token > 0", (self._clock() + lease_ms, execution_id, token)).rowcount > 0
+
+        return await self._db.writer.call(job)
+
+    async def release_fence(self, execution_id: str, token: int) -> bool:
+        def job(conn: sqlite3.Connection) -> bool:
+            return conn.execute(
+                "UPDATE fences SET lease_expires_at = NULL, holder = NULL "
+                "WHERE execution_id = ? AND token = ? AND token > 0",
+                (execution_id, token)).rowcount > 0
+
+        return await self._db.writer.call(job)
+
+    # -- reads -------------------------------------------------------------
+
+    async def read(self, execution_id: str, *, after: int = -1) -> list[EventEnvelope]:
+        def job(conn: sqlite3.Connection) -> list[EventEnvelope]:
+            rows = conn.execute("SELECT sequence, body FROM events WHERE execution_id = ? "
+                                "AND sequence > ? ORDER BY sequence", (execution_id, after))
+            return [_parse(execution_id, sequence, body) for sequence, body in rows]
+
+        return await self._db.reader.call(job)
+
+    async def head(self, execution_id: str) -> int | None:
+        def job(conn: sqlite3.Connection) -> int | None:
+            row = conn.execute("SELECT head FROM executions WHERE execution_id = ?",
+                               (execution_id,)).fetchone()
+            return None if row is None else int(row[0])
+
+        return await self._db.reader.call(job)
+
+    async def list_executions(self, *, status: str | None = None, flow_id: str | None = None,
+                              tenant: str | None = None, waiting_on: str | None = None,
+                              updated_before: int | None = None,
+                              updated_after: int | None = None,
+                              lease_expired_at: int | None = None,
+                              after_id: str | None = None,
+                              limit: int = 100) -> list[ExecutionSummary]:
+        _check_limit(limit)
+        where: list[str] = []
+        params: list[Any] = []
+        for clause, value in (("e.status = ?", status), ("e.flow_id = ?", flow_id),
+                              ("e.tenant = ?", tenant), ("e.waiting_on = ?", waiting_on),
+                              ("e.updated_at < ?", updated_before),
+                              ("e.updated_at > ?", updated_after),
+                              ("(f.lease_expires_at IS NULL OR f.lease_expires_at <= ?)",
+                               lease_expired_at),
+                              ("e.execution_id > ?", after_id)):
+            if value is not None:
+                where.append(clause)
+                params.append(value)
+        sql = (_SUMMARY_SQL + (" WHERE " + " AND ".join(where) if where else "")
+               + " ORDER BY e.execution_id LIMIT ?")
+        params.append(limit)
+        return await self._db.reader.call(
+            lambda conn: [_summary(row) for row in conn.execute(sql, params)])
+
+    async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
+        def job(conn: sqlite3.Connection) -> ExecutionSummary | None:
+            row = conn.execute(_SUMMARY_SQL + " WHERE e.execution_id = ?",
+                               (execution_id,)).fetchone()
+            return None if row is None else _summary(row)
+
+        return await self._db.reader.call(job)
+
+    async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
+        _check_limit(limit)
+
+        def job(conn: sqlite3.Connection) -> list[DueTimer]:
+            rows = conn.execute("SELECT execution_id, timer_id, due_at FROM timers "
+                                "WHERE due_at <= ? ORDER BY due_at, execution_id, timer_id "
+                                "LIMIT ?", (now_ms, limit))
+            return [DueTimer(*row) for row in rows]
+
+        return await self._db.reader.call(job)
+
+    async def close(self) -> None:
+        """Release this store's share of the file's threads (the last one stops them)."""
+        if not self._closed:
+            self._closed = True
+            await self._db.release()
+
+
+def _summary(row: tuple[Any, ...]) -> ExecutionSummary:
+    (execution_id, flow_id, tenant, owner, status, waiting_on, started_at, updated_at, head,
+     token, holder, lease) = row
+    return ExecutionSummary(execution_id=execution_id, flow_id=flow_id, tenant=tenant,
+                            owner=owner, status=status, waiting_on=waiting_on,
+                            started_at=started_at, updated_at=updated_at, head=head,
+                            fence=token or 0, holder=holder, lease_expires_at=lease)
+
+
+class SqliteSnapshotStore:
+    """A ``SnapshotStore`` in the ``snapshots`` table of a SQLite file.
+
+    Opened on the same path as a ``SqliteEventStore`` it shares that store's
+    writer and reader threads.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._db = _Database.acquire(path)
+        self._closed = False
+
+    async def save(self, snapshot: Snapshot) -> None:
+        try:
+            state = dumps(snapshot.state)
+        except (TypeError, ValueError) as exc:
+            raise NotSerializableError(f"snapshot of {snapshot.execution_id!r} is not "
+                                       f"JSON: {exc}") from exc
+        def job(conn: sqlite3.Connection) -> None:
+            conn.execute("INSERT OR REPLACE INTO snapshots VALUES (?, ?, ?)",
+                         (snapshot.execution_id, snapshot.sequence, state))
+
+        await self._db.writer.call(job)
+
+    async def load(self, execution_id: str) -> Snapshot | None:
+        def job(conn: sqlite3.Connection) -> Snapshot | None:
+            row = conn.execute("SELECT sequence, state FROM snapshots WHERE execution_id = ?",
+                               (execution_id,)).fetchone()
+            if row is None:
+                return None
+            try:
+                state = json.loads(row[1])
+            except (TypeError, ValueError) as exc:
+                raise CorruptLogError(f"snapshot of {execution_id!r} is not JSON: {exc}",
+                                      execution_id=execution_id) from exc
+            if not isinstance(state, dict):
+                raise CorruptLogError(f"snapshot of {execution_id!r} is not an object",
+                                      execution_id=execution_id)
+            return Snapshot(execution_id, int(row[0]), state)
+
+        return await self._db.reader.call(job)
+
+    async def delete(self, execution_id: str) -> None:
+        def job(conn: sqlite3.Connection) -> None:
+            conn.execute("DELETE FROM snapshots WHERE execution_id = ?", (execution_id,))
+
+        await self._db.writer.call(job)
+
+    async def close(self) -> None:
+        """Release this store's share of the file's threads."""
+        if not self._closed:
+            self._closed = True
+            await self._db.release()

@@ -1,0 +1,85 @@
+"""The conformance kit on the memory store, plus what is specific to it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from conftest import ManualClock
+
+from fleet.kernel.store.conformance import (
+    EventStoreConformance,
+    SnapshotStoreConformance,
+    make_event,
+    started,
+)
+from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
+from fleet.kernel.store.spi import EventStore, SnapshotStore
+
+
+class TestMemoryEventStore(EventStoreConformance):
+    @pytest.fixture
+    async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
+        self.clock = clock
+        store = MemoryEventStore(clock=clock)
+        yield store
+        await store.close()
+
+    async def pass_time(self, ms: int) -> None:
+        self.clock.advance(ms)
+
+
+class TestMemorySnapshotStore(SnapshotStoreConformance):
+    @pytest.fixture
+    async def snapshot_store(self) -> AsyncIterator[SnapshotStore]:
+        store = MemorySnapshotStore()
+        yield store
+        await store.close()
+
+
+def test_satisfies_the_protocols() -> None:
+    assert isinstance(MemoryEventStore(), EventStore)
+    assert isinstance(MemorySnapshotStore(), SnapshotStore)
+
+
+async def test_default_clock_is_the_wall_clock() -> None:
+    store = MemoryEventStore()
+    before = time.time_ns() // 1_000_000
+    grant = await store.acquire_fence("x", holder="w", lease_ms=50)
+    assert before + 50 <= grant.lease_expires_at <= time.time_ns() // 1_000_000 + 50
+    assert await store.acquire_fence_if("x", holder="v", lease_ms=50) is None
+    await asyncio.sleep(0.12)
+    taken = await store.acquire_fence_if("x", holder="v", lease_ms=50)
+    assert taken is not None
+    assert taken.token == grant.token + 1
+
+
+async def test_every_call_yields_to_the_loop() -> None:
+    # A store that never suspended would let one coroutine starve the others and
+    # hide interleavings a real store produces; each call must give way once.
+    store = MemoryEventStore()
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    await store.append(started("y"))
+    for sequence in range(1, 50):
+        await store.append(make_event("y", sequence))
+    task.cancel()
+    assert ticks >= 50
+
+
+async def test_read_returns_a_copy_of_the_log() -> None:
+    store = MemoryEventStore()
+    await store.append(started("c"))
+    first = await store.read("c")
+    first.clear()
+    assert len(await store.read("c")) == 1
