@@ -55,6 +55,16 @@ class TestSqliteSnapshotStore(SnapshotStoreConformance):
         await store.close()
 
 
+async def test_satisfies_the_protocols(tmp_path: Path) -> None:
+    events, snapshots = SqliteEventStore(tmp_path / "p.db"), SqliteSnapshotStore(tmp_path / "p.db")
+    try:
+        assert isinstance(events, EventStore)
+        assert isinstance(snapshots, SnapshotStore)
+    finally:
+        await events.close()
+        await snapshots.close()
+
+
 @pytest.fixture
 async def db(tmp_path: Path) -> AsyncIterator[SqliteEventStore]:
     store = SqliteEventStore(tmp_path / "fleet.db")

@@ -20,7 +20,9 @@ injects a manual clock overrides it to advance that clock instead.
 Pinned choices the SPI leaves open: ``updated_before`` / ``updated_after``
 are strict bounds, a lease expiring exactly at ``lease_expired_at`` counts as
 expired, ``due_timers`` ties break by execution id then timer id, ``limit=0``
-returns nothing and a negative limit is a ``ValidationError``.
+returns nothing and a negative limit or lease is a ``ValidationError``; an
+envelope whose id is not ``f"{executionId}-{sequence}"``, and a conditional
+append that carries an event but no ``expect``, are ``ValidationError`` too.
 """
 
 from __future__ import annotations

@@ -144,6 +144,19 @@ def _settle(outcomes: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
             future.set_exception(value)
 
 
+def _answer(batch: list[_Request], results: list[tuple[bool, Any]]) -> None:
+    """Hand results back: one ``call_soon_threadsafe`` per loop, not per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
+    for req, (ok, value) in zip(batch, results, strict=True):
+        if req.loop is not None and req.future is not None:
+            by_loop.setdefault(req.loop, []).append((req.future, ok, value))
+    for loop, outcomes in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle, outcomes)
+        except RuntimeError:  # that loop is closed: nobody awaits these any more
+            pass
+
+
 class _Worker:
     """One sqlite3 connection owned by one thread, fed through a queue.
 
@@ -238,10 +251,8 @@ class _Worker:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            if batch[-1].job is None:
-                stop = True
-                closer = batch.pop()
             jobs = [req.job for req in batch if req.job is not None]
+            stop = len(jobs) < len(batch)  # the closer is always last
             self.requests += len(jobs)
             self.transactions += bool(jobs)
             if not jobs:
@@ -252,18 +263,17 @@ class _Worker:
                 results = [self._one(conn, job) for job in jobs]
             if stop:
                 conn.close()
-                batch.append(closer)
                 results.append((True, None))
-            by_loop: dict[asyncio.AbstractEventLoop,
-                          list[tuple[asyncio.Future[Any], bool, Any]]] = {}
-            for req, (ok, value) in zip(batch, results, strict=True):
-                if req.loop is not None and req.future is not None:
-                    by_loop.setdefault(req.loop, []).append((req.future, ok, value))
-            for loop, outcomes in by_loop.items():
-                try:
-                    loop.call_soon_threadsafe(_settle, outcomes)
-                except RuntimeError:  # that loop is closed: nobody awaits these any more
-                    pass
+            _answer(batch, results)
+        # A request that raced past the closed flag must not wait forever.
+        late: list[_Request] = []
+        while True:
+            try:
+                late.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        closed = StoreError(f"the SQLite store on {self._path} is closed")
+        _answer(late, [(False, closed)] * len(late))
 
     @staticmethod
     def _one(conn: sqlite3.Connection, job: Job) -> tuple[bool, Any]:
