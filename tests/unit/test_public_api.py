@@ -13,7 +13,8 @@ EXPECTED = {
     "EvaluationError",
     "EventEnvelope", "EventType", "ExecutionBusyError", "ExecutionCancelledError",
     "ExecutionFailedError", "ExecutionFinishedError", "ExecutionHandle",
-    "ExecutionNotFoundError", "ExecutionNotParkedError", "ExecutionNotTerminalError", "ExecutionState",
+    "ExecutionNotFoundError", "ExecutionNotParkedError", "ExecutionNotTerminalError",
+    "ExecutionState",
     "ExecutionStateError", "Features", "FleetError", "FlowDefinition", "FlowNotFoundError",
     "GateMismatchError", "InvalidPropensityError", "KernelEventForgeryError",
     "MemoryEventStore", "MemorySnapshotStore", "MigrationRefusedError", "MissingDependencyError",
@@ -37,7 +38,8 @@ def test_every_error_in_the_tree_is_exported_and_rooted() -> None:
     assert len(classes) > 20
     for cls in classes:
         assert issubclass(cls, errors.FleetError)
-        assert isinstance(cls.code, str) and cls.code
+        assert isinstance(cls.code, str)
+        assert cls.code
         assert isinstance(cls.retryable, bool)
         # Every error is named in the tree drawn in the module docstring.
         assert cls.__name__ in (errors.__doc__ or ""), cls.__name__
@@ -50,7 +52,7 @@ def test_run_control_is_not_catchable_as_exception() -> None:
     assert not issubclass(errors.ExecutionParked, Exception)
 
 
-def test_only_one_error_is_retryable_by_default() -> None:
+def test_retryable_errors_are_the_transient_ones() -> None:
     assert errors.StoreUnavailableError.retryable
     assert errors.ExecutionBusyError.retryable
     assert not errors.StaleFenceError.retryable
