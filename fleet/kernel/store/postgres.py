@@ -393,7 +393,13 @@ class PostgresEventStore(_PostgresBase):
                 prepared.append((i, self._prepare(events), fence))
             except FleetError as exc:
                 results[i] = exc
-        if not prepared:
+        if len(prepared) == 1:  # nothing to group: the single path costs less
+            i, write, fence = prepared[0]
+            try:
+                await self._append(write, fence)
+            except FleetError as exc:
+                results[i] = exc
+        if len(prepared) <= 1:
             return results
         columns = many_columns(prepared)
         try:
