@@ -116,6 +116,29 @@ async def test_schema_version_is_recorded_and_a_newer_one_refused(
     await again.close()
 
 
+async def test_an_older_schema_is_upgraded_on_first_use(
+        db: PostgresEventStore, database_url: str) -> None:
+    await db.append_batch([started("u"), make_event("u", 1), make_event("u", 2)])
+    raw = await _raw(db, database_url)
+    try:  # put the schema back to version 1
+        await raw.execute("DROP FUNCTION fleet_compact(bytea, bigint)")
+        await raw.execute("DELETE FROM fleet_schema_version WHERE version > 1")
+    finally:
+        await raw.close()
+    again = PostgresEventStore(database_url, schema=db.schema, pool_max=1)
+    try:
+        assert await again.compact_through("u", 1) == 1
+        assert [e.sequence for e in await again.read("u")] == [0, 2]
+    finally:
+        await again.close()
+    raw = await _raw(db, database_url)
+    try:
+        assert await raw.fetchval("SELECT max(version) FROM fleet_schema_version") == (
+            SCHEMA_VERSION)
+    finally:
+        await raw.close()
+
+
 async def test_migrate_false_refuses_an_empty_database(database_url: str) -> None:
     store = PostgresEventStore(database_url, schema=fresh_schema(), migrate=False, pool_max=1)
     with pytest.raises(SchemaVersionError, match="fleet db upgrade"):

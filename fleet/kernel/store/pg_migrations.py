@@ -387,9 +387,28 @@ BEGIN
 END $$;
 """
 
+# Compaction (spi.compact_through): drop events 1..p_through, which a checkpoint
+# now holds. The head in the index is the high-water mark and stays, so a
+# dropped slot is never written again. The fence row orders it against a
+# delete (and a re-created log of the same id) and every append.
+_V2_COMPACT = """
+CREATE FUNCTION fleet_compact(p_key bytea, p_through bigint) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    n bigint;
+BEGIN
+""" + _READ_COMMITTED + """
+    PERFORM 1 FROM fences WHERE ekey = p_key FOR UPDATE;
+    DELETE FROM events WHERE ekey = p_key AND sequence >= 1 AND sequence <= p_through;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    RETURN n;
+END $$;
+"""
+
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1_TABLES + _V1_LOCK + _V1_APPEND + _V1_APPEND_MANY + _V1_APPEND_IF
      + _V1_FENCES),
+    (2, _V2_COMPACT),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

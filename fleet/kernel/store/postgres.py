@@ -455,6 +455,11 @@ class PostgresEventStore(_PostgresBase):
         return bool(await self._call(lambda pool: pool.fetchval(
             "SELECT fleet_delete($1)", key), idempotent=True))
 
+    async def compact_through(self, execution_id: str, sequence: int) -> int:
+        key = execution_key(execution_id)
+        return int(await self._call(lambda pool: pool.fetchval(
+            "SELECT fleet_compact($1, $2)", key, sequence), idempotent=True))
+
     # -- fences ------------------------------------------------------------
 
     async def acquire_fence(self, execution_id: str, *, holder: str,
