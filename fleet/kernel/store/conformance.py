@@ -478,6 +478,31 @@ class EventStoreConformance:
         await store.append(started("d"))  # the id is free again
         assert await store.head("d") == 0
 
+    async def test_compact_through_keeps_zero_and_the_tail(self, store: EventStore) -> None:
+        events = await _log(store, "c", 6)
+        other = await _log(store, "other", 3)
+        assert await store.compact_through("c", 3) == 3
+        assert _wire(await store.read("c")) == _wire([events[0], *events[4:]])
+        assert _wire(await store.read("c", after=1)) == _wire(events[4:])
+        # The head is the high-water mark: it does not move back.
+        assert await store.head("c") == 5
+        assert (await store.append_if_unchanged("c", None)).tip.head == 5
+        assert _wire(await store.read("other")) == _wire(other)
+        # Compacting again drops only what is left below the mark.
+        assert await store.compact_through("c", 4) == 1
+        assert await store.compact_through("never", 4) == 0
+
+    async def test_compacted_slots_are_never_written_again(self, store: EventStore) -> None:
+        events = await _log(store, "c", 4)
+        await store.compact_through("c", 3)  # drops every event but 0
+        with pytest.raises(DuplicateSequenceError):
+            await store.append(make_event("c", 2))
+        with pytest.raises(DuplicateSequenceError):
+            await store.append(make_event("c", 3))
+        assert _wire(await store.read("c")) == [_wire(events)[0]]
+        await store.append(make_event("c", 4))
+        assert [e.sequence for e in await store.read("c")] == [0, 4]
+
     async def test_index_follows_the_events(self, store: EventStore) -> None:
         x = "idx"
         await store.append(started(x, flow_id="onboard", tenant="t1", owner="bob",

@@ -157,6 +157,9 @@ class FaultInjectingEventStore:
     async def delete_execution(self, execution_id: str) -> bool:
         return await self.inner.delete_execution(execution_id)
 
+    async def compact_through(self, execution_id: str, sequence: int) -> int:
+        return await self.inner.compact_through(execution_id, sequence)
+
     async def list_executions(self, *, status: str | None = None, flow_id: str | None = None,
                               tenant: str | None = None, waiting_on: str | None = None,
                               updated_before: int | None = None,

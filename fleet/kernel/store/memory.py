@@ -94,7 +94,8 @@ class MemoryEventStore:
 
     def __init__(self, clock: Callable[[], int] | None = None) -> None:
         self._clock = clock or wall_clock_ms
-        self._logs: dict[str, list[EventEnvelope]] = {}
+        self._logs: dict[str, list[EventEnvelope | None]] = {}
+        self._compacted: set[str] = set()
         self._index: dict[str, _Row] = {}
         self._fences: dict[str, _Fence] = {}
         self._timers: dict[str, dict[str, int]] = {}
@@ -199,6 +200,7 @@ class MemoryEventStore:
     async def delete_execution(self, execution_id: str) -> bool:
         await _tick()
         existed = self._logs.pop(execution_id, None) is not None
+        self._compacted.discard(execution_id)
         self._index.pop(execution_id, None)
         self._timers.pop(execution_id, None)
         held = self._fences.get(execution_id)
@@ -258,13 +260,31 @@ class MemoryEventStore:
         log = self._logs.get(execution_id)
         if log is None:
             return []
-        # The log is contiguous from 0, so a sequence is its list index.
-        return log[max(after + 1, 0):]
+        # The log is contiguous from 0, so a sequence is its list index; a
+        # compacted slot holds None.
+        tail = log[max(after + 1, 0):]
+        if execution_id in self._compacted:
+            return [e for e in tail if e is not None]
+        return tail  # type: ignore[return-value]
 
     async def head(self, execution_id: str) -> int | None:
         await _tick()
         log = self._logs.get(execution_id)
         return len(log) - 1 if log else None
+
+    async def compact_through(self, execution_id: str, sequence: int) -> int:
+        await _tick()
+        log = self._logs.get(execution_id)
+        if log is None:
+            return 0
+        dropped = 0
+        for seq in range(1, min(sequence, len(log) - 1) + 1):
+            if log[seq] is not None:
+                log[seq] = None
+                dropped += 1
+        if dropped:
+            self._compacted.add(execution_id)
+        return dropped
 
     def _tip(self, execution_id: str) -> TipObservation:
         held = self._fences.get(execution_id) or _Fence()

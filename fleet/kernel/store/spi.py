@@ -142,6 +142,14 @@ class EventStore(Protocol):
     async def delete_execution(self, execution_id: str) -> bool:
         """Remove the log and its index rows; a real fence token stays as a tombstone."""
 
+    async def compact_through(self, execution_id: str, sequence: int) -> int:
+        """Drop events ``1..sequence`` (a checkpoint now holds them); return how many.
+
+        Sequence 0 (the creation anchor) and everything above ``sequence`` stay.
+        The head is the log's high-water mark and does not move back, so a
+        compacted slot is never written again (``DuplicateSequenceError``).
+        """
+
     async def list_executions(self, *, status: str | None = None, flow_id: str | None = None,
                               tenant: str | None = None, waiting_on: str | None = None,
                               updated_before: int | None = None,

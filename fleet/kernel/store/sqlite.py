@@ -619,6 +619,14 @@ class SqliteEventStore:
 
         return await self._db.reader.call(job)
 
+    async def compact_through(self, execution_id: str, sequence: int) -> int:
+        def job(conn: sqlite3.Connection) -> int:
+            cur = conn.execute("DELETE FROM events WHERE execution_id = ? AND sequence >= 1 "
+                               "AND sequence <= ?", (execution_id, sequence))
+            return int(cur.rowcount)
+
+        return int(await self._db.writer.call(job))
+
     async def head(self, execution_id: str) -> int | None:
         def job(conn: sqlite3.Connection) -> int | None:
             row = conn.execute("SELECT head FROM executions WHERE execution_id = ?",
