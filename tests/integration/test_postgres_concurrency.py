@@ -19,8 +19,10 @@ import asyncpg
 import pytest
 from postgres_server import throwaway_database
 
+from fleet import Context, Runtime, flow
 from fleet.kernel.errors import StaleFenceError
-from fleet.kernel.events import EventType
+from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.store.coalescing import CoalescingEventStore
 from fleet.kernel.store.conformance import T0, make_event, started
 from fleet.kernel.store.pg_queries import DUE_TIMERS_SQL, listing_sql
 from fleet.kernel.store.postgres import PostgresEventStore
@@ -412,3 +414,48 @@ async def test_each_listing_query_uses_an_index(db: PostgresEventStore,
         assert "timers_by_due" in _index_names(plan), plan
     finally:
         await conn.close()
+
+
+# ------------------------------------------------- runs on group commit
+
+
+async def _double(n: int) -> int:
+    await asyncio.sleep(0)
+    return n * 2
+
+
+@flow("three_steps", steps=["a", "b", "c"])
+async def three_steps(ctx: Context, n: int) -> int:
+    a = await ctx.step("a", _double, n)
+    b = await ctx.step("b", _double, a)
+    return int(await ctx.step("c", _double, b))
+
+
+async def test_runs_on_group_commit_report_only_what_the_log_holds(
+        database_url: str) -> None:
+    inner = await PostgresEventStore(database_url, schema=schema(), pool_max=4).open()
+    store = CoalescingEventStore(inner, max_batch=64)
+    missing: list[str] = []
+    reported: list[EventEnvelope] = []
+
+    checks: list[asyncio.Task[Any]] = []
+
+    async def durable(event: EventEnvelope) -> None:
+        # Fired once the flush that carried the event committed: it is on the log.
+        reported.append(event)
+        checks.append(asyncio.current_task())  # type: ignore[arg-type]
+        if (await inner.read(event.execution_id, after=event.sequence - 1))[:1] != [event]:
+            missing.append(event.id)
+
+    runtime = Runtime(store, flows=[three_steps], on_durable_event=durable)
+    try:
+        handles = [await runtime.start("three_steps", n) for n in range(24)]
+        results = await asyncio.gather(*(asyncio.wait_for(h.result(), 30) for h in handles))
+        assert results == [n * 8 for n in range(24)]
+        await asyncio.gather(*checks)
+        assert missing == []
+        assert len(reported) == sum([len(await inner.read(h.execution_id)) for h in handles])
+        assert store.flushes < store.flushed  # appends of different runs shared commits
+    finally:
+        await runtime.close()
+        await store.close()

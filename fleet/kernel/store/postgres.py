@@ -26,8 +26,8 @@ passes its own wall clock to ``list_executions(lease_expired_at=...)``.
 Connections. One asyncpg pool per store (``pool_min`` / ``pool_max``, or
 ``?pool_min=&pool_max=`` on the URL); ``schema=`` (or ``?schema=``) puts the
 tables in their own schema. A lost connection is ``StoreUnavailableError``
-(retryable). Reads, renewals, releases, deletes and snapshot writes are
-idempotent and retried once. An append whose connection dropped is settled by
+(retryable). Reads, renewals, releases and snapshot writes are idempotent and
+retried once. An append whose connection dropped is settled by
 reading its slots back: the same bytes there mean it committed.
 """
 
@@ -452,13 +452,15 @@ class PostgresEventStore(_PostgresBase):
 
     async def delete_execution(self, execution_id: str) -> bool:
         key = execution_key(execution_id)
+        # Not retried: a retry after a lost answer would report False for a delete
+        # that happened.
         return bool(await self._call(lambda pool: pool.fetchval(
-            "SELECT fleet_delete($1)", key), idempotent=True))
+            "SELECT fleet_delete($1)", key), idempotent=False))
 
     async def compact_through(self, execution_id: str, sequence: int) -> int:
         key = execution_key(execution_id)
         return int(await self._call(lambda pool: pool.fetchval(
-            "SELECT fleet_compact($1, $2)", key, sequence), idempotent=True))
+            "SELECT fleet_compact($1, $2)", key, sequence), idempotent=False))
 
     # -- fences ------------------------------------------------------------
 
