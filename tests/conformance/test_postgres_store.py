@@ -239,6 +239,8 @@ async def test_unreachable_server_is_unavailable_and_retryable() -> None:
 def test_bad_pool_sizes_are_refused() -> None:
     with pytest.raises(ConfigurationError):
         PostgresEventStore("postgresql://h/db", pool_min=5, pool_max=2)
+    with pytest.raises(ConfigurationError, match="integers"):
+        PostgresEventStore("postgresql://h/db?pool_max=lots")
 
 
 async def test_append_many_judges_each_request_alone(db: PostgresEventStore,

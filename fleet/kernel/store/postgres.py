@@ -164,8 +164,12 @@ class _Database:
         dsn, own = _split_url(url)
         self.dsn = dsn
         self.schema = schema if schema is not None else own.get("schema")
-        self.pool_min = pool_min if pool_min is not None else int(own.get("pool_min", 1))
-        self.pool_max = pool_max if pool_max is not None else int(own.get("pool_max", 10))
+        try:
+            self.pool_min = pool_min if pool_min is not None else int(own.get("pool_min", 1))
+            self.pool_max = pool_max if pool_max is not None else int(own.get("pool_max", 10))
+        except ValueError as exc:
+            raise ConfigurationError(f"pool_min / pool_max in the URL must be integers: "
+                                     f"{exc}") from exc
         if not 0 <= self.pool_min <= self.pool_max or self.pool_max < 1:
             raise ConfigurationError(f"pool sizes need 0 <= pool_min <= pool_max >= 1, got "
                                      f"{self.pool_min} and {self.pool_max}")
