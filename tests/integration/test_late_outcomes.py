@@ -433,7 +433,7 @@ async def test_two_thousand_decisions_compact_to_the_anchor_and_the_end(
     @flow("agent", version=1)
     async def agent(ctx: Context, n: int) -> int:
         for i in range(n):
-            await ctx.decide(f"turn#{i}", lambda: Decision(
+            await ctx.decide(f"turn#{i}", lambda i=i: Decision(  # type: ignore[misc]
                 i % 3, policy=Policy("p", 1, 0.5), context=context))
         return n
 
