@@ -32,3 +32,10 @@ async def onboard(ctx: Context, user_id: str) -> dict[str, Any]:
     await ctx.sleep(0.05)
     message = await ctx.step("welcome", send_welcome, profile, plan)
     return {"plan": plan, "message": message}
+
+
+def prefer_team(context: Any, choice: Any, alternatives: Any) -> float:
+    """A target policy for ``fleet learn eval``: P(choice) under "team unless tiny"."""
+    seats = (context or {}).get("seats", 0)
+    wanted = "team" if seats >= 5 else "starter"
+    return 0.95 if choice == wanted else 0.05

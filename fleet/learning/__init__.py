@@ -11,6 +11,7 @@ and the terminal event) and imports nothing of fleet but ``fleet.kernel``::
     verdict = promotion_gate(report, min_lift=0.01, min_ess=200)
 """
 
+from fleet.learning.collect import Collected, collect_trajectories, looks_compacted
 from fleet.learning.evaluation import (
     GateResult,
     PolicyEvaluation,
@@ -32,6 +33,7 @@ from fleet.learning.trajectories import (
 )
 
 __all__ = [
+    "Collected",
     "DecisionPoint",
     "GateResult",
     "PolicyEvaluation",
@@ -40,9 +42,11 @@ __all__ = [
     "TargetPolicy",
     "TerminalReward",
     "Trajectory",
+    "collect_trajectories",
     "direct_reward",
     "evaluate_policy",
     "evidence_events",
+    "looks_compacted",
     "promotion_gate",
     "success_reward",
     "terminal_credit",
