@@ -250,10 +250,12 @@ class Runtime:
         if not verdict.allowed:
             await self._denied(None, "start", principal, verdict.reason, audit=False)
         data = ensure_json(input, f"the input of flow {flow_id!r}")
-        execution_id = execution_id or uuid.uuid4().hex
-        if not isinstance(execution_id, str) or not execution_id:
+        if execution_id is None:
+            # A fresh random id cannot exist yet: no need to ask the store.
+            execution_id = uuid.uuid4().hex
+        elif not isinstance(execution_id, str) or not execution_id:
             raise ValidationError("execution_id must be a non-empty string")
-        if await self.store.head(execution_id) is not None:  # idempotent start
+        elif await self.store.head(execution_id) is not None:  # idempotent start
             return ExecutionHandle(self, execution_id)
         grant = await self.store.acquire_fence_if(execution_id, holder=self.holder,
                                                   lease_ms=self.lease_ms)
@@ -471,7 +473,12 @@ class Runtime:
             fut: asyncio.Future[ExecutionState] = asyncio.get_running_loop().create_future()
             self._waiters.setdefault(execution_id, []).append(fut)
             try:
-                state = await self._fold(execution_id)
+                run = self._runs.get(execution_id)
+                if run is not None and run.task is not None and not run.task.done():
+                    # Driven here: the run settles the future; no need to read the log.
+                    state = await self._await_end(execution_id, fut)
+                else:
+                    state = await self._fold(execution_id)
                 if state.sequence < 0:
                     raise ExecutionNotFoundError(f"no execution {execution_id!r}")
                 if not state.terminal:
