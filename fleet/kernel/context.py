@@ -145,7 +145,7 @@ class Context:
                 f"step id {step_id!r} was asked for twice in execution {self.execution_id!r}; "
                 "step ids are unique per execution (mint 'id#n' for a loop)")
         run.asked_steps.add(step_id)
-        run.note_step(step_id)
+        run.note_step(step_id, self._scope)
         frame = run.state.frames.get(step_id)
         if frame is not None:
             if frame.status == "completed":
@@ -169,7 +169,7 @@ class Context:
         run = self._run
         frame = run.state.frames[step_id]
         if frame.status == "started":
-            await run.before_new_work(EventType.EFFECT_INDOUBT, step_id)
+            await run.before_new_work(EventType.EFFECT_INDOUBT, step_id, self._scope)
             run.journal.commit(EventType.EFFECT_INDOUBT,
                                {"stepId": step_id, "attempt": max(attempts, 1),
                                 "idempotent": idempotent})
@@ -192,7 +192,7 @@ class Context:
         journal = run.journal
         while True:
             attempt = attempts + 1
-            await run.before_new_work(EventType.STEP_STARTED, step_id)
+            await run.before_new_work(EventType.STEP_STARTED, step_id, self._scope)
             if journal.on_event is not None:
                 # on_event never announces a step while an earlier write is in
                 # flight (ADR 0147's first table). Without an on_event consumer

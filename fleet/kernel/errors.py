@@ -39,7 +39,9 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     │   ├── StoreUnavailableError     a connection or I/O fault (retryable)
     │   └── SchemaVersionError        the database schema is newer than this code
     └── ReplayError
-        └── NondeterminismError       the body asked for a recorded id with another kind
+        ├── NondeterminismError       the body asked for a recorded id with another kind
+        └── FlowDivergenceError       the body no longer matches the shape its log records
+            └── FlowReplayDivergenceError  a re-run skipped recorded steps (ADR 0113 D3)
 
 Run control (parking, cancellation) is not an error and deliberately not a
 ``FleetError``: it derives from ``BaseException`` (like ``asyncio.CancelledError``)
@@ -222,6 +224,25 @@ class ReplayError(FleetError):
 
 class NondeterminismError(ReplayError):
     code = "nondeterminism"
+
+
+class FlowDivergenceError(ReplayError):
+    code = "flow_divergence"
+
+
+class FlowReplayDivergenceError(FlowDivergenceError):
+    """A re-run is about to do new work without having asked for recorded steps.
+
+    ``skipped`` names them; ``parked`` says whether the execution was parked on
+    the reserved divergence gate (``runtime.retry_diverged`` resumes it).
+    """
+
+    code = "flow_replay_divergence"
+
+    def __init__(self, message: str, *, skipped: list[str], parked: bool = False) -> None:
+        super().__init__(message, skipped=skipped)
+        self.skipped = skipped
+        self.parked = parked
 
 
 class RunInterrupt(BaseException):

@@ -36,6 +36,7 @@ from fleet.kernel.errors import (
     ExecutionParked,
     FleetError,
     FlowNotFoundError,
+    FlowReplayDivergenceError,
     GateMismatchError,
     ReplayError,
     RunAborted,
@@ -43,7 +44,14 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope, EventType, ensure_json
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
-from fleet.kernel.fold import INDOUBT_GATE, MESSAGE_GATE, ExecutionState, fold_log
+from fleet.kernel.fold import (
+    DIVERGED_GATE,
+    INDOUBT_GATE,
+    MESSAGE_GATE,
+    ExecutionState,
+    fold_log,
+)
+from fleet.kernel.divergence import DivergenceDetector, skipped_key
 from fleet.kernel.journal import EventObserver, Journal, Warner, deliver
 from fleet.kernel.migration import resume_as
 from fleet.kernel.outcomes import OutcomeResult, record_outcome
@@ -127,21 +135,57 @@ class Run:
         self.asked_steps: set[str] = set()
         self.asked_decisions: set[str] = set()
         self.task: asyncio.Task[Any] | None = None
+        # Built from the fold this drive starts from (ADR 0113 D3).
+        self.detector = DivergenceDetector.for_state(journal.state, runtime.divergence)
 
-    # Hooks the divergence detector (ADR 0113) fills in.
-    async def before_new_work(self, kind: EventType, ident: str | None) -> None:
-        return None
+    # -- the divergence detector's hooks ------------------------------------------
+    async def before_new_work(self, kind: EventType, ident: str | None,
+                              scope: str | None = None) -> None:
+        """Judge the body before it appends new work; raises in ``fail`` mode."""
+        d = self.detector
+        if d is None:
+            return
+        if d.latched is not None:
+            # The failure latches: a body that swallowed the refusal is refused again.
+            raise d.refusal(d.latched.skipped)
+        if d.reported:
+            return  # warn mode reports once, then stops judging
+        skipped = d.judge(kind, ident, scope)
+        if skipped:
+            self._diverged(skipped)
+
+    def _diverged(self, skipped: list[str]) -> None:
+        d = self.detector
+        assert d is not None
+        error = d.refusal(skipped)
+        if d.mode == "fail":
+            d.latched = error
+            raise error
+        d.reported = True
+        self.runtime.divergence_warnings += 1
+        self.runtime.warner.warn(f"execution {self.state.execution_id!r}: {error} "
+                                 "(divergence='warn': proceeding)")
 
     def serve_decision(self, decision_id: str, recorded: dict[str, Any]) -> None:
-        return None
+        if self.detector is not None:
+            self.detector.serve_decision(decision_id, recorded)
 
     def open_scope(self, scope: str, branches: Sequence[Any]) -> None:
-        return None
+        if self.detector is not None:
+            start = self.state.scopes.get(scope, {}).get("startSeq")
+            self.detector.open_scope(scope, start, branches)
 
     async def close_scope(self, scope: str) -> None:
-        return None
+        d = self.detector
+        if d is None:
+            return
+        skipped = d.close_scope(scope)
+        if skipped and d.latched is None and not d.reported:
+            self._diverged(skipped)
 
-    def note_step(self, step_id: str) -> None:
+    def note_step(self, step_id: str, scope: str | None = None) -> None:
+        if self.detector is not None:
+            self.detector.visit(step_id, scope)
         for run, inner in _OPEN_DECISIONS.get():
             if run is self:
                 inner.add(step_id)
@@ -231,6 +275,7 @@ class Runtime:
         self.denied = 0
         self.timers_fired = 0
         self.divergence_warnings = 0
+        self.divergence_parked = 0
 
     def register(self, definition: FlowDefinition) -> None:
         self.flows.register(definition)
@@ -376,10 +421,18 @@ class Runtime:
                 await journal.barrier()
                 self.completed += 1
             except ExecutionParked as park:
+                try:
+                    await run.before_new_work(EventType.EXECUTION_SUSPENDED, None)
+                except FlowReplayDivergenceError as diverged:
+                    await self._park_diverged(run, diverged)
+                    return
                 journal.commit(EventType.EXECUTION_SUSPENDED, {"condition": park.condition})
                 await journal.barrier()
                 self.parked += 1
                 self._arm_local_timer(state)
+            except FlowReplayDivergenceError as diverged:
+                await self._park_diverged(run, diverged)
+                return
             except _ContinueAsNew as cont:
                 # The successor exists before the CONTINUED that names it: a crash in
                 # between re-drives this run, which finds the successor and only
@@ -427,6 +480,40 @@ class Runtime:
             # Every way out settles (the deadline branch returns early); only a
             # terminal state wakes result() waiters, an abort already failed them.
             self._settle(state)
+
+    async def _park_diverged(self, run: Run, error: FlowReplayDivergenceError) -> None:
+        """Park a refused re-run on the reserved gate; nothing else is appended.
+
+        The execution is left as a crash would leave it, but parked, so neither
+        recovery nor timers re-drive it; ``retry_diverged`` resumes it once the
+        code is fixed, pinned, listed in ``compatible_with`` or migrated.
+        """
+        state, journal = run.state, run.journal
+        eid = state.execution_id
+        reason = ""
+        try:
+            journal.commit(EventType.EXECUTION_SUSPENDED, {"condition": {
+                "on": DIVERGED_GATE, "kind": "diverged",
+                "correlationKey": skipped_key(error.skipped)}})
+            await journal.barrier()
+            error.parked = True
+        except RunAborted as aborted:
+            reason = f"{type(aborted.cause).__name__}: {aborted.cause}"
+        self.divergence_parked += 1
+        if error.parked:
+            self.warner.warn(f"execution {eid!r} PARKED on {DIVERGED_GATE}: {error}")
+        else:
+            self.warner.warn(f"execution {eid!r} REFUSED and NOT parked ({reason}): {error}")
+        self._fail_waiters(eid, error)
+
+    async def retry_diverged(self, execution_id: str, *,
+                             principal: Principal | None = None) -> ExecutionHandle:
+        """Re-drive an execution parked by the divergence detector.
+
+        Authorised and fenced exactly as ``resume``; the answer is status-only
+        and never reaches the flow. A re-run that still diverges parks again.
+        """
+        return await self.resume(execution_id, DIVERGED_GATE, None, principal=principal)
 
     def _heartbeat(self, run: Run) -> asyncio.TimerHandle:
         loop = asyncio.get_running_loop()
@@ -608,6 +695,8 @@ class Runtime:
             self._check_resumable(state, gate)
             if gate == INDOUBT_GATE:
                 data = self._indoubt_answer(state, data)
+            elif gate == DIVERGED_GATE:
+                data = None  # status-only: the answer never reaches the flow
         except FleetError:
             await self.store.release_fence(execution_id, grant.token)
             raise
