@@ -24,6 +24,7 @@ from fleet.kernel.context import (
     Context,
     _ContinueAsNew,
 )
+from fleet.kernel.divergence import DivergenceDetector, skipped_key
 from fleet.kernel.errors import (
     AccessDeniedError,
     ConfigurationError,
@@ -51,7 +52,6 @@ from fleet.kernel.fold import (
     ExecutionState,
     fold_log,
 )
-from fleet.kernel.divergence import DivergenceDetector, skipped_key
 from fleet.kernel.journal import EventObserver, Journal, Warner, deliver
 from fleet.kernel.migration import resume_as
 from fleet.kernel.outcomes import OutcomeResult, record_outcome

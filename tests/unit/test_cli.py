@@ -105,9 +105,11 @@ def test_learn_warns_about_compacted_logs_without_snapshots(db: str, tmp_path: P
 
     asyncio.run(compact())
     code, out = run("learn", "report", "--db", db, "--snapshots", "none", "--json")
+    assert code == 0
     assert json.loads(out.splitlines()[-1])["compactedUnread"] == [eid]
     assert "look compacted" in out
     code, out = run("learn", "report", "--db", db, "--json")
+    assert code == 0
     assert json.loads(out)["policies"][0]["decisions"] == 1
 
 
