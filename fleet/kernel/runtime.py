@@ -41,6 +41,7 @@ from fleet.kernel.errors import (
     GateMismatchError,
     ReplayError,
     RunAborted,
+    RunInterrupt,
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, EventType, ensure_json
@@ -120,6 +121,15 @@ _OPEN_DECISIONS: ContextVar[tuple[tuple[Run, _InnerSteps], ...]] = ContextVar(
     "fleet_open_decisions", default=())
 
 
+class ReplayFrontier(RunInterrupt):
+    """A dry replay reached work the log does not hold; it stops before doing it."""
+
+    def __init__(self, kind: EventType, ident: str | None) -> None:
+        super().__init__(f"{kind} {ident or ''}".strip())
+        self.kind = kind
+        self.ident = ident
+
+
 class Run:
     """One drive of one execution: the journal, the body's bookkeeping."""
 
@@ -137,6 +147,8 @@ class Run:
         self.task: asyncio.Task[Any] | None = None
         # Built from the fold this drive starts from (ADR 0113 D3).
         self.detector = DivergenceDetector.for_state(journal.state, runtime.divergence)
+        # A dry replay (replay_check) stops at the first live new work, judged.
+        self.stop_at_frontier = False
 
     # -- the divergence detector's hooks ------------------------------------------
     async def before_new_work(self, kind: EventType, ident: str | None,
@@ -144,6 +156,8 @@ class Run:
         """Judge the body before it appends new work; raises in ``fail`` mode."""
         d = self.detector
         if d is None:
+            if self.stop_at_frontier:
+                raise ReplayFrontier(kind, ident)
             return
         if d.latched is not None:
             # The failure latches: a body that swallowed the refusal is refused again.
@@ -153,6 +167,8 @@ class Run:
         skipped = d.judge(kind, ident, scope)
         if skipped:
             self._diverged(skipped)
+        if self.stop_at_frontier:
+            raise ReplayFrontier(kind, ident)
 
     def _diverged(self, skipped: list[str]) -> None:
         d = self.detector
@@ -236,7 +252,7 @@ class Runtime:
                  on_execution_denied: Callable[[dict[str, Any]], Any] | None = None,
                  clock: Callable[[], int] | None = None, holder: str | None = None,
                  lease_ms: int = 30_000, inline_sleep_max: float = 1.0,
-                 local_timers: bool = True) -> None:
+                 local_timers: bool = True, allow_flow_code_mismatch: bool = False) -> None:
         if divergence not in (None, "off", "warn", "fail"):
             raise ConfigurationError(
                 f"divergence must be 'off', 'warn' or 'fail', got {divergence!r}")
@@ -249,6 +265,9 @@ class Runtime:
         self.strict = strict
         self.divergence = divergence or ("fail" if strict else "warn")
         self.features = features
+        # Drive an execution whose recorded code fingerprint the registered
+        # version does not accept (warned, not refused): an operator's override.
+        self.allow_flow_code_mismatch = allow_flow_code_mismatch
         self.on_event = on_event
         self.on_durable_event = on_durable_event
         self.on_execution_denied = on_execution_denied
@@ -369,13 +388,18 @@ class Runtime:
             await self.store.release_fence(execution_id, grant.token)
             self._settle(state)
             return None
-        definition = self.flows.resolve(state.flow_id or "", state.flow_hash, state.flow_version)
-        if definition is None:
+        try:
+            # The structural hash picks the version, then its fingerprint is
+            # compared (ADR 0113 D2); a refusal writes nothing.
+            definition, allowed = self.flows.pinned(
+                execution_id, state.flow_id, state.flow_hash, state.flow_version,
+                state.code_hash, allow_code_mismatch=self.allow_flow_code_mismatch)
+        except FleetError:
             await self.store.release_fence(execution_id, grant.token)
-            raise FlowNotFoundError(
-                f"execution {execution_id!r} runs flow {state.flow_id!r} "
-                f"(hash {state.flow_hash}); no registered version matches. Register the "
-                "version it started on, or migrate it with resume_as")
+            raise
+        if allowed is not None:
+            self.warner.warn(f"{allowed.message} (driven anyway: allow_flow_code_mismatch)",
+                             key=f"code-mismatch:{execution_id}")
         journal = self._journal(state, grant)
         run = Run(self, definition, journal, grant)
         if last_type not in _WAKE_EVENTS:
