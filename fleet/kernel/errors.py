@@ -16,6 +16,7 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     │   ├── KernelEventForgeryError   userspace tried to write a kernel-only kind or field
     │   └── PayloadTooLargeError      an event over the configured size limit
     ├── FlowNotFoundError             no registered flow for an id / version / hash
+    │   └── FlowCodeMismatchError     the registered code is not what the log was recorded by
     ├── ExecutionNotFoundError        no log for an execution id
     ├── ExecutionStateError           the execution is not in a state that allows the op
     │   ├── ExecutionNotParkedError   resume of a running or finished execution
@@ -50,7 +51,7 @@ so a flow's ``except Exception`` cannot swallow it by accident.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 
 class FleetError(Exception):
@@ -108,6 +109,29 @@ class PayloadTooLargeError(ValidationError):
 
 class FlowNotFoundError(FleetError):
     code = "flow_not_found"
+
+
+class FlowCodeMismatchError(FlowNotFoundError):
+    """A drive refused: the registered code is not what the log was recorded by (ADR 0113 D2).
+
+    ``kind`` is ``"structure"`` when no registered version of the flow has the
+    recorded structural hash, ``"code"`` when the version it selects has a
+    ``code_fingerprint`` other than the recorded one and does not list it in
+    ``compatible_with``. ``recorded`` is the logged value, ``registered`` what
+    this process has (for ``"structure"``: the registered versions' hashes).
+    The refused drive appended nothing (what a resume or a fired timer wrote
+    before it stays): the execution is as a crash would leave it, and runs once
+    the code it started on is registered or listed, or it is migrated.
+    """
+
+    code = "flow_code_mismatch"
+
+    def __init__(self, message: str, *, kind: Literal["structure", "code"],
+                 recorded: str | None, registered: str | None) -> None:
+        super().__init__(message, kind=kind, recorded=recorded, registered=registered)
+        self.kind = kind
+        self.recorded = recorded
+        self.registered = registered
 
 
 class ExecutionNotFoundError(FleetError):
