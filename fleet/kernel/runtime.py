@@ -295,6 +295,7 @@ class Runtime:
         self.timers_fired = 0
         self.divergence_warnings = 0
         self.divergence_parked = 0
+        self.fired_timers: list[str] = []
 
     def register(self, definition: FlowDefinition) -> None:
         self.flows.register(definition)
@@ -872,16 +873,26 @@ class Runtime:
         self._settle(fold_log(made, state))
 
     # ------------------------------------------------------ timers, recovery
-    async def fire_due_timers(self, now: int | None = None, *, limit: int = 100) -> int:
-        """Fire every due timer: ``TIMER_FIRED``, then drive. Returns how many fired."""
+    async def fire_due_timers(self, now: int | None = None, *, limit: int = 100,
+                              drive: bool = True) -> int:
+        """Fire every due timer: ``TIMER_FIRED``, then drive. Returns how many fired.
+
+        With ``drive=False`` the timer is fired (claimed by a conditional fence,
+        so replicas never fire one twice) and the lease released; the caller
+        enqueues the drive (the fleet's timer service). ``fired_timers`` then
+        lists what fired.
+        """
         now = self.clock() if now is None else now
         fired = 0
+        self.fired_timers = []
         for due in await self.store.due_timers(now, limit=limit):
-            if await self._fire_timer(due.execution_id, due.timer_id):
+            if await self._fire_timer(due.execution_id, due.timer_id, drive=drive):
                 fired += 1
+                self.fired_timers.append(due.execution_id)
         return fired
 
-    async def _fire_timer(self, execution_id: str, timer_id: str) -> bool:
+    async def _fire_timer(self, execution_id: str, timer_id: str, *,
+                          drive: bool = True) -> bool:
         grant = await self.store.acquire_fence_if(execution_id, holder=self.holder,
                                                   lease_ms=self.lease_ms)
         if grant is None:
@@ -893,8 +904,17 @@ class Runtime:
                 or waiting.get("on") != timer_id):
             await self.store.release_fence(execution_id, grant.token)
             return False
-        await self._append_and_drive(state, grant,
-                                     [(EventType.TIMER_FIRED, {"timerId": timer_id})])
+        if drive:
+            await self._append_and_drive(state, grant,
+                                         [(EventType.TIMER_FIRED, {"timerId": timer_id})])
+        else:
+            event = EventEnvelope.make(execution_id, state.sequence + 1, EventType.TIMER_FIRED,
+                                       self.clock(), {"timerId": timer_id})
+            try:
+                await self.store.append(event, fence=grant.token)
+            finally:
+                await self.store.release_fence(execution_id, grant.token)
+            deliver(self.on_durable_event, event, self.warner, "on_durable_event")
         self.timers_fired += 1
         return True
 
