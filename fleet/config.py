@@ -5,8 +5,12 @@ Read when a program starts (``FleetSettings()``), never at import time.
 
 from __future__ import annotations
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from fleet.kernel.errors import ConfigurationError
 
 
 class FleetSettings(BaseSettings):
@@ -21,3 +25,41 @@ class FleetSettings(BaseSettings):
     strict: bool = Field(False, description="every call needs a principal")
     divergence: str | None = Field(None, pattern="^(off|warn|fail)$")
     sha256_flow_hash: bool = False
+
+    # -- the fleet (issue 6): Celery, Redis streams, services ------------------
+    broker_url: str | None = Field(
+        None, description="Celery broker (redis:// or amqp://); default: redis_url")
+    flows: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="comma-separated module:flow specs every fleet process registers")
+    queue: str = Field("fleet.drive", description="the default Celery queue for drives")
+    routes: dict[str, str] = Field(
+        default_factory=dict,
+        description='JSON {"flow:<id>" or "tenant:<t>": queue}; heavy flows get own workers')
+    worker_drives: int = Field(64, ge=1, description="concurrent drives per worker process")
+    timer_interval_s: float = Field(0.25, gt=0, description="how often due timers are polled")
+    recovery_interval_s: float = Field(2.0, gt=0)
+    recovery_grace_ms: int = Field(
+        5_000, ge=0, description="a running execution with no lease is lost after this")
+    events_stream: str = "fleet:events"
+    events_maxlen: int = Field(100_000, ge=1, description="MAXLEN ~ of the events stream")
+    rewards_stream: str = "fleet:rewards"
+    rewards_dead: str = "fleet:rewards:dead"
+    rewards_group: str = "fleet-attachers"
+    reward_keys: dict[str, str] = Field(
+        default_factory=dict, description='JSON {"producer": "secret"}: HMAC keys')
+
+    @field_validator("flows", mode="before")
+    @classmethod
+    def _split_flows(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @property
+    def broker(self) -> str:
+        url = self.broker_url or self.redis_url
+        if not url:
+            raise ConfigurationError(
+                "no broker: set FLEET_BROKER_URL or FLEET_REDIS_URL (redis:// or amqp://)")
+        return url
