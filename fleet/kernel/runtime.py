@@ -303,8 +303,12 @@ class Runtime:
     # ------------------------------------------------------------------ start
     async def start(self, flow_id: str | FlowDefinition, input: Any = None, *,
                     principal: Principal | None = None, execution_id: str | None = None,
-                    ) -> ExecutionHandle:
-        """Start an execution (idempotent by ``execution_id``) and drive it here."""
+                    drive: bool = True) -> ExecutionHandle:
+        """Start an execution (idempotent by ``execution_id``) and drive it here.
+
+        With ``drive=False`` the start is made durable and the lease released;
+        a worker drives it (the fleet's dispatcher writes first, then enqueues).
+        """
         if isinstance(flow_id, FlowDefinition):
             flow_id = flow_id.flow_id
         definition = self.flows.latest(flow_id)
@@ -335,10 +339,10 @@ class Runtime:
             payload["codeHash"] = definition.code_fingerprint
         if definition.deadline is not None:
             payload["deadlineAt"] = now + int(definition.deadline * 1000)
-        return await self._begin(execution_id, definition, grant, payload)
+        return await self._begin(execution_id, definition, grant, payload, drive=drive)
 
     async def _begin(self, execution_id: str, definition: FlowDefinition, grant: FenceGrant,
-                     payload: dict[str, Any]) -> ExecutionHandle:
+                     payload: dict[str, Any], *, drive: bool = True) -> ExecutionHandle:
         state = ExecutionState(execution_id=execution_id)
         journal = self._journal(state, grant)
         journal.commit(EventType.EXECUTION_STARTED, payload)
@@ -349,6 +353,9 @@ class Runtime:
             if isinstance(exc.cause, FleetError) and exc.cause.code == "duplicate_sequence":
                 return ExecutionHandle(self, execution_id)
             raise exc.cause from None
+        if not drive:
+            await self.store.release_fence(execution_id, grant.token)
+            return ExecutionHandle(self, execution_id)
         self._launch(Run(self, definition, journal, grant))
         return ExecutionHandle(self, execution_id)
 
@@ -531,14 +538,15 @@ class Runtime:
             self.warner.warn(f"execution {eid!r} REFUSED and NOT parked ({reason}): {error}")
         self._fail_waiters(eid, error)
 
-    async def retry_diverged(self, execution_id: str, *,
-                             principal: Principal | None = None) -> ExecutionHandle:
+    async def retry_diverged(self, execution_id: str, *, principal: Principal | None = None,
+                             drive: bool = True) -> ExecutionHandle:
         """Re-drive an execution parked by the divergence detector.
 
         Authorised and fenced exactly as ``resume``; the answer is status-only
         and never reaches the flow. A re-run that still diverges parks again.
         """
-        return await self.resume(execution_id, DIVERGED_GATE, None, principal=principal)
+        return await self.resume(execution_id, DIVERGED_GATE, None, principal=principal,
+                                 drive=drive)
 
     def _heartbeat(self, run: Run) -> asyncio.TimerHandle:
         loop = asyncio.get_running_loop()
@@ -702,7 +710,8 @@ class Runtime:
 
     # ------------------------------------------------------- resume and send
     async def resume(self, execution_id: str, gate: str, payload: Any = None, *,
-                     principal: Principal | None = None) -> ExecutionHandle:
+                     principal: Principal | None = None,
+                     drive: bool = True) -> ExecutionHandle:
         """Answer the gate a parked execution waits on, then drive it."""
         state = await self._fold(execution_id)
         if state.sequence < 0:
@@ -728,7 +737,8 @@ class Runtime:
         body: dict[str, Any] = {"gate": gate, "payload": data}
         if principal is not None:
             body["by"] = principal.actor
-        return await self._append_and_drive(state, grant, [(EventType.EXECUTION_RESUMED, body)])
+        return await self._append_and_drive(state, grant, [(EventType.EXECUTION_RESUMED, body)],
+                                            drive=drive)
 
     def _check_resumable(self, state: ExecutionState, gate: str) -> None:
         eid = state.execution_id
@@ -760,8 +770,8 @@ class Runtime:
         return {**data, "stepId": step_id}
 
     async def _append_and_drive(self, state: ExecutionState, grant: FenceGrant,
-                                events: list[tuple[EventType, dict[str, Any]]],
-                                ) -> ExecutionHandle:
+                                events: list[tuple[EventType, dict[str, Any]]], *,
+                                drive: bool = True) -> ExecutionHandle:
         execution_id = state.execution_id
         made = []
         seq = state.sequence
@@ -776,14 +786,21 @@ class Runtime:
             raise
         for event in made:
             deliver(self.on_durable_event, event, self.warner, "on_durable_event")
+        if not drive:
+            await self.store.release_fence(execution_id, grant.token)
+            return ExecutionHandle(self, execution_id)
         run = await self._prepare(execution_id, grant)
         if run is not None:
             self._launch(run)
         return ExecutionHandle(self, execution_id)
 
     async def send(self, execution_id: str, key: str, payload: Any = None, *,
-                   principal: Principal | None = None) -> None:
-        """Deliver a message to ``ctx.receive(key)``; wakes the execution if it waits."""
+                   principal: Principal | None = None, drive: bool = True) -> bool:
+        """Deliver a message to ``ctx.receive(key)``; wakes the execution if it waits.
+
+        Returns True when the message woke a parked execution (with
+        ``drive=False`` the caller then enqueues its drive).
+        """
         if not isinstance(key, str) or not key:
             raise ValidationError("a message key must be a non-empty string")
         state = await self._fold(execution_id)
@@ -797,7 +814,7 @@ class Runtime:
                     and not run.state.terminal:
                 run.journal.commit(EventType.MESSAGE_RECEIVED, {"key": key, "payload": data})
                 await run.journal.barrier()
-                return
+                return False
             if run is not None and run.task is not None and not run.task.done():
                 await asyncio.wait({run.task})
                 continue
@@ -817,8 +834,8 @@ class Runtime:
             if state.parked and waiting.get("on") == MESSAGE_GATE \
                     and waiting.get("correlationKey") == key:
                 events.append((EventType.EXECUTION_RESUMED, {"gate": MESSAGE_GATE}))
-                await self._append_and_drive(state, grant, events)
-                return
+                await self._append_and_drive(state, grant, events, drive=drive)
+                return True
             made = [EventEnvelope.make(execution_id, state.sequence + 1, events[0][0],
                                        self.clock(), events[0][1])]
             try:
@@ -826,7 +843,7 @@ class Runtime:
             finally:
                 await self.store.release_fence(execution_id, grant.token)
             deliver(self.on_durable_event, made[0], self.warner, "on_durable_event")
-            return
+            return False
         raise ExecutionBusyError(f"execution {execution_id!r} stayed busy; retry")
 
     # ---------------------------------------------------------------- cancel
