@@ -26,6 +26,21 @@ class FleetSettings(BaseSettings):
     divergence: str | None = Field(None, pattern="^(off|warn|fail)$")
     sha256_flow_hash: bool = False
 
+    # -- the store (issue 3): Postgres pool and limits, group commit ---------------
+    # Read by ``fleet.kernel.store.factory.open_event_store_from_settings``. Unset
+    # pool sizes leave the URL's ``?pool_min=&pool_max=`` or the store's defaults.
+    pg_pool_min: int | None = Field(None, ge=0, description="Postgres connections kept open")
+    pg_pool_max: int | None = Field(None, ge=1, description="most Postgres connections")
+    max_event_bytes: int | None = Field(
+        None, ge=1, description="largest event (JSON bytes) the Postgres store takes; "
+        "unset: 16 MiB")
+    group_commit: bool = Field(False, description="batch appends of many executions into "
+                               "one transaction per flush (CoalescingEventStore)")
+    group_commit_max_batch: int = Field(256, ge=1, description="most appends in one flush")
+    group_commit_max_wait_ms: float = Field(
+        0.0, ge=0, description="longest an append waits for others to join its flush")
+    group_commit_max_inflight: int = Field(4, ge=1, description="flushes running at once")
+
     # -- the fleet (issue 6): Celery, Redis streams, services ------------------
     broker_url: str | None = Field(
         None, description="Celery broker (redis:// or amqp://); default: redis_url")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -85,7 +86,8 @@ except ImportError as exc:  # pragma: no cover - exercised by the factory test
     raise MissingDependencyError("the Postgres store needs asyncpg: "
                                  "pip install 'fleet[postgres]'") from exc
 
-__all__ = ["SCHEMA_VERSION", "PostgresEventStore", "PostgresSnapshotStore", "execution_key"]
+__all__ = ["SCHEMA_VERSION", "PostgresEventStore", "PostgresSnapshotStore", "SchemaStatus",
+           "execution_key"]
 
 T = TypeVar("T")
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
@@ -156,6 +158,35 @@ async def _keep_session(conn: Any) -> None:
     """Pool reset hook: fleet never changes session state, so no reset round trip."""
 
 
+@dataclass(frozen=True, slots=True)
+class SchemaStatus:
+    """Where a database's fleet schema stands (``fleet db status`` / ``fleet db upgrade``).
+
+    Attributes:
+        version: The schema version the database holds (0: no fleet schema yet).
+        latest: The newest version this fleet knows (``SCHEMA_VERSION``).
+        applied: The migrations this call applied, oldest first (empty for a status).
+        schema: The Postgres schema holding the tables (None: the ``search_path``).
+    """
+
+    version: int
+    latest: int
+    applied: tuple[int, ...] = ()
+    schema: str | None = None
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """Migrations this fleet would apply (none when the database is newer)."""
+        return tuple(range(self.version + 1, self.latest + 1))
+
+    @property
+    def state(self) -> str:
+        """``current``, ``behind`` (``fleet db upgrade`` applies ``pending``) or ``newer``."""
+        if self.version > self.latest:
+            return "newer"
+        return "behind" if self.version < self.latest else "current"
+
+
 class _Database:
     """One pool, opened lazily and migrated once; shared by an event and a snapshot store."""
 
@@ -192,14 +223,18 @@ class _Database:
                 self.pool = await self._open()
         return self.pool
 
-    async def _open(self) -> Any:
+    def _server_settings(self) -> dict[str, str]:
         settings = {"default_transaction_isolation": "read committed", "jit": "off"}
         if self.schema:
             settings["search_path"] = _quote_ident(self.schema)
+        return settings
+
+    async def _open(self) -> Any:
         try:
             pool = await asyncpg.create_pool(
                 self.dsn, min_size=self.pool_min, max_size=self.pool_max,
-                timeout=self.connect_timeout, server_settings=settings, reset=_keep_session)
+                timeout=self.connect_timeout, server_settings=self._server_settings(),
+                reset=_keep_session)
         except Exception as exc:
             raise _translate(exc) from exc
         try:
@@ -210,7 +245,24 @@ class _Database:
             raise
         return pool
 
-    async def _check_and_migrate(self, conn: Any) -> None:
+    async def schema_status(self, *, upgrade: bool) -> SchemaStatus:
+        """The schema version on a connection of its own (no pool); migrate first if asked."""
+        try:
+            conn = await asyncpg.connect(self.dsn, timeout=self.connect_timeout,
+                                         server_settings=self._server_settings())
+        except Exception as exc:
+            raise _translate(exc) from exc
+        try:
+            applied = await self._check_and_migrate(conn, force=True) if upgrade else ()
+            version = await self._version(conn)
+        except Exception as exc:
+            raise _translate(exc) from exc
+        finally:
+            await conn.close()
+        return SchemaStatus(version, SCHEMA_VERSION, applied, self.schema)
+
+    async def _check_and_migrate(self, conn: Any, *, force: bool = False) -> tuple[int, ...]:
+        """Refuse a newer schema; apply missing migrations (if allowed); what was applied."""
         try:
             encoding = await conn.fetchval("SHOW server_encoding")
             if str(encoding).upper() not in ("UTF8", "UTF-8"):
@@ -221,13 +273,14 @@ class _Database:
                 raise SchemaVersionError(f"the database schema is version {current}; this "
                                          f"fleet knows up to {SCHEMA_VERSION}: upgrade fleet")
             if current < SCHEMA_VERSION:
-                if not self.migrate:
+                if not (self.migrate or force):
                     raise SchemaVersionError(f"the database schema is version {current}, "
                                              f"this fleet needs {SCHEMA_VERSION}: run "
                                              "`fleet db upgrade`")
-                await self._migrate(conn)
+                return await self._migrate(conn)
         except Exception as exc:
             raise _translate(exc) from exc
+        return ()
 
     async def _version(self, conn: Any) -> int:
         if await conn.fetchval("SELECT to_regclass('fleet_schema_version')") is None:
@@ -235,7 +288,8 @@ class _Database:
         return int(await conn.fetchval(
             "SELECT coalesce(max(version), 0) FROM fleet_schema_version"))
 
-    async def _migrate(self, conn: Any) -> None:
+    async def _migrate(self, conn: Any) -> tuple[int, ...]:
+        applied: list[int] = []
         async with conn.transaction(isolation="read_committed"):
             # Serialise migrators of this schema across processes.
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))",
@@ -252,6 +306,8 @@ class _Database:
                     await conn.execute(sql)
                     await conn.execute("INSERT INTO fleet_schema_version (version) VALUES ($1)",
                                        version)
+                    applied.append(version)
+        return tuple(applied)
 
     async def release(self) -> None:
         self.users -= 1
@@ -320,6 +376,27 @@ class PostgresEventStore(_PostgresBase):
         """Connect and apply migrations now rather than on first use."""
         await self._db.ready()
         return self
+
+    async def schema_status(self) -> SchemaStatus:
+        """The schema version the database holds and the newest this fleet knows.
+
+        Reads on a connection of its own and changes nothing (a store built with
+        ``migrate=False`` can report a database that is behind).
+        """
+        return await self._db.schema_status(upgrade=False)
+
+    async def upgrade_schema(self) -> SchemaStatus:
+        """Apply the missing migrations now (``fleet db upgrade``), whatever ``migrate`` says.
+
+        Serialised across processes like the migration on first use; applying
+        none is fine. Returns the status after, with the versions it applied.
+
+        Raises:
+            SchemaVersionError: the database is newer than this fleet.
+            ConfigurationError: the database is not UTF8.
+            StoreUnavailableError: the server cannot be reached.
+        """
+        return await self._db.schema_status(upgrade=True)
 
     def snapshot_store(self) -> PostgresSnapshotStore:
         """A ``PostgresSnapshotStore`` sharing this store's pool."""
