@@ -19,6 +19,8 @@ from fleet.kernel.context import Context, _ContinueAsNew
 from fleet.kernel.errors import (
     ConfigurationError,
     ExecutionParked,
+    FlowCodeMismatchError,
+    FlowNotFoundError,
     FlowReplayDivergenceError,
     ReplayError,
     RunAborted,
@@ -62,17 +64,13 @@ async def replay_check(events: Sequence[EventEnvelope], flows: Sequence[FlowDefi
     if state.sequence < 0:
         return ReplayVerdict(eid, None, "error", detail="the log is empty")
     registry = FlowRegistry(flows)
-    definition = registry.resolve(state.flow_id or "", state.flow_hash, state.flow_version)
-    if definition is None:
-        return ReplayVerdict(eid, state.flow_id, "code_mismatch", detail=(
-            f"no registered version of {state.flow_id!r} has the recorded structure "
-            f"{state.flow_hash}"))
-    if (state.code_hash and definition.code_fingerprint
-            and state.code_hash != definition.code_fingerprint
-            and state.code_hash not in definition.compatible_with):
-        return ReplayVerdict(eid, state.flow_id, "code_mismatch", detail=(
-            f"recorded code {state.code_hash} is not {definition.code_fingerprint} and not "
-            "listed in compatible_with"))
+    try:
+        definition, _ = registry.pinned(eid, state.flow_id, state.flow_hash, state.flow_version,
+                                        state.code_hash)
+    except FlowCodeMismatchError as exc:
+        return ReplayVerdict(eid, state.flow_id, "code_mismatch", detail=str(exc))
+    except FlowNotFoundError as exc:
+        return ReplayVerdict(eid, state.flow_id, "code_mismatch", detail=str(exc))
     # A private memory store holding a copy of the log: anything the replay
     # commits before it stops (an emit) lands there and is thrown away.
     store = MemoryEventStore()

@@ -773,6 +773,17 @@ class Runtime:
                                 events: list[tuple[EventType, dict[str, Any]]], *,
                                 drive: bool = True) -> ExecutionHandle:
         execution_id = state.execution_id
+        if drive or self.flows.versions(state.flow_id or ""):
+            # Judge the code before the answer is written: a refused drive must
+            # leave the log exactly as it was (ADR 0113 D2), not hold an answer
+            # nobody can consume.
+            try:
+                self.flows.pinned(execution_id, state.flow_id, state.flow_hash,
+                                  state.flow_version, state.code_hash,
+                                  allow_code_mismatch=self.allow_flow_code_mismatch)
+            except FleetError:
+                await self.store.release_fence(execution_id, grant.token)
+                raise
         made = []
         seq = state.sequence
         now = self.clock()
@@ -951,6 +962,13 @@ class Runtime:
             task = loop.create_task(self._fire_timer(execution_id, timer_id))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+            task.add_done_callback(report)
+
+        def report(task: asyncio.Task[bool]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                exc = task.exception()
+                self.warner.warn(f"local timer {timer_id!r} of {execution_id!r} could not fire: "
+                                 f"{type(exc).__name__}: {exc}")
 
         old = self._timers.pop(execution_id, None)
         if old is not None:

@@ -22,7 +22,6 @@ from kernel_kit import FaultyStore, ManualClock, dumped, kinds, settle, started
 from fleet import (
     ConfigurationError,
     Context,
-    ExecutionNotParkedError,
     FlowCodeMismatchError,
     FlowDefinition,
     FlowNotFoundError,
@@ -197,17 +196,14 @@ async def test_a_resume_is_refused_before_the_body_runs() -> None:
         await runtime.resume(eid, "go", "yes")
     await settle(runtime)
     assert ran == []  # the step after the gate did not run
-    after = dumped(await store.read(eid))
-    # The drive wrote nothing; the resume's own answer, written before it, stays
-    # (the execution is as a crash right after the resume would leave it).
-    assert after[:len(before)] == before
-    assert [e["type"] for e in after[len(before):]] == ["EXECUTION_RESUMED"]
-    with pytest.raises(ExecutionNotParkedError):  # the answer is on the log already
-        await runtime.resume(eid, "go", "again")
-    # Once the code it started on is registered again, it finishes with that answer.
+    # The code is judged before the answer is written: the log is untouched,
+    # the execution still waits, and the lease was released.
+    assert dumped(await store.read(eid)) == before
+    assert (await runtime.load_state(eid)).waiting == {"on": "go", "kind": "gate"}
+    # Once the code it started on is registered again, the same answer goes in.
     fixed = Runtime(store, flows=[_gated(ran, label="fixed", code_fingerprint="build-1")])
-    await fixed.drive(eid, wait=True)
-    assert await fixed.result(eid) == {"answer": "yes", "body": "fixed"}
+    handle = await fixed.resume(eid, "go", "yes")
+    assert await handle.result() == {"answer": "yes", "body": "fixed"}
     assert ran == ["fixed"]
 
 
@@ -277,9 +273,9 @@ async def test_a_migration_re_arms_the_comparison_against_the_target() -> None:
         await rebuilt.resume(eid, "go", "x")
     assert (refused.value.recorded, refused.value.registered) == ("v2-build", "v2-other")
     assert ran == []
-    # The v2 it was migrated to finishes it.
-    await runtime.drive(eid, wait=True)
-    assert await runtime.result(eid) == {"answer": "x", "body": "v2"}
+    # The v2 it was migrated to finishes it (the refusal wrote no answer).
+    handle = await runtime.resume(eid, "go", "x")
+    assert await handle.result(timeout=10) == {"answer": "x", "body": "v2"}
     assert ran == ["v2"]
 
 
@@ -509,8 +505,8 @@ async def test_auto_end_to_end_a_docstring_edit_replays_a_real_edit_is_refused(
 
     docs = _load(tmp_path, source.replace('"""v1"""', '"""v1, now documented."""'))
     runtime = Runtime(store, flows=[docs])
-    await runtime.drive(eid, wait=True)
-    assert await runtime.result(eid) == "yes"
+    handle = await runtime.resume(eid, "go", "yes")  # the refusal wrote no answer
+    assert await handle.result(timeout=10) == "yes"
     assert _module_calls(docs) == ["b"]
 
 
