@@ -1,0 +1,181 @@
+"""``RewardAttacher``: the consumer group that turns reward messages into late outcomes.
+
+For each entry of ``fleet:rewards``: verify it (``verify_reward``: parse, HMAC
+with the producer's key, schema), then ``runtime.record_outcome`` as the
+producer's principal, ``Principal(f"producer:{name}", tenant=...)``, so the
+log says who sent every late reward (``recordedBy``). What happens next:
+
+==============================  =====================================================
+appended                        acknowledged, counted in ``attached``
+duplicate (``appended=False``)  acknowledged, counted in ``duplicates``
+malformed, unsigned, unknown    dead-lettered to ``fleet:rewards:dead`` with the
+producer, bad signature,        reason and the original entry; never attached
+invalid
+retryable error                 retried here with doubling backoff (``retries``
+(``.retryable``: contended      times), then left pending and claimed again after
+tip, busy, store down)          ``claim_idle_ms``, up to ``retry_deliveries``
+                                deliveries; then dead-lettered with the error's code
+execution not terminal          left pending and claimed again after
+                                ``claim_idle_ms``, up to ``max_deliveries`` (the run
+                                may finish meanwhile); then dead-lettered
+any other refusal               dead-lettered with the error's code
+(``OutcomeRefusedError``,       (``outcome_refused``, ``execution_not_found``,
+not found, denied, shape)       ``access_denied``, ``validation``)
+==============================  =====================================================
+
+Why a producer may annotate at all: ``docs/decisions/0011-reward-producers.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from fleet.kernel.errors import ConfigurationError, ExecutionNotTerminalError, FleetError
+from fleet.kernel.journal import WarnSink
+from fleet.kernel.security import Principal
+from fleet.streams._redis import aioredis
+from fleet.streams.consumer import Defer, Reject, StreamConsumer, StreamEntry, default_consumer_name
+from fleet.streams.rewards import MESSAGE_FIELD, verify_reward
+
+if TYPE_CHECKING:
+    from fleet.config import FleetSettings
+    from fleet.kernel.runtime import Runtime
+
+__all__ = ["RewardAttacher"]
+
+
+class RewardAttacher:
+    """A ``Service``: a ``StreamConsumer`` on the rewards stream that attaches outcomes.
+
+    The runtime's ``AccessPolicy`` must let a producer ``annotate``: a producer
+    is never an execution's owner, so the default ``owner`` rule is refused at
+    construction. Give the attacher's runtime ``AccessPolicy(rules={"annotate":
+    "any"})`` (any producer holding a key may annotate any finished execution),
+    or ``"tenant"`` with ``producer_tenants`` (a producer annotates only the
+    executions of the tenant the operator assigned it). The policy is the
+    attacher's runtime's, not the users': it grants nothing to anyone else.
+
+    Args:
+        runtime: The runtime outcomes are recorded through.
+        redis: An asyncio Redis client.
+        keys: ``{producer: HMAC key}`` (``FleetSettings.reward_keys``).
+        stream / group / dead_stream: ``rewards_stream``, ``rewards_group``,
+            ``rewards_dead``.
+        consumer: This member's name (default ``host:pid``).
+        producer_tenants: ``{producer: tenant}`` for the producer's principal;
+            unlisted producers have no tenant.
+        retries: In-place retries of a retryable error before the entry is
+            left pending; ``backoff_s`` before the first, doubling.
+        retry_deliveries: Deliveries a retryable error may take in all.
+        max_deliveries: Deliveries a reward for a still-running execution may
+            wait (each ``claim_idle_ms`` apart), and the bound for everything else.
+        consumer_options: Passed to ``StreamConsumer`` (``block_ms``, ``count``,
+            ``claim_every_s``, ``on_warn``...).
+
+    ``stats()``: ``attached``, ``duplicates``, ``dead_lettered`` (by reason),
+    ``retried`` (in-place retries), ``deferred`` (left pending to try later),
+    and the consumer's own counters under ``consumer``.
+    """
+
+    requires: tuple[str, ...] = ()
+
+    def __init__(self, runtime: Runtime, redis: aioredis.Redis, *, keys: Mapping[str, str],
+                 stream: str = "fleet:rewards", group: str = "fleet-attachers",
+                 dead_stream: str = "fleet:rewards:dead", consumer: str | None = None,
+                 producer_tenants: Mapping[str, str | None] | None = None,
+                 retries: int = 4, backoff_s: float = 0.05, retry_deliveries: int = 5,
+                 max_deliveries: int = 30, claim_idle_ms: int = 30_000,
+                 on_warn: WarnSink | None = None, name: str = "reward-attacher",
+                 close_client: bool = False, **consumer_options: Any) -> None:
+        rule = runtime.access_policy.rule_for("annotate")
+        if rule == "owner":
+            raise ConfigurationError(
+                "RewardAttacher: the runtime's AccessPolicy lets only an execution's owner "
+                "annotate it, and a reward producer is never the owner; give the attacher's "
+                "runtime AccessPolicy(rules={'annotate': 'any'}), or 'tenant' with "
+                "producer_tenants (docs/decisions/0011-reward-producers.md)")
+        if retries < 0 or backoff_s < 0 or retry_deliveries < 1:
+            raise ConfigurationError("RewardAttacher: retries and backoff_s must be >= 0, "
+                                     "retry_deliveries >= 1")
+        if not keys:
+            raise ConfigurationError("RewardAttacher: no producer keys (FLEET_REWARD_KEYS): "
+                                     "every message would be dead-lettered")
+        self.name = name
+        self.runtime = runtime
+        self.keys = dict(keys)
+        self.producer_tenants = dict(producer_tenants or {})
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.retry_deliveries = retry_deliveries
+        self._close_client = close_client
+        self.consumer = StreamConsumer(
+            redis, stream, group, consumer or default_consumer_name(), self._on_entry,
+            dead_stream=dead_stream, claim_idle_ms=claim_idle_ms,
+            max_deliveries=max_deliveries, on_warn=on_warn, name=f"{name}:consumer",
+            **consumer_options)
+        self.attached = 0
+        self.duplicates = 0
+        self.retried = 0
+        self.deferred = 0
+
+    @classmethod
+    def from_settings(cls, settings: FleetSettings, runtime: Runtime,
+                      **kwargs: Any) -> RewardAttacher:
+        """An attacher on ``settings.redis_url`` with its streams, group and keys."""
+        if not settings.redis_url:
+            raise ConfigurationError("the reward attacher needs FLEET_REDIS_URL")
+        client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0)
+        kwargs.setdefault("keys", settings.reward_keys)
+        kwargs.setdefault("stream", settings.rewards_stream)
+        kwargs.setdefault("group", settings.rewards_group)
+        kwargs.setdefault("dead_stream", settings.rewards_dead)
+        return cls(runtime, client, close_client=True, **kwargs)
+
+    async def start(self) -> None:
+        await self.consumer.start()
+
+    async def stop(self) -> None:
+        await self.consumer.stop()
+        if self._close_client:
+            await self.consumer.redis.aclose()
+
+    def stats(self) -> dict[str, Any]:
+        consumer = self.consumer.stats()
+        return {"attached": self.attached, "duplicates": self.duplicates,
+                "dead_lettered": consumer["dead_lettered"], "retried": self.retried,
+                "deferred": self.deferred, "consumer": consumer}
+
+    async def _on_entry(self, entry: StreamEntry) -> Defer | Reject | None:
+        try:
+            message = verify_reward(entry.fields.get(MESSAGE_FIELD), self.keys)
+        except FleetError as exc:
+            return Reject(str(exc.details.get("reason", exc.code)), exc.message)
+        principal = Principal(f"producer:{message.producer}",
+                              tenant=self.producer_tenants.get(message.producer))
+        attempt = 0
+        while True:
+            try:
+                result = await self.runtime.record_outcome(
+                    message.execution_id, decision_id=message.decision_id, key=message.key,
+                    score=message.score, success=message.success, principal=principal)
+            except ExecutionNotTerminalError as exc:
+                self.deferred += 1
+                return Defer(exc.code, exc.message)
+            except FleetError as exc:
+                if not exc.retryable:
+                    return Reject(exc.code, exc.message)
+                if attempt < self.retries:
+                    attempt += 1
+                    self.retried += 1
+                    await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                    continue
+                self.deferred += 1
+                return Defer(exc.code, f"{exc.message} (still failing after {attempt + 1} "
+                             "tries)", max_deliveries=self.retry_deliveries)
+            if result.appended:
+                self.attached += 1
+            else:
+                self.duplicates += 1
+            return None
