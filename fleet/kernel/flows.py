@@ -16,6 +16,7 @@ the version lists it in ``compatible_with``.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import json
 import re
@@ -128,6 +129,34 @@ def flow_hash_matches(recorded: str | None, definition: FlowDefinition) -> bool:
     if recorded.startswith("fnv1a:"):
         return recorded == definition.legacy_hash
     return False
+
+
+def load_flow(spec: str) -> FlowDefinition:
+    """``package.module:flow_name`` → the ``FlowDefinition`` it names.
+
+    Every fleet process (worker, dispatcher, timer service, CLI) registers the
+    flows ``FleetSettings.flows`` lists through this.
+
+    Raises:
+        ConfigurationError: the spec is malformed, the module does not import,
+            or the attribute is not a flow declared with ``@flow``.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigurationError(f"flow {spec!r} must look like 'package.module:flow_name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
+    definition = getattr(module, attr, None)
+    if not isinstance(definition, FlowDefinition):
+        raise ConfigurationError(f"{spec!r} is not a flow declared with @flow(...)")
+    return definition
+
+
+def load_flows(specs: Sequence[str]) -> list[FlowDefinition]:
+    """``load_flow`` of each spec, in order (a ``FleetSettings.flows`` list)."""
+    return [load_flow(spec) for spec in specs]
 
 
 def flow(flow_id: str, *, version: int = 1, steps: Sequence[str] = (),
