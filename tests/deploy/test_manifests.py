@@ -1,0 +1,587 @@
+"""deploy/k8s renders and validates offline, for Kubernetes 1.30 to 1.35.
+
+- **Render.** Each overlay is built by ``kustomize_lite`` (this folder: the
+  kustomize features the manifests use, nothing more), and the result is
+  compared object for object with ``kubectl kustomize`` (kustomize 5 inside
+  kubectl), so the renderer cannot drift from the real thing unnoticed.
+- **Schemas.** Every object is checked by ``kubernetes_validate.validate(obj,
+  version, strict=True)``: the library behind ``kubernetes-validate --strict``,
+  which ships the JSON schemas of each Kubernetes minor it supports inside its
+  wheel (nothing is downloaded). Strict means an unknown field is an error,
+  which is how a misspelt field shows up. KEDA's custom resources have no
+  schema there: they are listed in ``CRD_KINDS`` and checked by the policy
+  tests below instead.
+- **Policy.** What a schema cannot say: requests and limits, probes and the
+  security context on every container; no secret value in a manifest, and
+  every Secret reference present in ``secret.example.yaml``; selectors that
+  select their pods; the autoscaler on the worker Deployment; NetworkPolicies
+  that let exactly the fleet processes that use Redis and Postgres reach them;
+  the schema gate before pods start; a grace period longer than the lease.
+- **A broken manifest fails**: ``test_a_broken_manifest_fails`` breaks a copy
+  of the tree and watches the same checks refuse it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import SchemaNotFoundError, all_versions
+from kustomize_lite import build
+
+from fleet.config import FleetSettings
+
+Obj = dict[str, Any]
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ("dev", "prod", "prod-keda")
+K8S_VERSIONS = ("1.30", "1.31", "1.32", "1.33", "1.34", "1.35")
+CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
+UID = 10001
+# The command each component runs (after the image's `fleet` entrypoint).
+COMMANDS = {"worker": ["worker", "--queues", "$(FLEET_QUEUE)",
+                       "--concurrency", "$(FLEET_WORKER_DRIVES)"],
+            "timers": ["timers"], "recovery": ["recovery"], "attacher": ["attacher"],
+            "flower": ["flower"], "db-upgrade": ["db", "upgrade"]}
+HEALTH_CHECKED = ("worker", "timers", "recovery", "attacher")
+REDIS_CLIENTS = {"worker", "timers", "recovery", "attacher", "flower"}
+POSTGRES_CLIENTS = {"worker", "timers", "recovery", "attacher", "db-upgrade"}
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|KEY|AUTH|CREDENTIAL|_URL$", re.I)
+CREDENTIALS_IN_URL = re.compile(r"://[^/\s]*:[^/\s]*@")
+
+
+@functools.cache
+def _render(overlay: str) -> tuple[Obj, ...]:
+    return tuple(build(K8S / "overlays" / overlay))
+
+
+def render(overlay: str) -> list[Obj]:
+    """The overlay's objects (a copy: a test may change them)."""
+    return copy.deepcopy(list(_render(overlay)))
+
+
+def kinds(objs: list[Obj], kind: str) -> list[Obj]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs: list[Obj], kind: str, name: str) -> Obj:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} objects"
+    return found[0]
+
+
+def component(obj: Obj) -> str:
+    return str(pod_template(obj)["metadata"]["labels"].get("app.kubernetes.io/component"))
+
+
+def pod_template(obj: Obj) -> Obj:
+    return obj["spec"]["template"]  # type: ignore[no-any-return]
+
+
+def containers(pod_spec: Obj) -> Iterator[Obj]:
+    yield from pod_spec.get("initContainers", [])
+    yield from pod_spec.get("containers", [])
+
+
+def configmap_data(objs: list[Obj]) -> dict[str, str]:
+    (config,) = (o for o in kinds(objs, "ConfigMap")
+                 if o["metadata"]["name"].startswith("fleet-config-"))
+    return config["data"]  # type: ignore[no-any-return]
+
+
+def selects(selector: Obj, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) against labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        value, op = labels.get(expr["key"]), expr["operator"]
+        if ((op == "In" and value not in expr["values"])
+                or (op == "NotIn" and value in expr["values"])
+                or (op == "Exists" and value is None)
+                or (op == "DoesNotExist" and value is not None)):
+            return False
+    return True
+
+
+@functools.cache
+def secret_example() -> dict[str, dict[str, str]]:
+    docs = yaml.safe_load_all((K8S / "secret.example.yaml").read_text())
+    return {d["metadata"]["name"]: d["stringData"] for d in docs if d}
+
+
+# -- the checks (each returns what is wrong, so a test can also feed it a broken object) ---
+
+
+def schema_errors(objs: list[Obj], version: str) -> list[str]:
+    """kubernetes-validate --strict against ``version``; CRDs must be in CRD_KINDS."""
+    errors = []
+    for obj in objs:
+        name = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+        try:
+            checked = kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            errors.append(f"{name} ({version}): {path}: {exc.message}")
+            continue
+        except SchemaNotFoundError:
+            if (obj["apiVersion"], obj["kind"]) not in CRD_KINDS:
+                errors.append(f"{name} ({version}): no schema for {obj['apiVersion']}")
+            continue
+        if checked != version:
+            errors.append(f"{name}: validated against {checked}, not {version}")
+    return errors
+
+
+def container_errors(objs: list[Obj]) -> list[str]:
+    """Requests, limits, probes and the security context of every container."""
+    errors = []
+    for obj in (o for o in objs if o["kind"] in WORKLOADS):
+        pod = pod_template(obj)["spec"]
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        pod_sc = pod.get("securityContext", {})
+        if pod_sc.get("runAsNonRoot") is not True:
+            errors.append(f"{where}: pod securityContext.runAsNonRoot is not true")
+        if pod_sc.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+            errors.append(f"{where}: pod seccompProfile is not RuntimeDefault")
+        if pod.get("automountServiceAccountToken") is not False:
+            errors.append(f"{where}: mounts a service account token")
+        for c in containers(pod):
+            at = f"{where} container {c['name']}"
+            for kind in ("requests", "limits"):
+                for resource in ("cpu", "memory"):
+                    if resource not in c.get("resources", {}).get(kind, {}):
+                        errors.append(f"{at}: no {resource} in resources.{kind}")
+            sc = c.get("securityContext", {})
+            expected = {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
+                        "allowPrivilegeEscalation": False}
+            errors += [f"{at}: securityContext.{k} is not {v}" for k, v in expected.items()
+                       if sc.get(k) is not v]
+            if not isinstance(sc.get("runAsUser"), int) or sc["runAsUser"] == 0:
+                errors.append(f"{at}: securityContext.runAsUser is not a non-root uid")
+            if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+                errors.append(f"{at}: capabilities do not drop ALL")
+            if sc.get("capabilities", {}).get("add") or sc.get("privileged"):
+                errors.append(f"{at}: adds capabilities or is privileged")
+            if sc.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+                errors.append(f"{at}: seccompProfile is not RuntimeDefault")
+            is_init = c in pod.get("initContainers", [])
+            if obj["kind"] != "Job" and not is_init:
+                errors += [f"{at}: no {p}" for p in ("livenessProbe", "readinessProbe")
+                           if p not in c]
+    return errors
+
+
+def secret_errors(objs: list[Obj]) -> list[str]:
+    """No Secret object or secret-looking literal; every reference is in the example."""
+    errors = [f"Secret/{o['metadata']['name']} is inlined" for o in kinds(objs, "Secret")]
+    example = secret_example()
+    for cm in kinds(objs, "ConfigMap"):
+        for key, value in cm.get("data", {}).items():
+            if SECRET_NAME.search(key) or CREDENTIALS_IN_URL.search(value):
+                errors.append(f"ConfigMap {cm['metadata']['name']}: {key} looks secret")
+    refs: list[tuple[str, str, str]] = []
+    for obj in (o for o in objs if o["kind"] in WORKLOADS):
+        for c in containers(pod_template(obj)["spec"]):
+            at = f"{obj['metadata']['name']}/{c['name']}"
+            for env in c.get("env", []):
+                if "value" in env and (SECRET_NAME.search(env["name"])
+                                       or CREDENTIALS_IN_URL.search(env["value"])):
+                    errors.append(f"{at}: {env['name']} has a literal value")
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    refs.append((at, ref["name"], ref["key"]))
+            errors += [f"{at}: envFrom a whole Secret ({s['secretRef']['name']}): name keys"
+                       for s in c.get("envFrom", []) if "secretRef" in s]
+    for auth in kinds(objs, "TriggerAuthentication"):
+        refs += [(auth["metadata"]["name"], r["name"], r["key"])
+                 for r in auth["spec"]["secretTargetRef"]]
+    for at, name, key in refs:
+        if key not in example.get(name, {}):
+            errors.append(f"{at}: Secret {name} key {key} is not in secret.example.yaml")
+    return errors
+
+
+def selector_errors(objs: list[Obj]) -> list[str]:
+    errors = []
+    pods = [(o, pod_template(o)["metadata"].get("labels", {}))
+            for o in objs if o["kind"] in WORKLOADS]
+    for obj in (o for o in objs if o["kind"] in ("Deployment", "StatefulSet")):
+        if not selects(obj["spec"]["selector"], pod_template(obj)["metadata"]["labels"]):
+            errors.append(f"{obj['kind']}/{obj['metadata']['name']}: selector misses its pods")
+        others = [o for o, labels in pods
+                  if o is not obj and selects(obj["spec"]["selector"], labels)]
+        errors += [f"{obj['metadata']['name']}: selector also selects {o['metadata']['name']}"
+                   for o in others]
+    for pdb in kinds(objs, "PodDisruptionBudget"):
+        chosen = [o["metadata"]["name"] for o, labels in pods
+                  if selects(pdb["spec"]["selector"], labels)]
+        if chosen != [pdb["metadata"]["name"]]:
+            errors.append(f"PodDisruptionBudget/{pdb['metadata']['name']} selects {chosen}")
+    for svc in kinds(objs, "Service"):
+        if not any(selects({"matchLabels": svc["spec"]["selector"]}, labels)
+                   for _, labels in pods):
+            errors.append(f"Service/{svc['metadata']['name']} selects no pod")
+    return errors
+
+
+def store_clients(objs: list[Obj], store_labels: dict[str, str], port: int) -> set[str]:
+    """Who the NetworkPolicies let reach a pod labelled ``store_labels`` on ``port``.
+
+    Fleet components by name; another namespace as ``namespace:<name>``; a rule
+    with no ``from`` (anyone) as ``*``.
+    """
+    admitted: set[str] = set()
+    for policy in kinds(objs, "NetworkPolicy"):
+        if not selects(policy["spec"]["podSelector"], store_labels):
+            continue
+        for rule in policy["spec"].get("ingress", []):
+            if not any(p.get("port") == port for p in rule.get("ports", [{"port": port}])):
+                continue
+            if "from" not in rule:
+                admitted.add("*")
+            for peer in rule.get("from", []):
+                if "namespaceSelector" in peer:
+                    ns = peer["namespaceSelector"].get("matchLabels", {})
+                    admitted.add(f"namespace:{ns.get('kubernetes.io/metadata.name', '*')}")
+                elif "podSelector" in peer:
+                    admitted |= {component(o) for o in objs if o["kind"] in WORKLOADS
+                                 and selects(peer["podSelector"],
+                                             pod_template(o)["metadata"]["labels"])}
+                else:
+                    admitted.add("*")
+    return admitted
+
+
+# -- the validator and the renderer ---------------------------------------------------
+
+
+def test_the_validator_ships_every_schema_offline() -> None:
+    shipped = {v.rsplit(".", 1)[0] for v in all_versions()}
+    schemas = resources.files("kubernetes_validate") / "kubernetes-json-schema"
+    for version in K8S_VERSIONS:
+        assert version in shipped, f"kubernetes-validate has no schemas for {version}"
+        strict = schemas / f"v{version}.0-local-strict"
+        assert (strict / "deployment-apps-v1.json").is_file(), strict
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_renderer_matches_kubectl_kustomize(overlay: str) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl (with its built-in kustomize) is needed to check the renderer: "
+                    "install it (Debian: kubectl; it is on every machine image here)")
+    out = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+
+    def key(o: Obj) -> tuple[str, str, str, str]:
+        return (o["apiVersion"], o["kind"], o["metadata"].get("namespace", ""),
+                o["metadata"]["name"])
+
+    theirs = {key(o): o for o in yaml.safe_load_all(out) if o}
+    ours = {key(o): o for o in render(overlay)}
+    assert sorted(ours) == sorted(theirs)
+    for k, obj in ours.items():
+        assert obj == theirs[k], k
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates_strictly(overlay: str, version: str) -> None:
+    objs = render(overlay)
+    assert schema_errors(objs, version) == []
+    validated = [o for o in objs if (o["apiVersion"], o["kind"]) not in CRD_KINDS]
+    assert len(validated) >= 15
+
+
+def test_a_broken_manifest_fails(tmp_path: Path) -> None:
+    """A misspelt field and a wrong type in a copy of the base, rendered through dev."""
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    worker, timers = tree / "base" / "worker.yaml", tree / "base" / "timers.yaml"
+    text = worker.read_text()
+    typo = text.replace('imagePullPolicy: IfNotPresent\n          args: ["worker"',
+                        'imagePulPolicy: IfNotPresent\n          args: ["worker"')
+    assert typo.count("imagePulPolicy") == 1
+    worker.write_text(typo)
+    timers.write_text(timers.read_text().replace("replicas: 2", "replicas: two"))
+    objs = build(tree / "overlays" / "dev")
+    for version in K8S_VERSIONS:
+        errors = schema_errors(objs, version)
+        assert len(errors) == 2, errors
+        assert any(e.startswith("Deployment/fleet-worker") and "spec.template.spec.containers.0"
+                   in e and "'imagePulPolicy' was unexpected" in e for e in errors), errors
+        assert any(e.startswith("Deployment/fleet-timers") and "spec.replicas: 'two'" in e
+                   for e in errors), errors
+    # Only --strict catches the misspelling: without it the unknown field passes.
+    deployment = one(objs, "Deployment", "fleet-worker")
+    assert kubernetes_validate.validate(deployment, "1.35", strict=False) == "1.35"
+
+
+def test_the_policy_checks_catch_a_broken_pod() -> None:
+    objs = render("prod")
+    worker = one(objs, "Deployment", "fleet-worker")
+    pod = pod_template(worker)["spec"]
+    main = pod["containers"][0]
+    del main["resources"]["limits"]
+    del main["livenessProbe"]
+    main["securityContext"]["allowPrivilegeEscalation"] = True
+    main["env"].append({"name": "FLEET_REDIS_URL", "value": "redis://:hunter2@redis:6379/0"})
+    worker["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "workers"
+    objs.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "leaked"},
+                 "stringData": {"password": "hunter2"}})
+    errors = container_errors(objs) + secret_errors(objs) + selector_errors(objs)
+    for expected in ("no cpu in resources.limits", "no memory in resources.limits",
+                     "no livenessProbe", "allowPrivilegeEscalation is not False",
+                     "FLEET_REDIS_URL has a literal value", "Secret/leaked is inlined",
+                     "fleet-worker: selector misses its pods"):
+        assert any(expected in e for e in errors), (expected, errors)
+
+
+# -- policy, per overlay ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_containers_have_resources_probes_and_a_locked_down_context(overlay: str) -> None:
+    assert container_errors(render(overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_secret_is_inlined_and_every_reference_is_documented(overlay: str) -> None:
+    assert secret_errors(render(overlay)) == []
+
+
+def test_the_secret_example_holds_only_placeholders() -> None:
+    example = secret_example()
+    assert set(example) == {"fleet-secrets", "fleet-keda-redis"}
+    for name, data in example.items():
+        for key, value in data.items():
+            if key != "address":
+                assert "CHANGE_ME" in value, (name, key)
+    for kustomization in K8S.rglob("kustomization.yaml"):
+        text = yaml.safe_load(kustomization.read_text())
+        listed = text.get("resources", []) + [p["path"] for p in text.get("patches", [])]
+        assert not any("secret" in entry for entry in listed), kustomization
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_selectors_select_their_own_pods(overlay: str) -> None:
+    assert selector_errors(render(overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_processes_run_their_command_and_their_own_health_check(overlay: str) -> None:
+    objs = render(overlay)
+    seen = set()
+    for obj in (o for o in objs if o["kind"] in WORKLOADS and o["metadata"]["name"]
+                not in ("fleet-redis", "fleet-postgres")):
+        name = component(obj)
+        seen.add(name)
+        main = pod_template(obj)["spec"]["containers"][0]
+        assert main["args"] == COMMANDS[name], obj["metadata"]["name"]
+        if name in HEALTH_CHECKED:
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                assert main[probe]["exec"]["command"] == [
+                    "fleet", "health", "--component", name], (name, probe)
+    assert seen == set(COMMANDS)
+    assert one(objs, "Deployment", "fleet-timers")["spec"]["replicas"] == 2
+    assert one(objs, "Deployment", "fleet-recovery")["spec"]["replicas"] == 2
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_settings_are_fleet_settings_and_every_reference_resolves(
+        overlay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    objs = render(overlay)
+    known = {f"FLEET_{name.upper()}" for name in FleetSettings.model_fields}
+    data = configmap_data(objs)
+    assert set(data) <= known, set(data) - known
+    configmaps = {o["metadata"]["name"]: o.get("data", {}) for o in kinds(objs, "ConfigMap")}
+    for obj in (o for o in objs if o["kind"] in WORKLOADS):
+        for c in containers(pod_template(obj)["spec"]):
+            names = {e["name"] for e in c.get("env", [])}
+            assert {n for n in names if n.startswith("FLEET_")} <= known, c["name"]
+            for source in c.get("envFrom", []):
+                names |= set(configmaps[source["configMapRef"]["name"]])
+            used = re.findall(r"\$\((\w+)\)", " ".join(c.get("command", []) + c.get("args", [])))
+            assert set(used) <= names, (obj["metadata"]["name"], c["name"], used)
+    # The values parse: the processes would start with this configuration.
+    for key, value in data.items():
+        monkeypatch.setenv(key, value)
+    settings = FleetSettings()
+    assert settings.queue == data["FLEET_QUEUE"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_worker_grace_period_outlasts_the_lease(overlay: str) -> None:
+    objs = render(overlay)
+    lease_s = int(configmap_data(objs).get("FLEET_LEASE_MS", 30_000)) / 1000
+    worker = pod_template(one(objs, "Deployment", "fleet-worker"))["spec"]
+    assert worker["terminationGracePeriodSeconds"] >= lease_s + 10
+    strategy = one(objs, "Deployment", "fleet-worker")["spec"]["strategy"]
+    assert strategy["rollingUpdate"]["maxUnavailable"] == 0
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_wait_for_the_schema_the_job_applies(overlay: str) -> None:
+    objs = render(overlay)
+    for obj in kinds(objs, "Deployment"):
+        spec = pod_template(obj)["spec"]
+        uses_store = any(e.get("valueFrom", {}).get("secretKeyRef", {}).get("key")
+                         == "database-url" for c in spec["containers"] for e in c.get("env", []))
+        if not uses_store:
+            continue
+        (gate,) = spec["initContainers"]
+        assert gate["name"] == "wait-for-schema"
+        assert "fleet db status --json" in gate["args"][0]
+        assert '[ "$state" = current ] && exit 0' in gate["args"][0]
+        assert gate["image"] == spec["containers"][0]["image"]
+    job = one(objs, "Job", "fleet-db-upgrade")
+    annotations = job["metadata"]["annotations"]
+    assert annotations["argocd.argoproj.io/hook"] == "PreSync"
+    assert annotations["argocd.argoproj.io/hook-delete-policy"] == "BeforeHookCreation"
+    assert job["spec"]["ttlSecondsAfterFinished"] > 0
+    # A PreSync hook runs before the sync creates this render's ConfigMap: read none.
+    assert "configMap" not in json.dumps(job)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_images_are_pinned_and_one_version_per_rollout(overlay: str) -> None:
+    objs = render(overlay)
+    images = {c["image"] for o in objs if o["kind"] in WORKLOADS
+              for c in containers(pod_template(o)["spec"])}
+    for image in images:
+        name, _, tag = image.rpartition(":")
+        assert "@" in image or (name and "/" not in tag and tag != "latest"), image
+    fleet = {i for i in images if i.split(":")[0].endswith("fleet")}
+    assert len(fleet) == 1, fleet
+    assert fleet == ({"fleet:dev"} if overlay == "dev" else {"registry.example.com/fleet:0.1.0"})
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_let_only_the_fleet_reach_redis_and_postgres(overlay: str) -> None:
+    objs = render(overlay)
+    keda = {"namespace:keda"} if overlay == "prod-keda" else set()
+    assert store_clients(objs, {"app.kubernetes.io/name": "redis"}, 6379) == REDIS_CLIENTS | keda
+    assert store_clients(objs, {"app.kubernetes.io/name": "postgres"}, 5432) == POSTGRES_CLIENTS
+    deny = one(objs, "NetworkPolicy", "fleet-default-deny-ingress")["spec"]
+    assert deny == {"podSelector": {}, "policyTypes": ["Ingress"]}
+
+
+def test_dev_runs_its_own_stores_and_the_policies_select_them() -> None:
+    objs = render("dev")
+    for name, store in (("fleet-redis", "redis"), ("fleet-postgres", "postgres")):
+        sts = one(objs, "StatefulSet", name)
+        assert sts["spec"]["replicas"] == 1
+        assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+        assert one(objs, "Service", sts["spec"]["serviceName"])["spec"]["clusterIP"] == "None"
+        labels = pod_template(sts)["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == store
+        clients = store_clients(objs, labels, 6379 if store == "redis" else 5432)
+        assert clients == (REDIS_CLIENTS if store == "redis" else POSTGRES_CLIENTS)
+    assert configmap_data(objs)["FLEET_DIVERGENCE"] == "fail"
+
+
+@pytest.mark.parametrize("overlay", ["prod", "prod-keda"])
+def test_prod_keeps_no_state_in_the_namespace(overlay: str) -> None:
+    objs = render(overlay)
+    assert not kinds(objs, "StatefulSet")
+    assert not kinds(objs, "PersistentVolumeClaim")
+    assert [s["metadata"]["name"] for s in kinds(objs, "Service")] == ["fleet-flower"]
+    for obj in (o for o in objs if o["kind"] in WORKLOADS):
+        volumes = pod_template(obj)["spec"].get("volumes", [])
+        assert all(set(v) == {"name", "emptyDir"} for v in volumes), obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_the_hpa_scales_the_worker_deployment_on_cpu(overlay: str) -> None:
+    objs = render(overlay)
+    (hpa,) = kinds(objs, "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"]) == ("apps/v1", "Deployment")
+    worker = one(objs, "Deployment", target["name"])
+    assert component(worker) == "worker"
+    assert "replicas" not in worker["spec"], "the HPA owns the worker count"
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu"
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    if overlay == "prod":
+        dev = kinds(render("dev"), "HorizontalPodAutoscaler")[0]["spec"]
+        assert hpa["spec"]["minReplicas"] > dev["minReplicas"]
+        assert hpa["spec"]["maxReplicas"] > dev["maxReplicas"]
+
+
+def test_keda_replaces_the_hpa_with_the_queue_length() -> None:
+    objs = render("prod-keda")
+    assert not kinds(objs, "HorizontalPodAutoscaler"), "two autoscalers on one Deployment"
+    (scaled,) = kinds(objs, "ScaledObject")
+    target = scaled["spec"]["scaleTargetRef"]
+    assert component(one(objs, target["kind"], target["name"])) == "worker"
+    redis, cpu = scaled["spec"]["triggers"]
+    assert redis["type"] == "redis"
+    assert cpu["type"] == "cpu"
+    assert redis["metadata"]["listName"] == configmap_data(objs)["FLEET_QUEUE"]
+    assert int(redis["metadata"]["listLength"]) > 0
+    assert set(redis["metadata"]) <= {"listName", "listLength", "activationListLength",
+                                      "databaseIndex", "enableTLS"}
+    auth = one(objs, "TriggerAuthentication", redis["authenticationRef"]["name"])
+    assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} == {"address", "password"}
+    assert scaled["spec"]["minReplicaCount"] == 4
+    assert all(o["metadata"]["namespace"] == "fleet" for o in objs)
+
+
+# -- the image -------------------------------------------------------------------------
+
+
+def dockerfile_stages() -> list[list[tuple[str, str]]]:
+    """The Dockerfile's instructions (continuation lines joined), split into stages."""
+    text = re.sub(r"\\\n", " ", (ROOT / "deploy" / "Dockerfile").read_text())
+    stages: list[list[tuple[str, str]]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        word, _, rest = line.partition(" ")
+        if word.upper() == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append((word.upper(), rest.strip()))
+    return stages
+
+
+def test_the_dockerfile_builds_wheels_apart_and_runs_as_the_manifests_expect() -> None:
+    """A structural check (no image is built here: there is no Docker daemon)."""
+    build_stage, runtime = dockerfile_stages()[-2:]
+    assert build_stage[0][1].startswith("python:3.11-slim")
+    assert runtime[0][1].startswith("python:3.11-slim")
+    assert any(w == "RUN" and "pip wheel" in r and ".[postgres,fleet]" in r.replace('"', "")
+               for w, r in build_stage)
+    final = dict(runtime)
+    assert final["USER"] == f"{UID}:{UID}"
+    assert json.loads(final["ENTRYPOINT"]) == ["fleet"]
+    runs = " ".join(r for w, r in runtime if w == "RUN")
+    assert "apt-get install" not in runs, "no packages (let alone compilers) in the runtime"
+    assert "pip uninstall" in runs
+    assert "--mount=type=bind,from=build" in runs, "the wheels come from the build stage"
+    assert "--no-index" in runs, "the runtime stage downloads nothing"
+    env = " ".join(r for w, r in runtime if w == "ENV")
+    assert "HOME=/home/fleet" in env
+    for overlay in OVERLAYS:
+        for obj in (o for o in render(overlay) if o["kind"] in WORKLOADS):
+            spec = pod_template(obj)["spec"]
+            if spec["containers"][0]["image"].split(":")[0].endswith("fleet"):
+                mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+                assert {"/tmp", "/home/fleet"} <= mounts
+                assert spec["securityContext"]["runAsUser"] == UID
