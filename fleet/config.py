@@ -52,6 +52,11 @@ class FleetSettings(BaseSettings):
         default_factory=dict,
         description='JSON {"flow:<id>" or "tenant:<t>": queue}; heavy flows get own workers')
     worker_drives: int = Field(64, ge=1, description="concurrent drives per worker process")
+    worker_pool: str = Field(
+        "threads", pattern="^(threads|prefork|solo)$",
+        description="Celery pool of a worker: threads (one loop, worker_drives drives at "
+        "once; decision 0012) or prefork (a loop per child). Celery's `-P prefork` cannot "
+        "override an app's configured pool: set this instead")
     timer_interval_s: float = Field(0.25, gt=0, description="how often due timers are polled")
     recovery_interval_s: float = Field(2.0, gt=0)
     recovery_grace_ms: int = Field(
