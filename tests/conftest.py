@@ -2,14 +2,61 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from fleet.kernel import runtime as _runtime
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.spi import EventStore, SnapshotStore
 from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+
+# What the package ships, read before any test can change it.
+_SHIPPED_DIVERGENCE = _runtime.DEFAULT_DIVERGENCE
+
+
+# Every divergence the detector reported during a forced run: (test, mode, skipped).
+_DIVERGED: list[tuple[str, str, list[str]]] = []
+
+
+@pytest.fixture(autouse=True)
+def _divergence_default(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """``FLEET_TEST_DIVERGENCE=fail`` runs the whole suite with that runtime default
+    (ADR 0113 note 10: nothing healthy may be refused) and lists, at the end, every
+    divergence reported and in which test. Unset: the shipped default."""
+    forced = os.environ.get("FLEET_TEST_DIVERGENCE")
+    if not forced:
+        return
+    if forced not in ("off", "warn", "fail"):
+        raise pytest.UsageError(f"FLEET_TEST_DIVERGENCE must be off, warn or fail, got {forced!r}")
+    monkeypatch.setattr(_runtime, "DEFAULT_DIVERGENCE", forced)
+    diverged = _runtime.Run._diverged
+
+    def reported(run: _runtime.Run, skipped: list[str]) -> None:
+        mode = run.detector.mode if run.detector is not None else "?"
+        _DIVERGED.append((request.node.nodeid, mode, list(skipped)))
+        diverged(run, skipped)
+    monkeypatch.setattr(_runtime.Run, "_diverged", reported)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not os.environ.get("FLEET_TEST_DIVERGENCE"):
+        return
+    terminalreporter.section(
+        f"divergences reported (FLEET_TEST_DIVERGENCE={os.environ['FLEET_TEST_DIVERGENCE']})")
+    for nodeid, mode, skipped in _DIVERGED:
+        terminalreporter.write_line(f"{nodeid}: {mode}: skipped {skipped}")
+    tests = {n for n, _, _ in _DIVERGED}
+    terminalreporter.write_line(f"{len(_DIVERGED)} report(s) in {len(tests)} test(s)")
+
+
+@pytest.fixture
+def shipped_divergence_default() -> str:
+    """The divergence default the package ships (whatever this run forces)."""
+    return _SHIPPED_DIVERGENCE
 
 
 @pytest.fixture(params=["memory", "sqlite"])

@@ -30,20 +30,29 @@ What is judged, and what is not:
   first cut's floor: only frames ranked below the lowest frame the scope has
   asked for are judged.
 
-Cost: the baseline is built once per drive from the fold the runtime already
-holds; a monotone cursor over the first-start order makes the common check
-O(1) amortised.
+Nested scopes: a scope path is positional per context, so sibling branches
+that each open a nested parallel share one path ("/0/0"). A nested scope's set
+is compared when its outermost open scope closes (every sibling is done by
+then), and only a top-level scope's explicit branch list is trusted to say
+which of its path's frames it owns.
+
+Cost (note 9): nothing per asked step (the detector shares the run's set of
+asked ids); a judgment is a set difference over the recorded frames until
+every baseline frame has been asked for, then O(1). The first-start order is
+built (sorted once) only when a judgment needs ranks: a restarted recorded
+step, an overflowed decision, a scope, or a report.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.kernel.errors import FlowReplayDivergenceError
 from fleet.kernel.events import EventType
-from fleet.kernel.fold import DIVERGED_GATE, ExecutionState
+from fleet.kernel.fold import DIVERGED_GATE, ExecutionState, Frame
 
 JUDGE_ALL = frozenset({EventType.EXECUTION_SUSPENDED, EventType.EXECUTION_CONTINUED,
                        EventType.EXECUTION_COMPLETED})
@@ -63,57 +72,104 @@ class _Scope:
     start_seq: int | None
     explicit: frozenset[str] | None
     asked_min_rank: int | None = None
+    # Scope paths are positional per context, so sibling branches that each
+    # open a nested parallel share one path: the set is compared when the
+    # last of them closes, or one branch would judge another's frames.
+    opened: int = 1
 
 
 @dataclass(slots=True)
 class DivergenceDetector:
-    """Judges one drive of one execution."""
+    """Judges one drive of one execution.
+
+    ``visited`` is what the re-run asked for: the run shares its own set of
+    asked step ids, so asking costs the detector nothing. The first-start
+    order is built only when a judgment needs ranks (a restarted recorded
+    step, a scope); once every baseline frame has been asked for the detector
+    is ``settled`` and every later judgment is O(1).
+    """
 
     mode: str  # "warn" | "fail"
-    order: list[str]                      # baseline frame ids, first-start order
-    rank: dict[str, int]
-    frame_seq: dict[str, int | None]
-    frame_scope: dict[str, str | None]
-    scoped_log: bool                       # frames carry scope stamps
-    legacy_scopes: bool                    # scopes recorded, frames unstamped
-    recorded_frames: frozenset[str]
+    frames: dict[str, Frame]               # every recorded frame (firstSeq, scope never change)
+    migrated: int | None                   # the last EXECUTION_MIGRATED's sequence
+    has_scopes: bool                       # the log recorded parallel scopes
     visited: set[str] = field(default_factory=set)
+    exempt: set[str] = field(default_factory=set)  # served decisions' steps
+    settled: bool = False
     cursor: int = 0
     open_scopes: dict[str, _Scope] = field(default_factory=dict)
     latched: FlowReplayDivergenceError | None = None
     reported: bool = False
+    _order: list[str] | None = None
+    _order_seq: list[int] | None = None
+    _rank: dict[str, int] | None = None
+    _legacy: bool | None = None
 
     @classmethod
-    def for_state(cls, state: ExecutionState, mode: str) -> DivergenceDetector | None:
+    def for_state(cls, state: ExecutionState, mode: str, *,
+                  visited: set[str] | None = None) -> DivergenceDetector | None:
         """The detector for a drive that starts from ``state`` (None: nothing to judge)."""
-        if mode == "off":
+        if mode == "off" or not state.frames:
             return None
-        migrated = state.migrated_at_seq
-        baseline = []
-        for step_id, frame in state.frames.items():
-            if frame.status != "completed":
-                continue
-            if migrated is not None and (frame.first_seq is None
-                                         or frame.first_seq < migrated):
-                continue
-            baseline.append((-1 if frame.first_seq is None else frame.first_seq, step_id))
-        if not baseline and not state.frames:
-            return None
-        # sorted() is stable: frames with no firstSeq keep their key order, first.
-        baseline.sort(key=lambda item: item[0])
-        order = [step_id for _, step_id in baseline]
-        stamped = any(f.scope is not None for f in state.frames.values())
-        return cls(mode=mode, order=order, rank={s: i for i, s in enumerate(order)},
-                   frame_seq={k: f.first_seq for k, f in state.frames.items()},
-                   frame_scope={k: f.scope for k, f in state.frames.items()},
-                   scoped_log=stamped, legacy_scopes=bool(state.scopes) and not stamped,
-                   recorded_frames=frozenset(state.frames))
+        return cls(mode=mode, frames=dict(state.frames), migrated=state.migrated_at_seq,
+                   has_scopes=bool(state.scopes),
+                   visited=visited if visited is not None else set())
+
+    # -- the baseline: completed frames, in first-start order --------------------------
+    def _in_baseline(self, frame: Frame) -> bool:
+        if frame.status != "completed":
+            return False
+        if self.migrated is None:
+            return True
+        # Recorded before the migration (or unranked in a migrated execution): exempt.
+        return frame.first_seq is not None and frame.first_seq >= self.migrated
+
+    @property
+    def order(self) -> list[str]:
+        """Baseline frame ids in first-start order (no firstSeq: first, in key order)."""
+        if self._order is None:
+            completed = [(f.first_seq, k) for k, f in self.frames.items()
+                         if self._in_baseline(f)]
+            unranked = [k for seq, k in completed if seq is None]
+            ranked = sorted((seq, k) for seq, k in completed if seq is not None)
+            self._order = unranked + [k for _, k in ranked]
+            self._order_seq = [-1] * len(unranked) + [seq for seq, _ in ranked]
+        return self._order
+
+    @property
+    def order_seq(self) -> list[int]:
+        """The baseline's firstSeq, ascending (-1: none), for binary searches."""
+        if self._order_seq is None:
+            _ = self.order
+        assert self._order_seq is not None
+        return self._order_seq
+
+    @property
+    def legacy_scopes(self) -> bool:
+        """Scopes recorded but no frame stamped with one (an older writer)."""
+        if self._legacy is None:
+            self._legacy = self.has_scopes and not any(
+                f.scope is not None for f in self.frames.values())
+        return self._legacy
+
+    def _seq(self, step_id: str) -> int | None:
+        frame = self.frames.get(step_id)
+        return frame.first_seq if frame is not None else None
+
+    def _scope_of(self, step_id: str) -> str | None:
+        frame = self.frames.get(step_id)
+        return frame.scope if frame is not None else None
+
+    def _asked(self, step_id: str) -> bool:
+        return step_id in self.visited or step_id in self.exempt
 
     # -- what the re-run asks for ------------------------------------------------
     def visit(self, step_id: str, scope: str | None) -> None:
         self.visited.add(step_id)
-        if scope is not None and scope in self.open_scopes:
-            r = self.rank.get(step_id)
+        if scope is not None and scope in self.open_scopes and self.legacy_scopes:
+            if self._rank is None:
+                self._rank = {s: i for i, s in enumerate(self.order)}
+            r = self._rank.get(step_id)
             sc = self.open_scopes[scope]
             if r is not None and (sc.asked_min_rank is None or r < sc.asked_min_rank):
                 sc.asked_min_rank = r
@@ -121,94 +177,141 @@ class DivergenceDetector:
     def serve_decision(self, decision_id: str, recorded: dict[str, Any]) -> None:
         inner = recorded.get("innerSteps")
         if isinstance(inner, list):
-            self.visited.update(str(s) for s in inner)
-            if recorded.get("innerStepsOverflow") and isinstance(recorded.get("innerFrom"),
-                                                                  int):
-                low, high = recorded["innerFrom"], recorded.get("seq")
-                for step_id, seq in self.frame_seq.items():
-                    if seq is not None and seq >= low and (high is None or seq <= high):
-                        self.visited.add(step_id)
+            self.exempt.update(str(s) for s in inner)
+            low, high = recorded.get("innerFrom"), recorded.get("seq")
+            if recorded.get("innerStepsOverflow") and isinstance(low, int):
+                # The frames first started from innerFrom to the record: a
+                # binary search over the first-start order, then the window.
+                first = bisect_left(self.order_seq, low)
+                last = (len(self.order) if not isinstance(high, int)
+                        else bisect_right(self.order_seq, high))
+                self.exempt.update(self.order[first:last])
             return
         # An older record: the naming convention agent loops follow.
         prefixes = (f"{decision_id}:", f"{decision_id}#")
-        self.visited.update(s for s in self.recorded_frames if s.startswith(prefixes))
+        self.exempt.update(s for s in self.frames if s.startswith(prefixes))
 
     def open_scope(self, path: str, start_seq: int | None, branches: Sequence[Any]) -> None:
         explicit = None
-        if branches and all(isinstance(b, tuple) and b and isinstance(b[0], str)
-                            for b in branches):
+        # Only a top-level scope's path is its own: a nested path is shared by
+        # the sibling branches that each open one, so its branch list does not
+        # say which of the path's frames it owns (those wait for the close).
+        if branches and path.count("/") == 1 and all(
+                isinstance(b, tuple) and b and isinstance(b[0], str) for b in branches):
             explicit = frozenset(b[0] for b in branches)
+        shared = self.open_scopes.get(path)
+        if shared is not None:
+            shared.opened += 1
+            return
         self.open_scopes[path] = _Scope(path, start_seq, explicit)
 
     def close_scope(self, path: str) -> list[str]:
         """The scope's recorded frames the re-run did not ask for (checked as a set)."""
-        self.open_scopes.pop(path, None)
-        if not self.scoped_log:
+        sc = self.open_scopes.get(path)
+        if sc is not None and sc.opened > 1:
+            sc.opened -= 1
             return []
-        return [s for s in self.order if self.frame_scope.get(s) == path
-                and s not in self.visited]
+        self.open_scopes.pop(path, None)
+        if self.settled or self.legacy_scopes or self._scope_open(path):
+            # Inside an open parent scope the set is compared when the parent
+            # closes: by then every sibling branch that shares this path is done.
+            return []
+        nested = path + "/"
+        return self._in_order([s for s in self._missing() if (fs := self._scope_of(s)) == path
+                               or (fs is not None and fs.startswith(nested))])
+
+    def _scope_open(self, path: str | None) -> bool:
+        """Whether ``path`` or a scope enclosing it is open (its set not yet compared)."""
+        if path is None or not self.open_scopes:
+            return False
+        return path in self.open_scopes or any(path.startswith(p + "/")
+                                               for p in self.open_scopes)
 
     # -- judging ---------------------------------------------------------------------
     def judge(self, kind: EventType, ident: str | None, scope: str | None) -> list[str]:
         """The recorded frames skipped before this append ([] when none)."""
+        if self.settled:
+            return []  # every baseline frame was asked for: nothing can be skipped
         if kind in JUDGE_ALL:
-            return self._pending(len(self.order), outside_open=False)
+            return self._skipped(outside_open=False)
         if kind not in JUDGE_BEFORE:
             return []
-        if ident is not None and ident in self.recorded_frames:
+        if ident is not None and ident in self.frames:
             # A recorded, unfinished step: part of the recorded shape. Judge
-            # only the frames first started before it.
-            seq = self.frame_seq.get(ident)
-            limit = sum(1 for s in self.order
-                        if seq is not None and (self.frame_seq.get(s) or -1) < seq)
-            return self._pending(limit, outside_open=True)
+            # only the frames first started before it (none when it is unranked).
+            seq = self._seq(ident)
+            limit = 0 if seq is None else bisect_left(self.order_seq, seq)
+            return self._pending(limit)
         if scope is not None and scope in self.open_scopes:
             return self._judge_in_scope(self.open_scopes[scope])
-        return self._pending(len(self.order), outside_open=True)
+        return self._skipped(outside_open=True)
 
-    def _advance(self) -> None:
-        while self.cursor < len(self.order) and self.order[self.cursor] in self.visited:
+    def _missing(self) -> list[str]:
+        """Baseline frames not asked for, in no particular order (a set difference)."""
+        if self.visited.issuperset(self.frames):
+            return []  # the common case, a lookup per frame in C
+        missing = self.frames.keys() - self.visited
+        if self.exempt:
+            missing -= self.exempt
+        return [s for s in missing if self._in_baseline(self.frames[s])]
+
+    def _in_order(self, ids: list[str]) -> list[str]:
+        if len(ids) < 2:
+            return ids
+        wanted = set(ids)
+        return [s for s in self.order if s in wanted]
+
+    def _skipped(self, *, outside_open: bool) -> list[str]:
+        skipped = self._missing()
+        if outside_open and self.open_scopes:
+            return self._in_order([s for s in skipped if not self._in_open_scope(s)])
+        if not skipped:
+            self.settled = True  # asked only grows: no later judgment can find one
+        return self._in_order(skipped)
+
+    def _pending(self, limit: int) -> list[str]:
+        """Baseline frames ranked below ``limit`` not asked for (outside open scopes)."""
+        order = self.order
+        while self.cursor < len(order) and self._asked(order[self.cursor]):
             self.cursor += 1
-
-    def _pending(self, limit: int, *, outside_open: bool) -> list[str]:
-        self._advance()
         if self.cursor >= limit:
             return []
-        skipped = [s for s in self.order[self.cursor:limit] if s not in self.visited]
-        if outside_open and self.open_scopes:
+        skipped = [s for s in order[self.cursor:limit] if not self._asked(s)]
+        if self.open_scopes:
             skipped = [s for s in skipped if not self._in_open_scope(s)]
         return skipped
 
     def _in_open_scope(self, step_id: str) -> bool:
         if self.legacy_scopes:
             return True  # unknown membership: judged at close / by the floor only
-        return self.frame_scope.get(step_id) in self.open_scopes
+        return self._scope_open(self._scope_of(step_id))
 
     def _judge_in_scope(self, sc: _Scope) -> list[str]:
-        skipped: list[str] = []
-        if self.scoped_log:
-            for s in self.order:
-                if s in self.visited:
-                    continue
-                fscope = self.frame_scope.get(s)
+        if not self.legacy_scopes:
+            # Frame scopes are known (stamped, or no scope was ever recorded).
+            skipped: list[str] = []
+            for s in self._missing():
+                fscope = self._scope_of(s)
                 if fscope == sc.path:
                     if sc.explicit is not None and s not in sc.explicit:
                         skipped.append(s)  # an explicit branch set that dropped it
                     continue
-                if fscope in self.open_scopes:
+                if self._scope_open(fscope):
                     continue
-                seq = self.frame_seq.get(s)
+                seq = self._seq(s)
                 if sc.start_seq is None or seq is None or seq < sc.start_seq:
                     skipped.append(s)
-            return skipped
+            return self._in_order(skipped)
         # Older logs: the first cut's floor (ranked below the lowest asked frame).
         floor = sc.asked_min_rank
         if floor is None and sc.explicit is not None:
-            ranks = [self.rank[s] for s in sc.explicit if s in self.rank]
+            if self._rank is None:
+                self._rank = {s: i for i, s in enumerate(self.order)}
+            ranks = [self._rank[s] for s in sc.explicit if s in self._rank]
             floor = min(ranks) if ranks else None
         if floor is None:
             return []
-        return [s for s in self.order[:floor] if s not in self.visited]
+        return [s for s in self.order[:floor] if not self._asked(s)]
 
     def refusal(self, skipped: list[str]) -> FlowReplayDivergenceError:
         return FlowReplayDivergenceError(

@@ -74,6 +74,9 @@ _WAKE_EVENTS = frozenset({EventType.EXECUTION_STARTED, EventType.EXECUTION_RESUM
                           EventType.TIMER_FIRED, EventType.RECOVERED,
                           EventType.EXECUTION_MIGRATED})
 _INNER_MAX_BYTES = 64 * 1024
+# The divergence mode of a runtime built without ``divergence=`` and not strict
+# (ADR 0113 D3: warn first). Tests can force it (FLEET_TEST_DIVERGENCE=fail).
+DEFAULT_DIVERGENCE = "warn"
 
 
 def wall_clock_ms() -> int:
@@ -146,7 +149,8 @@ class Run:
         self.asked_decisions: set[str] = set()
         self.task: asyncio.Task[Any] | None = None
         # Built from the fold this drive starts from (ADR 0113 D3).
-        self.detector = DivergenceDetector.for_state(journal.state, runtime.divergence)
+        self.detector = DivergenceDetector.for_state(journal.state, runtime.divergence,
+                                                     visited=self.asked_steps)
         # A dry replay (replay_check) stops at the first live new work, judged.
         self.stop_at_frontier = False
 
@@ -169,6 +173,11 @@ class Run:
             self._diverged(skipped)
         if self.stop_at_frontier:
             raise ReplayFrontier(kind, ident)
+
+    @property
+    def refused(self) -> FlowReplayDivergenceError | None:
+        """The refusal this drive latched (fail mode), or None."""
+        return self.detector.latched if self.detector is not None else None
 
     def _diverged(self, skipped: list[str]) -> None:
         d = self.detector
@@ -200,7 +209,8 @@ class Run:
             self._diverged(skipped)
 
     def note_step(self, step_id: str, scope: str | None = None) -> None:
-        if self.detector is not None:
+        # The detector reads asked_steps itself; a scope needs bookkeeping.
+        if self.detector is not None and scope is not None:
             self.detector.visit(step_id, scope)
         for run, inner in _OPEN_DECISIONS.get():
             if run is self:
@@ -263,7 +273,7 @@ class Runtime:
         self.snapshots = snapshots
         self.access_policy = access_policy
         self.strict = strict
-        self.divergence = divergence or ("fail" if strict else "warn")
+        self.divergence = divergence or ("fail" if strict else DEFAULT_DIVERGENCE)
         self.features = features
         # Drive an execution whose recorded code fingerprint the registered
         # version does not accept (warned, not refused): an operator's override.
@@ -486,6 +496,11 @@ class Runtime:
             except (RunAborted, asyncio.CancelledError):
                 raise
             except Exception as exc:  # noqa: BLE001 - the flow's own failure
+                if run.refused is not None:
+                    # The body caught the refusal and failed instead: the refusal
+                    # stands (it latches, and never fails the execution: note 2).
+                    await self._park_diverged(run, run.refused)
+                    return
                 error = exc.to_dict() if isinstance(exc, FleetError) else {
                     "type": type(exc).__name__, "message": str(exc)[:4000], "retryable": False}
                 journal.commit(EventType.EXECUTION_FAILED, {"error": error})
