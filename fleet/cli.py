@@ -459,5 +459,11 @@ def db_status(url: str | None, as_json: bool) -> None:
     _print_schema_status(_run(lambda: _schema_status(url, upgrade=False)), as_json)
 
 
+# The `fleet replay` group lives in its own module (it imports this one lazily).
+from fleet.cli_replay import replay as _replay_group  # noqa: E402
+
+main.add_command(_replay_group, "replay")
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
