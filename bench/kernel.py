@@ -1,7 +1,26 @@
-"""Executions/s of a 3-step flow on each store, sequential and concurrent.
+"""Executions/s of a 3-step flow on each store, sequential and at 32 at once, beside DBOS.
 
-Run: ``python -m bench.kernel [--n 2000] [--stores memory,sqlite]``. Prints a
-table and writes ``bench/results/kernel.json``. Never run as a test.
+Run: ``python -m bench.kernel [--n 2000] [--dbos-n 500]
+[--stores memory,sqlite,postgres,postgres-gc,dbos]``. Never run as a test.
+
+Rows (each measured sequentially and with 32 executions in flight, after a warm-up):
+
+- ``memory``, ``sqlite``: the embedded stores;
+- ``postgres``: ``PostgresEventStore`` in a schema of its own (dropped at the end);
+- ``postgres-gc``: the same wrapped in ``CoalescingEventStore`` (group commit);
+- ``dbos``: DBOS Transact on the same server, in a database of its own
+  (``fleet_bench_dbos``, dropped at the end), run in a child process
+  (``bench.dbos_kernel``) through its async API and its sync API. fleet/DBOS
+  ratios divide by the better of the two.
+
+With a Postgres row, ``pgbench`` of a one-row INSERT transaction at the same
+concurrencies (``bench.pg_limit``) gives the machine's durable-write limit, and
+fleet's appends/s (counted at the store the runtime calls) is shown against it.
+
+``--repeat R`` runs R rounds of everything (fleet, DBOS, pgbench, interleaved)
+and keeps each row's best round: load from elsewhere only ever slows a run down.
+Prints one table and writes ``bench/results/kernel.json`` (``--json`` also
+prints that document).
 """
 
 from __future__ import annotations
@@ -11,8 +30,12 @@ import asyncio
 import json
 import os
 import platform
+import secrets
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +43,18 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.kernel.context import Context
+from fleet.kernel.events import EventEnvelope
 from fleet.kernel.flows import flow
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.factory import open_event_store
 from fleet.kernel.store.spi import EventStore
 
 RESULTS = Path(__file__).parent / "results"
+DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
+DEFAULT_STORES = "memory,sqlite,postgres,postgres-gc,dbos"
+DBOS_DATABASE = "fleet_bench_dbos"
+CONCURRENCIES = (1, 32)
+TARGETS = {"sequential_x_dbos": 3.0, "c32_x_dbos": 10.0, "c32_gc_executions_per_s": 1500.0}
 
 
 def _noop(x: int) -> int:
@@ -39,8 +68,29 @@ async def three_steps(ctx: Context, n: int) -> int:
     return int(await ctx.step("c", _noop, n))
 
 
-async def _measure(store: EventStore, n: int, concurrency: int) -> float:
-    runtime = Runtime(store, flows=[three_steps])
+class AppendCounter:
+    """Counts the appends the runtime makes (each one acknowledged durable); forwards all."""
+
+    def __init__(self, inner: EventStore) -> None:
+        self.inner = inner
+        self.appends = 0
+
+    async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
+        await self.inner.append(event, fence=fence)
+        self.appends += 1
+
+    async def append_batch(self, events: Sequence[EventEnvelope], *,
+                           fence: int | None = None) -> None:
+        await self.inner.append_batch(events, fence=fence)
+        self.appends += 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def _measure(inner: EventStore, n: int, concurrency: int) -> dict[str, Any]:
+    store = AppendCounter(inner)
+    runtime = Runtime(store, flows=[three_steps])  # type: ignore[arg-type]
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
@@ -48,60 +98,256 @@ async def _measure(store: EventStore, n: int, concurrency: int) -> float:
             handle = await runtime.start("bench3", i)
             assert await handle.result() == i + 3
 
-    # Warm up (JIT-free Python, but caches, pools and WAL files).
-    await asyncio.gather(*(one(i) for i in range(min(50, n))))
-    began = time.perf_counter()
-    if concurrency == 1:
-        for i in range(n):
-            await one(i)
-    else:
-        await asyncio.gather(*(one(i) for i in range(n)))
-    elapsed = time.perf_counter() - began
-    await runtime.close()
-    return n / elapsed
+    try:
+        # Warm up: caches, the pool's connections, WAL files.
+        await asyncio.gather(*(one(i) for i in range(min(50, n))))
+        store.appends = 0
+        flushes = getattr(inner, "flushes", 0)
+        began = time.perf_counter()
+        if concurrency == 1:
+            for i in range(n):
+                await one(i)
+        else:
+            await asyncio.gather(*(one(i) for i in range(n)))
+        elapsed = time.perf_counter() - began
+    finally:
+        await runtime.close()
+    row: dict[str, Any] = {"executions_per_s": round(n / elapsed, 1),
+                           "appends_per_s": round(store.appends / elapsed, 1),
+                           "appends_per_execution": round(store.appends / n, 2)}
+    if hasattr(inner, "flushes"):
+        row["appends_per_flush"] = round(store.appends / max(inner.flushes - flushes, 1), 1)
+    return row
 
 
-def _url(kind: str, tmp: str) -> str:
+def _open(kind: str, url: str, tmp: str, schema: str, args: argparse.Namespace) -> EventStore:
     if kind == "memory":
-        return "memory:"
+        return open_event_store("memory:")
     if kind == "sqlite":
-        return f"sqlite:///{tmp}/bench-{time.monotonic_ns()}.db"
+        return open_event_store(f"sqlite:///{tmp}/bench-{time.monotonic_ns()}.db")
+    from fleet.kernel.store.coalescing import CoalescingEventStore
+    from fleet.kernel.store.postgres import PostgresEventStore
+
+    store = PostgresEventStore(url, schema=schema, pool_min=1, pool_max=args.pool_max)
     if kind == "postgres":
-        return os.environ.get("FLEET_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
-    raise SystemExit(f"unknown store {kind!r}")
+        return store
+    return CoalescingEventStore(store, max_inflight=args.gc_inflight, max_wait_ms=args.gc_wait_ms)
 
 
-async def main_async(n: int, stores: list[str]) -> list[dict[str, Any]]:
+async def _admin(url: str, sql: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def fleet_rows(kinds: list[str], n: int, url: str, args: argparse.Namespace,
+                     console: Console) -> list[dict[str, Any]]:
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for kind in stores:
-            for concurrency in (1, 32):
-                store = open_event_store(_url(kind, tmp))
-                try:
-                    rate = await _measure(store, n, concurrency)
-                finally:
-                    await store.close()
-                rows.append({"store": kind, "concurrency": concurrency, "executions": n,
-                             "executions_per_s": round(rate, 1)})
+    schema = f"fleet_bench_{secrets.token_hex(4)}"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for kind in kinds:
+                for concurrency in CONCURRENCIES:
+                    console.log(f"fleet on {kind}, concurrency {concurrency}: {n} executions")
+                    store = _open(kind, url, tmp, schema, args)
+                    try:
+                        measured = await _measure(store, n, concurrency)
+                    finally:
+                        await store.close()
+                    rows.append({"store": kind, "concurrency": concurrency, "executions": n,
+                                 **measured})
+    finally:
+        if any(kind.startswith("postgres") for kind in kinds):
+            await _admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--n", type=int, default=2000, help="executions per measurement")
-    parser.add_argument("--stores", default="memory,sqlite")
-    args = parser.parse_args()
-    rows = asyncio.run(main_async(args.n, args.stores.split(",")))
-    table = Table(title=f"3-step flow, {args.n} executions per row")
-    for col in ("store", "concurrency", "executions/s"):
-        table.add_column(col, justify="right")
+async def dbos_rows(n: int, url: str, console: Console) -> tuple[list[dict[str, Any]], str]:
+    """DBOS in a child process on its own database; (rows, version or why it did not run)."""
+    from bench.pg_limit import with_database
+
+    console.log(f"DBOS Transact (child process, database {DBOS_DATABASE}): {n} workflows "
+                "per row")
+    await _admin(url, f'DROP DATABASE IF EXISTS "{DBOS_DATABASE}" WITH (FORCE)')
+    await _admin(url, f'CREATE DATABASE "{DBOS_DATABASE}"')
+    try:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "bench.dbos_kernel", "--url",
+             with_database(url, DBOS_DATABASE), "--n", str(n)],
+            capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent.parent)
+    finally:
+        await _admin(url, f'DROP DATABASE IF EXISTS "{DBOS_DATABASE}" WITH (FORCE)')
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return [], f"DBOS did not run: {last}"
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = [{"store": f"dbos-{r['api']}", "concurrency": r["concurrency"],
+             "executions": r["executions"], "executions_per_s": r["executions_per_s"]}
+            for r in out["rows"]]
+    return rows, str(out["dbos_version"])
+
+
+def compare(rows: list[dict[str, Any]], pgbench: dict[int, float]) -> dict[str, Any]:
+    """Add fleet/DBOS and appends/pgbench ratios to the Postgres rows; the target verdicts."""
+    best_dbos = {c: max((r["executions_per_s"] for r in rows
+                         if r["store"].startswith("dbos") and r["concurrency"] == c),
+                        default=0.0) for c in CONCURRENCIES}
     for row in rows:
-        table.add_row(row["store"], str(row["concurrency"]), f"{row['executions_per_s']:,.0f}")
-    Console().print(table)
+        if not row["store"].startswith("postgres"):
+            continue
+        if best_dbos[row["concurrency"]]:
+            row["x_dbos"] = round(row["executions_per_s"] / best_dbos[row["concurrency"]], 2)
+        if row["concurrency"] in pgbench:
+            row["x_pgbench_appends"] = round(row["appends_per_s"] / pgbench[row["concurrency"]],
+                                             3)
+
+    def pick(store: str, concurrency: int, key: str) -> float | None:
+        found = [r.get(key) for r in rows if r["store"] == store
+                 and r["concurrency"] == concurrency]
+        return found[0] if found else None
+
+    def best(concurrency: int, key: str) -> float | None:
+        values = [v for s in ("postgres", "postgres-gc")
+                  if (v := pick(s, concurrency, key)) is not None]
+        return max(values) if values else None
+
+    seq, c32 = best(1, "x_dbos"), best(32, "x_dbos")
+    gc = pick("postgres-gc", 32, "executions_per_s")
+    return {
+        "dbos_best_executions_per_s": best_dbos,
+        "sequential_x_dbos": {"value": seq, "target": TARGETS["sequential_x_dbos"],
+                              "met": seq is not None and seq >= TARGETS["sequential_x_dbos"]},
+        "c32_x_dbos": {"value": c32, "target": TARGETS["c32_x_dbos"],
+                       "met": c32 is not None and c32 >= TARGETS["c32_x_dbos"]},
+        "c32_gc_executions_per_s": {
+            "value": gc, "target": TARGETS["c32_gc_executions_per_s"],
+            "met": gc is not None and gc >= TARGETS["c32_gc_executions_per_s"]},
+    }
+
+
+def _fmt(value: float | None, spec: str = ",.0f") -> str:
+    return "" if value is None else format(value, spec)
+
+
+def render(doc: dict[str, Any]) -> Table:
+    table = Table(title=f"3-step flow, executions/s: {doc['command']}", caption=_caption(doc))
+    for col in ("store", "concurrency", "executions", "executions/s", "fleet/DBOS",
+                "appends/s", "appends/pgbench", "note"):
+        table.add_column(col, justify="left" if col in ("store", "note") else "right")
+    for row in doc["rows"]:
+        note = []
+        if "appends_per_execution" in row:
+            note.append(f"{row['appends_per_execution']:g} appends/exec")
+        if "appends_per_flush" in row:
+            note.append(f"{row['appends_per_flush']:g} per commit")
+        table.add_row(row["store"], str(row["concurrency"]), f"{row['executions']:,}",
+                      _fmt(row["executions_per_s"]), _fmt(row.get("x_dbos"), ".2f"),
+                      _fmt(row.get("appends_per_s")), _fmt(row.get("x_pgbench_appends"), ".2f"),
+                      ", ".join(note))
+    for concurrency, tps in doc.get("pgbench", {}).get("tps", {}).items():
+        table.add_row("pgbench 1-row INSERT", str(concurrency), "", "", "", _fmt(tps), "1.00",
+                      f"-j 2 -T {doc['pgbench']['seconds']}")
+    return table
+
+
+def _caption(doc: dict[str, Any]) -> str:
+    verdicts = doc.get("targets", {})
+    parts = []
+    for key, label, spec in (("sequential_x_dbos", "sequential vs DBOS", ".2f"),
+                             ("c32_x_dbos", "c32 vs DBOS", ".2f"),
+                             ("c32_gc_executions_per_s", "c32 group commit /s", ",.0f")):
+        v = verdicts.get(key)
+        if v and v["value"] is not None:
+            parts.append(f"{label}: {v['value']:{spec}} (target >= {v['target']:{spec}}: "
+                         f"{'met' if v['met'] else 'NOT met'})")
+    if "load_average_after" in doc:
+        parts.append(f"1-minute load average {doc['load_average_before'][0]:.1f} before, "
+                     f"{doc['load_average_after'][0]:.1f} after, on {doc['machine']}")
+    parts.extend(doc.get("notes", []))
+    return "\n".join(parts)
+
+
+async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from bench.pg_limit import insert_tps
+
+    kinds = args.stores.split(",")
+    unknown = set(kinds) - set(DEFAULT_STORES.split(","))
+    if unknown:
+        raise SystemExit(f"unknown store(s) {sorted(unknown)}; known: {DEFAULT_STORES}")
+    fleet_kinds = [k for k in kinds if k != "dbos"]
+    doc: dict[str, Any] = {"benchmark": "kernel", "command": "python -m bench.kernel "
+                           + " ".join(sys.argv[1:]), "python": platform.python_version(),
+                           "machine": f"{os.cpu_count()} cpus", "fleet_pool_max": args.pool_max,
+                           "group_commit": {"max_batch": 256, "max_inflight": args.gc_inflight,
+                                            "max_wait_ms": args.gc_wait_ms},
+                           "dbos_sys_db_pool_size": "DBOS default", "repeat": args.repeat,
+                           "notes": ["fleet/DBOS divides by DBOS's better API (async or sync) "
+                                     "at that concurrency"]}
+    doc["load_average_before"] = os.getloadavg()
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    pgbench: dict[int, float] = {}
+    # Rounds interleave fleet, DBOS and pgbench, so a burst of load on a shared
+    # machine hits every side alike; each row keeps its best round.
+    for round_ in range(1, args.repeat + 1):
+        if args.repeat > 1:
+            console.log(f"round {round_} of {args.repeat}")
+        rows = await fleet_rows(fleet_kinds, args.n, args.url, args, console)
+        if "dbos" in kinds:
+            found, version = await dbos_rows(args.dbos_n, args.url, console)
+            rows.extend(found)
+            if found:
+                doc["dbos_version"] = version
+            elif version not in doc["notes"]:
+                doc["notes"].append(version)
+        for row in rows:
+            key = (row["store"], row["concurrency"])
+            if key not in best or row["executions_per_s"] > best[key]["executions_per_s"]:
+                best[key] = row
+        if args.pgbench_seconds > 0 and any(k.startswith("postgres") for k in kinds):
+            console.log(f"pgbench: one-row INSERT transactions, c {CONCURRENCIES}, "
+                        f"{args.pgbench_seconds} s each")
+            try:
+                tps = await insert_tps(args.url, CONCURRENCIES, args.pgbench_seconds)
+            except (OSError, subprocess.SubprocessError) as exc:
+                doc["notes"].append(f"pgbench did not run: {exc}")
+            else:
+                pgbench = {c: max(tps[c], pgbench.get(c, 0.0)) for c in tps}
+                doc["pgbench"] = {"seconds": args.pgbench_seconds, "tps": pgbench}
+    doc["load_average_after"] = os.getloadavg()
+    doc["rows"] = list(best.values())
+    doc["targets"] = compare(doc["rows"], pgbench)
+    return doc
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=2000, help="fleet executions per row")
+    parser.add_argument("--dbos-n", type=int, default=500, help="DBOS workflows per row")
+    parser.add_argument("--stores", default=DEFAULT_STORES)
+    parser.add_argument("--url", default=os.environ.get("FLEET_DATABASE_URL", DEFAULT_URL),
+                        help="the Postgres server (fleet takes a schema, DBOS a database)")
+    parser.add_argument("--pool-max", type=int, default=10, help="fleet's Postgres pool")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of every measurement; each row keeps its best")
+    parser.add_argument("--gc-inflight", type=int, default=4, help="group commit: flushes at once")
+    parser.add_argument("--gc-wait-ms", type=float, default=0.0, help="group commit: max wait")
+    parser.add_argument("--pgbench-seconds", type=int, default=5, help="0: no pgbench")
+    parser.add_argument("--json", action="store_true", help="also print the JSON document")
+    args = parser.parse_args()
+    console = Console(stderr=args.json)
+    if not console.is_terminal:
+        console = Console(stderr=args.json, width=132)
+    doc = asyncio.run(main_async(args, console))
+    console.print(render(doc))
     RESULTS.mkdir(exist_ok=True)
-    out = {"benchmark": "kernel", "python": platform.python_version(),
-           "machine": f"{os.cpu_count()} cpus", "rows": rows}
-    (RESULTS / "kernel.json").write_text(json.dumps(out, indent=2) + "\n")
+    (RESULTS / "kernel.json").write_text(json.dumps(doc, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":
