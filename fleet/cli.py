@@ -46,9 +46,11 @@ def load_flow(spec: str) -> FlowDefinition:
 
 
 def _open(url: str) -> EventStore:
-    from fleet.kernel.store.factory import open_event_store
+    # The URL given (or FLEET_DATABASE_URL), with the rest of the settings:
+    # pool sizes, the event size limit and group commit apply to every command.
+    from fleet.kernel.store.factory import open_event_store_from_settings
 
-    return open_event_store(url)
+    return open_event_store_from_settings(FleetSettings(database_url=url))
 
 
 def _log_table(title: str, events: list[EventEnvelope]) -> Table:
