@@ -16,7 +16,7 @@ from typing import Any
 
 from kernel_kit import settle
 
-from fleet import Runtime
+from fleet import Context, Runtime
 from fleet.kernel.flows import FlowBody, FlowDefinition, flow
 from fleet.kernel.store.spi import EventStore
 
@@ -81,3 +81,29 @@ class Drill:
 
     def divergence_warnings(self) -> list[str]:
         return [w for w in self.warnings if "replay diverged" in w]
+
+
+def ab_go_c(fx: Effects) -> Any:
+    """The recorded shape: a, b, a park on "go", then c."""
+    async def body(ctx: Context, _: Any) -> str:
+        await ctx.step("a", fx("a"))
+        await ctx.step("b", fx("b"))
+        await ctx.wait("go")
+        return str(await ctx.step("c", fx("c")))
+    return define(body)
+
+
+def dropped_a(fx: Effects) -> Any:
+    """The edit most tests use: ab_go_c without a."""
+    async def body(ctx: Context, _: Any) -> str:  # the edit: step "a" is gone
+        await ctx.step("b", fx("b"))
+        await ctx.wait("go")
+        return str(await ctx.step("c", fx("c")))
+    return define(body)
+
+
+async def parked_ab(drill: Drill, fx: Effects) -> str:
+    """An execution of ab_go_c parked on "go" after a and b ran once each."""
+    eid = await drill.park(ab_go_c(fx))
+    assert fx.calls == {"a": 1, "b": 1}
+    return eid
