@@ -106,7 +106,7 @@ async def test_fix2_item4_a_park_that_cannot_land_says_refused_and_not_parked() 
         return bool(event.type is EventType.EXECUTION_SUSPENDED
                     and cond.get("on") == DIVERGED_GATE)
     faulty = FaultyStore(inner, diverged_park)
-    runtime = Runtime(faulty, flows=[_dropped(fx, "a")], divergence="fail",  # type: ignore[arg-type]
+    runtime = Runtime(faulty, flows=[_dropped(fx, "a")], divergence="fail",
                       on_warn=drill.warnings.append)
     await runtime.resume(eid, "go")
     await settle(runtime)

@@ -60,6 +60,10 @@ async def test_fix1_item4_a_function_branch_scope_that_dropped_a_step_is_caught_
     drill, fx = Drill(MemoryEventStore()), Effects()
     deciders: list[str] = []
 
+    def decider() -> str:
+        deciders.append("ran")
+        return "x"
+
     def scoped_then_decides(*groups: tuple[str, ...]) -> Any:
         async def body(ctx: Context, _: Any) -> str:
             await ctx.step("a", fx("a"))
@@ -67,7 +71,7 @@ async def test_fix1_item4_a_function_branch_scope_that_dropped_a_step_is_caught_
             await ctx.wait("go")
             # A live decide is not judged: only the set check at the scope's
             # close keeps its decider from running under the edited body.
-            await ctx.decide("next", lambda: deciders.append("ran") or "x")
+            await ctx.decide("next", decider)
             return str(await ctx.step("c", fx("c")))
         return define(body, "scoped")
     eid = await drill.park(scoped_then_decides(("p", "q"), ("r",)))
