@@ -1,0 +1,146 @@
+"""The fleet's Celery app: ``make_app(settings)``.
+
+Delivery is at least once: ``task_acks_late`` (a message is acknowledged only
+after the drive it carries stopped) and ``task_reject_on_worker_lost`` (a
+prefork child that dies mid-drive hands its message back). A second delivery
+of a live run finds its lease and steps aside; one after a crash takes the
+fence, and the dead holder's writes are refused. Nothing depends on the
+broker for correctness: the log and the fences are in the store.
+
+``worker_prefetch_multiplier = 1``: a drive runs until its run parks or ends,
+which can take long, so a worker reserves only as many messages as it has
+drive slots (``worker_drives``, the thread pool's size). A message never waits
+in the buffer of a busy worker while another is idle, and a killed worker
+holds at most its in-flight drives, not a backlog.
+
+The pool defaults to ``threads`` with ``worker_drives`` threads: one process,
+one event loop, many concurrent drives on it (decision 0012). Prefork works
+too (``FLEET_WORKER_POOL=prefork``, children by ``-c``): each child owns its
+own loop and store. (Celery's ``-P prefork`` cannot override a pool the app
+configures: it is also the option's default.)
+
+No result backend is needed: a drive's result is in the log. Give
+``result_backend=`` to read ``fleet.dispatch`` answers from non-Python clients.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from fleet.config import FleetSettings
+from fleet.dispatcher.routing import DriveRouter, check_routes
+from fleet.workers._celery import Celery, current_app, is_prefork, signals
+from fleet.workers.stats import FleetStatsStep
+
+
+class FleetCelery(Celery):  # type: ignore[misc]
+    """A Celery app that knows the ``FleetSettings`` it was made from."""
+
+    fleet_settings: FleetSettings
+
+
+def make_app(settings: FleetSettings, *, main: str = "fleet",
+             result_backend: str | None = None, **conf: Any) -> Any:
+    """The Celery app of a fleet: ``fleet.drive`` and ``fleet.dispatch``, routes, the bootstep.
+
+    Args:
+        settings: Broker (``settings.broker``: ``redis://`` or ``amqp://``),
+            store, flows, default queue, routes, ``worker_drives``, lease.
+        main: The app's name.
+        result_backend: Where ``fleet.dispatch`` answers go (None: nowhere).
+        **conf: Further Celery settings, applied last (for example
+            ``broker_transport_options``).
+
+    Returns:
+        A ``FleetCelery`` (a ``celery.Celery``); ``app.fleet_settings`` is ``settings``.
+    """
+    routes = check_routes(settings.routes)
+    app = FleetCelery(main, broker=settings.broker, backend=result_backend)
+    app.fleet_settings = settings
+    app.conf.update(
+        task_serializer="json", result_serializer="json", accept_content=["json"],
+        result_accept_content=["json"],
+        task_acks_late=True, task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_pool=settings.worker_pool,
+        # With prefork, give the number of children with `-c` (each drives one at a time).
+        worker_concurrency=settings.worker_drives if settings.worker_pool == "threads" else None,
+        task_default_queue=settings.queue,
+        task_routes=(DriveRouter(routes, settings.queue),),
+        task_ignore_result=result_backend is None,
+        broker_connection_retry_on_startup=True,
+        # A drive does not need the broker connection to finish (its lease and
+        # log are in the store); cancelling it on a broker hiccup would only
+        # leave an in-doubt step. Its message comes back and steps aside.
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        worker_hijack_root_logger=False,
+    )
+    app.conf.update(conf)
+    app.steps["worker"].add(FleetStatsStep)
+    from fleet.workers.tasks import register_tasks
+
+    register_tasks(app)
+    _connect_process_hooks(app)
+    return app
+
+
+# The apps make_app built in this process; the worker signals are process-wide,
+# so their handlers (connected once) act only for a worker of one of these.
+_apps: weakref.WeakSet[Any] = weakref.WeakSet()
+_hooks_connected = False
+
+
+def _connect_process_hooks(app: Any) -> None:
+    """Open the worker process's loop, store and Runtime where tasks run; close at exit."""
+    global _hooks_connected
+    _apps.add(app)
+    if _hooks_connected:
+        return
+    _hooks_connected = True
+    signals.worker_init.connect(_on_worker_init, weak=False)
+    signals.worker_process_init.connect(_on_process_init, weak=False)
+    signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
+    signals.worker_shutdown.connect(_on_worker_shutdown, weak=False)
+
+
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    from fleet.workers.process import log, open_process
+
+    if sender is None or sender.app not in _apps or is_prefork(sender.pool_cls):
+        return  # prefork: each child opens its own after the fork
+    try:
+        open_process(sender.app.fleet_settings)
+    except Exception as exc:
+        # Fail fast: a worker that cannot open its store or load its flows
+        # must not take messages (Celery only logs an exception raised here).
+        log.critical("fleet worker cannot start: %s: %s", type(exc).__name__, exc)
+        raise SystemExit(1) from exc
+
+
+def _on_process_init(**_: Any) -> None:  # a prefork child, or the solo pool
+    from billiard.process import current_process  # type: ignore[import-untyped]
+
+    from fleet.workers.process import open_process
+
+    app = current_app()
+    if app not in _apps:
+        return
+    open_process(app.fleet_settings, slot=getattr(current_process(), "index", None))
+
+
+def _on_process_shutdown(**_: Any) -> None:
+    from fleet.workers.process import close_process, local_process
+
+    if local_process() is not None:
+        close_process()
+
+
+def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
+    from fleet.workers.process import close_process
+
+    if sender is not None and sender.app in _apps:
+        close_process()
+
+
+__all__ = ["FleetCelery", "make_app"]

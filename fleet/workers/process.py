@@ -1,0 +1,330 @@
+"""What one worker process owns: an event loop thread, a store, a Runtime.
+
+Created once per process that runs tasks (with the threads pool: the worker
+process itself, at ``worker_init``; with prefork: each child, at
+``worker_process_init``) and closed at shutdown. Celery task threads hand
+their coroutines to the loop (``EventLoopThread.run_coroutine``), so every
+drive of the process shares one connection pool and runs concurrently on one
+loop.
+
+``drive`` is what the ``fleet.drive`` task does: take the execution's fence
+only if no live lease is held (``acquire_fence_if``); if one is, step aside
+(a duplicate delivery, counted); otherwise drive until the run stops (parks,
+ends, or is aborted) and say how it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from fleet.config import FleetSettings
+from fleet.kernel.errors import ExecutionNotFoundError, FleetError, StaleFenceError
+from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.flows import Features, load_flows
+from fleet.kernel.fold import DIVERGED_GATE
+from fleet.kernel.journal import EventObserver
+from fleet.kernel.runtime import Runtime
+from fleet.kernel.store.spi import EventStore
+from fleet.workers import stats
+from fleet.workers.loop import EventLoopThread
+
+log = logging.getLogger("fleet.workers")
+
+# How a drive ended, as the ``fleet.drive`` task returns it.
+COMPLETED, FAILED, PARKED, DIVERGENCE_PARKED = "completed", "failed", "parked", "divergence_parked"
+CANCELLED, CONTINUED, STEPPED_ASIDE, FENCED_OUT = "cancelled", "continued", "stepped_aside", \
+    "fenced_out"
+ABORTED, IDLE, NOT_FOUND, REFUSED = "aborted", "idle", "not_found", "refused"
+
+_ENDS: dict[EventType, str] = {
+    EventType.EXECUTION_COMPLETED: COMPLETED, EventType.EXECUTION_FAILED: FAILED,
+    EventType.EXECUTION_SUSPENDED: PARKED, EventType.EXECUTION_CANCELLED: CANCELLED,
+    EventType.EXECUTION_CONTINUED: CONTINUED}
+
+
+def open_store(settings: FleetSettings) -> EventStore:
+    """The event store ``settings`` names (pool sizes, group commit included)."""
+    from fleet.kernel.store import factory
+
+    from_settings: Callable[[FleetSettings], EventStore] | None = getattr(
+        factory, "open_event_store_from_settings", None)
+    if from_settings is not None:
+        return from_settings(settings)
+    return factory.open_event_store(settings.database_url)
+
+
+def build_runtime(settings: FleetSettings, store: EventStore, *, role: str,
+                  on_durable_event: EventObserver | None = None,
+                  on_warn: Callable[[str], Any] | None = None) -> Runtime:
+    """A Runtime configured by ``settings`` with its flows loaded.
+
+    Fleet runtimes never arm in-process timers: the timer service fires them
+    (a worker that parks on a sleep lets go of it).
+    """
+    return Runtime(store, flows=load_flows(settings.flows), strict=settings.strict,
+                   divergence=settings.divergence,
+                   features=Features(sha256_flow_hash=settings.sha256_flow_hash),
+                   lease_ms=settings.lease_ms, local_timers=False,
+                   holder=f"{role}:{_host()}:{os.getpid()}:{os.urandom(4).hex()}",
+                   on_durable_event=on_durable_event, on_warn=on_warn or log.warning)
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+class _WriteWatch:
+    """The worker's store: the real one, remembering why a watched run's write failed.
+
+    A drive learns from it that its run was fenced out (the store refused a
+    write with ``StaleFenceError``) rather than inferring it.
+    """
+
+    def __init__(self, watched: dict[str, EventEnvelope | None]) -> None:
+        self.inner: Any = None
+        self.watched = watched
+        self.failed: dict[str, BaseException] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
+        try:
+            await self.inner.append(event, fence=fence)
+        except Exception as exc:
+            self._note(event.execution_id, exc)
+            raise
+
+    async def append_batch(self, events: Sequence[EventEnvelope], *,
+                           fence: int | None = None) -> None:
+        try:
+            await self.inner.append_batch(events, fence=fence)
+        except Exception as exc:
+            if events:
+                self._note(events[0].execution_id, exc)
+            raise
+
+    def _note(self, execution_id: str, exc: BaseException) -> None:
+        if execution_id in self.watched:
+            self.failed.setdefault(execution_id, exc)
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    """What the worker counts beside the kernel's own counters."""
+
+    deliveries: int = 0
+    stepped_aside: int = 0
+    fenced_out: int = 0
+    idle: int = 0
+    errors: int = 0
+
+
+class WorkerProcess:
+    """The per-process state of a fleet worker.
+
+    Args:
+        settings: Read once at process start.
+        slot: The prefork pool index of this child (its row in the shared
+            stats table), or None in a process that is not a prefork child.
+    """
+
+    def __init__(self, settings: FleetSettings, *, slot: int | None = None) -> None:
+        self.settings = settings
+        self.slot = slot
+        self.loop = EventLoopThread(f"fleet-loop-{os.getpid()}")
+        self.counters = WorkerCounters()
+        # Forwarded every durable event: the hook for the stream publisher when
+        # it runs in the worker process (fleet.streams sets it).
+        self.event_observer: EventObserver | None = None
+        self._runtime: Runtime | None = None
+        self._store: EventStore | None = None
+        # The last durable event of each run driven here, to say how it stopped.
+        self._watch: dict[str, EventEnvelope | None] = {}
+        self._base: dict[str, stats.Number] = {}
+        self._writes = _WriteWatch(self._watch)
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            raise FleetError("the worker process is not open")
+        return self._runtime
+
+    def open(self) -> None:
+        """Start the loop thread and open the store and the Runtime on it."""
+        self.loop.start()
+        try:
+            self.loop.run_coroutine(self._open())
+        except BaseException:
+            self.loop.stop()
+            raise
+        board = stats.shared_board()
+        if board is not None and self.slot is not None:
+            self._base = board.read_row(self.slot)
+
+    async def _open(self) -> None:
+        store = open_store(self.settings)
+        try:
+            # Connect now (and apply the schema): a wrong URL fails the worker
+            # at start, not at its first task.
+            await store.head("fleet:worker-probe")
+        except BaseException:
+            await store.close()
+            raise
+        self._store = store
+        self._writes.inner = store
+        self._runtime = build_runtime(self.settings, cast(EventStore, self._writes),
+                                      role="worker", on_durable_event=self._observe)
+
+    def close(self) -> None:
+        """Wait for the runs driven here, close the store, stop the loop."""
+        if self.loop.running:
+            try:
+                self.loop.run_coroutine(self._close(), timeout=60)
+            except Exception as exc:  # noqa: BLE001 - shutting down regardless
+                log.warning("fleet worker shutdown: %s: %s", type(exc).__name__, exc)
+        self.loop.stop()
+
+    async def _close(self) -> None:
+        if self._runtime is not None:
+            await self._runtime.close()
+        if self._store is not None:
+            await self._store.close()
+
+    # ----------------------------------------------------------------- drive
+    def drive(self, execution_id: str) -> str:
+        """Drive ``execution_id`` to the end of its run; how it stopped (sync)."""
+        try:
+            return self.loop.run_coroutine(self.drive_async(execution_id))
+        finally:
+            self.publish()
+
+    async def drive_async(self, execution_id: str) -> str:
+        runtime = self.runtime
+        self.counters.deliveries += 1
+        grant = await runtime.store.acquire_fence_if(execution_id, holder=runtime.holder,
+                                                     lease_ms=runtime.lease_ms)
+        if grant is None:
+            # A live lease: another drive (here or elsewhere) holds the run.
+            self.counters.stepped_aside += 1
+            log.info("drive of %s stepped aside: a live lease holds it", execution_id)
+            return STEPPED_ASIDE
+        self._watch[execution_id] = None
+        try:
+            await runtime.drive(execution_id, grant=grant, wait=True)
+        except ExecutionNotFoundError:
+            self.counters.errors += 1
+            log.warning("drive of %s: no such execution", execution_id)
+            return NOT_FOUND
+        except FleetError as exc:
+            # The run was refused before it began (flow not registered here,
+            # code mismatch): nothing was written, the fence is released.
+            self.counters.errors += 1
+            log.error("drive of %s refused: %s: %s", execution_id, type(exc).__name__, exc)
+            return REFUSED
+        finally:
+            last = self._watch.pop(execution_id, None)
+            refused = self._writes.failed.pop(execution_id, None)
+        if isinstance(refused, StaleFenceError):
+            self.counters.fenced_out += 1
+            log.warning("drive of %s fenced out: a later holder took the execution; its write "
+                        "was refused (StaleFenceError: %s) and this drive wrote nothing more",
+                        execution_id, refused)
+            return FENCED_OUT
+        if refused is not None:
+            log.warning("drive of %s aborted: a write failed (%s: %s)", execution_id,
+                        type(refused).__name__, refused)
+            return ABORTED
+        outcome = self._outcome(last)
+        if outcome is not None:
+            return outcome
+        if last is None:
+            self.counters.idle += 1  # already parked or ended: nothing to do
+            return IDLE
+        # Stopped mid-run without a failed write: the kernel stopped the run on a
+        # programming fault (it warned through on_warn); nothing more was written.
+        return ABORTED
+
+    @staticmethod
+    def _outcome(last: EventEnvelope | None) -> str | None:
+        if last is None:
+            return None
+        outcome = _ENDS.get(last.type)
+        if outcome == PARKED and (last.payload.get("condition") or {}).get("on") == DIVERGED_GATE:
+            return DIVERGENCE_PARKED
+        return outcome
+
+    def _observe(self, event: EventEnvelope) -> Any:
+        if event.execution_id in self._watch:
+            self._watch[event.execution_id] = event
+        observer = self.event_observer
+        if observer is not None:
+            return observer(event)
+        return None
+
+    # ----------------------------------------------------------------- stats
+    def snapshot(self) -> dict[str, stats.Number]:
+        """This process's counters now (kernel's, worker's, registered sources')."""
+        values = stats.empty()
+        runtime = self._runtime
+        if runtime is not None:
+            for name in ("drives", "completed", "failed", "parked", "recovered",
+                         "timers_fired", "divergence_warnings", "divergence_parked", "aborted"):
+                values[name] = int(getattr(runtime, name))
+            values["active"] = runtime.active
+        for name in ("deliveries", "stepped_aside", "fenced_out", "idle", "errors"):
+            values[name] = getattr(self.counters, name)
+        values.update(stats.source_values())
+        return values
+
+    def publish(self) -> None:
+        """Write this child's totals to its row of the prefork table (if any)."""
+        board = stats.shared_board()
+        if board is None or self.slot is None:
+            return
+        values = self.snapshot()
+        for name in stats.COUNTERS:
+            values[name] = values.get(name, 0) + self._base.get(name, 0)
+        board.write_row(self.slot, values)
+
+
+# --------------------------------------------------------------------------
+# The process's one WorkerProcess.
+# --------------------------------------------------------------------------
+
+_process: WorkerProcess | None = None
+_process_lock = threading.Lock()
+
+
+def local_process() -> WorkerProcess | None:
+    """This process's WorkerProcess, if it was opened."""
+    return _process
+
+
+def open_process(settings: FleetSettings, *, slot: int | None = None) -> WorkerProcess:
+    """Open this process's WorkerProcess once (later calls return the same one)."""
+    global _process
+    with _process_lock:
+        if _process is None:
+            process = WorkerProcess(settings, slot=slot)
+            process.open()
+            _process = process
+            log.info("fleet worker process %s open: flows %s, lease %d ms", os.getpid(),
+                     settings.flows, settings.lease_ms)
+        return _process
+
+
+def close_process() -> None:
+    """Close this process's WorkerProcess (if open)."""
+    global _process
+    with _process_lock:
+        process, _process = _process, None
+    if process is not None:
+        process.close()
