@@ -47,8 +47,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     broker = url_with_db(REDIS_DB)
-    client = redis.Redis.from_url(broker)
-    client.flushdb()
+    client = redis.Redis.from_url(broker)  # never flushed: runs may share the server
     queue = f"fleet-d-{secrets.token_hex(3)}"
     with throwaway_database() as database_url:
         settings = FleetSettings(database_url=database_url, broker_url=broker, queue=queue,
@@ -64,7 +63,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         finally:
             worker.stop()
             app.close()
-            client.flushdb()
             client.close()
 
 
