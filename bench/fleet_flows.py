@@ -1,0 +1,50 @@
+"""Flows the fleet benchmark's worker processes run (``FLEET_FLOWS=bench.fleet_flows:...``)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from fleet.kernel.context import Context
+from fleet.kernel.flows import flow
+
+ALL = "bench.fleet_flows:three,bench.fleet_flows:hold,bench.fleet_flows:sleep"
+
+
+def _inc(n: int) -> int:
+    return n + 1
+
+
+@flow("bench-three", version=1, steps=["a", "b", "c"])
+async def three(ctx: Context, n: int) -> int:
+    """The 3 trivial steps the plain Celery chain also runs."""
+    n = await ctx.step("a", _inc, n)
+    n = await ctx.step("b", _inc, n)
+    return int(await ctx.step("c", _inc, n))
+
+
+def _first(marker: str) -> bool:
+    path = Path(marker)
+    first = not path.exists()
+    path.touch()
+    return first
+
+
+async def _hold(marker: str) -> str:
+    """Long on the first attempt (the one the benchmark kills), instant on a re-run."""
+    if await asyncio.to_thread(_first, marker):
+        await asyncio.sleep(60)
+    return "done"
+
+
+@flow("bench-hold", version=1, steps=["hold", "after"])
+async def hold(ctx: Context, marker: str) -> str:
+    await ctx.step("hold", _hold, marker)
+    return str(await ctx.step("after", _inc, 0))
+
+
+@flow("bench-sleep", version=1, steps=["sleep"])
+async def sleep(ctx: Context, seconds: float) -> float:
+    """One step that waits: many of them keep a worker's drives busy at once."""
+    await ctx.step("sleep", asyncio.sleep, seconds)
+    return seconds
