@@ -664,6 +664,10 @@ class Runtime:
 
     def _fail_waiters(self, execution_id: str, exc: BaseException) -> None:
         self._aborts[execution_id] = exc
+        if len(self._aborts) > 10_000:
+            # A long-lived worker must not grow without bound: forget the oldest
+            # (a later result() of it then reads the log, which is still true).
+            del self._aborts[next(iter(self._aborts))]
         for fut in self._waiters.pop(execution_id, []):
             if not fut.done():
                 fut.set_exception(exc)
