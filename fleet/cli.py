@@ -466,6 +466,11 @@ from fleet.cli_replay import replay as _replay_group  # noqa: E402
 
 main.add_command(_replay_group, "replay")
 
+# The fleet's process, dispatch, reward, status and health commands: fleet/cli_fleet.py.
+from fleet.cli_fleet import register as _register_fleet_commands  # noqa: E402
+
+_register_fleet_commands(main)
+
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -57,6 +57,16 @@ class FleetSettings(BaseSettings):
         description="Celery pool of a worker: threads (one loop, worker_drives drives at "
         "once; decision 0012) or prefork (a loop per child). Celery's `-P prefork` cannot "
         "override an app's configured pool: set this instead")
+    worker_drain_s: float = Field(
+        20.0, ge=0, description="on SIGTERM, how long a worker lets its drives run on to "
+        "their next durable point before it hands back the rest (leases released at once); "
+        "keep it well under the pod's terminationGracePeriodSeconds")
+    heartbeat_dir: str | None = Field(
+        None, description="where each fleet process writes the heartbeat of its event loop "
+        "(fleet-<component>.heartbeat) that `fleet health` reads; default: the temp dir")
+    heartbeat_max_age_s: float = Field(
+        10.0, gt=0, description="`fleet health` fails when the heartbeat (written every "
+        "second from inside the event loop) is older than this: a stuck loop")
     timer_interval_s: float = Field(0.25, gt=0, description="how often due timers are polled")
     recovery_interval_s: float = Field(2.0, gt=0)
     recovery_grace_ms: int = Field(

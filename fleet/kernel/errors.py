@@ -44,9 +44,10 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
         └── FlowDivergenceError       the body no longer matches the shape its log records
             └── FlowReplayDivergenceError  a re-run skipped recorded steps (ADR 0113 D3)
 
-Run control (parking, cancellation) is not an error and deliberately not a
-``FleetError``: it derives from ``BaseException`` (like ``asyncio.CancelledError``)
-so a flow's ``except Exception`` cannot swallow it by accident.
+Run control (parking, cancellation, handing a run back) is not an error and
+deliberately not a ``FleetError``: it derives from ``BaseException`` (like
+``asyncio.CancelledError``) so a flow's ``except Exception`` cannot swallow it by
+accident.
 """
 
 from __future__ import annotations
@@ -287,3 +288,12 @@ class RunAborted(RunInterrupt):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
+
+
+class HandedBack(RunInterrupt):
+    """The runtime is letting its runs go (a worker shutting down, ``Runtime.hand_back``).
+
+    Raised where the run would start new work, so the run stops at a durable
+    point: what it committed is written, its lease is released, and the next
+    holder continues from there.
+    """

@@ -39,6 +39,7 @@ from fleet.kernel.errors import (
     FlowNotFoundError,
     FlowReplayDivergenceError,
     GateMismatchError,
+    HandedBack,
     ReplayError,
     RunAborted,
     RunInterrupt,
@@ -74,6 +75,9 @@ _WAKE_EVENTS = frozenset({EventType.EXECUTION_STARTED, EventType.EXECUTION_RESUM
                           EventType.TIMER_FIRED, EventType.RECOVERED,
                           EventType.EXECUTION_MIGRATED})
 _INNER_MAX_BYTES = 64 * 1024
+# The events that end a run (and release its lease): a hand-back lets them through.
+_ENDS_RUN = frozenset({EventType.EXECUTION_COMPLETED, EventType.EXECUTION_SUSPENDED,
+                       EventType.EXECUTION_CONTINUED})
 # The divergence mode of a runtime built without ``divergence=`` and not strict
 # (ADR 0113 D3: warn first). Tests can force it (FLEET_TEST_DIVERGENCE=fail).
 DEFAULT_DIVERGENCE = "warn"
@@ -153,11 +157,20 @@ class Run:
                                                      visited=self.asked_steps)
         # A dry replay (replay_check) stops at the first live new work, judged.
         self.stop_at_frontier = False
+        # Set by Runtime.hand_back_now: a cancellation of this run hands it back.
+        self.cut = False
 
     # -- the divergence detector's hooks ------------------------------------------
     async def before_new_work(self, kind: EventType, ident: str | None,
                               scope: str | None = None) -> None:
-        """Judge the body before it appends new work; raises in ``fail`` mode."""
+        """Judge the body before it appends new work; raises in ``fail`` mode.
+
+        A runtime that is handing its runs back stops the run here, before the
+        new work: everything it committed so far is a durable point. (Not before
+        the event that ends the run: that one lets go as well.)
+        """
+        if self.runtime.handing_back and kind not in _ENDS_RUN:
+            raise HandedBack(f"{kind} {ident or ''}".strip())
         d = self.detector
         if d is None:
             if self.stop_at_frontier:
@@ -305,7 +318,11 @@ class Runtime:
         self.timers_fired = 0
         self.divergence_warnings = 0
         self.divergence_parked = 0
+        self.handed_back = 0
         self.fired_timers: list[str] = []
+        # Hand-back (a worker shutting down): no new work; the ids of runs let go.
+        self._handing_back = False
+        self.handed_back_ids: set[str] = set()
 
     def register(self, definition: FlowDefinition) -> None:
         self.flows.register(definition)
@@ -510,9 +527,26 @@ class Runtime:
             self.aborted += 1
             self._fail_waiters(state.execution_id, aborted.cause)
             return
+        except HandedBack:
+            # Stopped before new work: write what it committed, then let go.
+            try:
+                await journal.barrier()
+            except RunAborted as aborted:
+                self.aborted += 1
+                self._fail_waiters(state.execution_id, aborted.cause)
+                return
+            self._note_handed_back(state.execution_id)
+            return
         except asyncio.CancelledError:
-            self.aborted += 1
             await journal.close()
+            task = asyncio.current_task()
+            if run.cut and task is not None:
+                # hand_back_now: stopped where it was (a step running is left in
+                # doubt for the next holder); the lease is released below.
+                task.uncancel()
+                self._note_handed_back(state.execution_id)
+                return
+            self.aborted += 1
             raise
         finally:
             heartbeat.cancel()
@@ -1051,6 +1085,55 @@ class Runtime:
         result = await self.store.append_if_unchanged(state.execution_id, event, tip)
         if result.appended:
             deliver(self.on_durable_event, event, self.warner, "on_durable_event")
+
+    def _note_handed_back(self, execution_id: str) -> None:
+        self.handed_back += 1
+        self.handed_back_ids.add(execution_id)
+
+    # ------------------------------------------------------------- hand-back
+    @property
+    def handing_back(self) -> bool:
+        """Whether this runtime is letting its runs go (``hand_back``)."""
+        return self._handing_back
+
+    def hand_back(self) -> int:
+        """Let every run go at its next durable point (a worker shutting down).
+
+        From now on a run stops where it would start new work (a step, a
+        decision, a timer, a message...): what it committed is written, its
+        lease is released, and whoever drives the execution next continues from
+        there. A drive started later stops at its first new work. The ids of
+        the runs let go collect in ``handed_back_ids`` (counted in
+        ``handed_back``); their executions stay ``running``, for a caller to
+        re-enqueue (or for the recovery sweeper to find).
+
+        Returns:
+            How many runs are in flight now.
+        """
+        self._handing_back = True
+        return len(self._runs)
+
+    def hand_back_now(self) -> int:
+        """Stop the runs still in flight where they are, and release their leases.
+
+        The deadline after ``hand_back``: a run inside a long step is cancelled.
+        That step is left in doubt, as a crash would leave it (an idempotent step
+        runs again under the next holder, an ``idempotent=False`` one parks on
+        the in-doubt gate), but the lease is released at once instead of
+        expiring. A run whose write was interrupted keeps its lease until it
+        expires (the write may have landed).
+
+        Returns:
+            How many runs were cancelled.
+        """
+        self._handing_back = True
+        cut = 0
+        for run in list(self._runs.values()):
+            if run.task is not None and not run.task.done():
+                run.cut = True
+                run.task.cancel()
+                cut += 1
+        return cut
 
     # ------------------------------------------------------------- lifecycle
     async def close(self) -> None:

@@ -34,8 +34,9 @@ import asyncio
 import hashlib
 import hmac
 import json
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticValidationError
@@ -43,8 +44,12 @@ from pydantic import ValidationError as PydanticValidationError
 from fleet.kernel.errors import ConfigurationError, ValidationError
 from fleet.streams._redis import aioredis, sync_redis
 
+if TYPE_CHECKING:
+    from fleet.config import FleetSettings
+
 __all__ = ["REJECT_REASONS", "RewardMessage", "canonical_body", "sign_reward",
-           "submit_reward", "submit_reward_sync", "submit_rewards", "verify_reward"]
+           "submit_reward", "submit_reward_from_settings", "submit_reward_sync", "submit_rewards",
+           "verify_reward"]
 
 MESSAGE_FIELD = "message"
 #: Why ``verify_reward`` refuses a message (``ValidationError.details["reason"]``).
@@ -201,3 +206,45 @@ def submit_reward_sync(redis: sync_redis.Redis, stream: str, message: RewardMess
             "use `await submit_reward(...)` there")
     entry = redis.xadd(stream, {MESSAGE_FIELD: _signed(message, key).to_wire()})
     return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+
+def submit_reward_from_settings(settings: FleetSettings, *, execution_id: str,
+                                decision_id: str, key: str, producer: str,
+                                score: float | None = None, success: bool | None = None,
+                                secret: str | bytes | None = None,
+                                nonce: str | None = None) -> str:
+    """Build, sign and send one reward to ``settings.rewards_stream`` (``fleet reward submit``).
+
+    Args:
+        settings: ``redis_url``, ``rewards_stream`` and ``reward_keys``.
+        secret: The producer's HMAC key; default ``settings.reward_keys[producer]``.
+
+    Returns:
+        The stream entry id.
+
+    Raises:
+        ConfigurationError: no Redis URL, or no key for ``producer``.
+        ValidationError: the reward does not fit the schema (``RewardMessage``).
+    """
+    if not settings.redis_url:
+        raise ConfigurationError("submitting a reward needs FLEET_REDIS_URL")
+    if secret is None:
+        secret = settings.reward_keys.get(producer)
+        if secret is None:
+            raise ConfigurationError(f"no key for producer {producer!r}: add it to "
+                                     "FLEET_REWARD_KEYS or give the key (--key-file)")
+    try:
+        message = RewardMessage(execution_id=execution_id, decision_id=decision_id, key=key,
+                                score=score, success=success, producer=producer,
+                                sent_at=time.time_ns() // 1_000_000, nonce=nonce)
+    except PydanticValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "message"
+        raise ValidationError(f"reward refused: {where}: {first['msg']}",
+                              reason="invalid") from exc
+    client = sync_redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5.0,
+                                       socket_timeout=10.0)
+    try:
+        return submit_reward_sync(client, settings.rewards_stream, message, secret)
+    finally:
+        client.close()

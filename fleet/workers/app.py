@@ -102,12 +102,17 @@ def _connect_process_hooks(app: Any) -> None:
     signals.worker_process_init.connect(_on_process_init, weak=False)
     signals.worker_process_shutdown.connect(_on_process_shutdown, weak=False)
     signals.worker_shutdown.connect(_on_worker_shutdown, weak=False)
+    signals.worker_shutting_down.connect(_on_worker_shutting_down, weak=False)
 
 
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    from fleet.workers import shutdown
     from fleet.workers.process import log, open_process
 
-    if sender is None or sender.app not in _apps or is_prefork(sender.pool_cls):
+    if sender is None or sender.app not in _apps:
+        return
+    shutdown.install()  # before a prefork pool forks: its children inherit the flag
+    if is_prefork(sender.pool_cls):
         return  # prefork: each child opens its own after the fork
     try:
         open_process(sender.app.fleet_settings)
@@ -134,6 +139,19 @@ def _on_process_shutdown(**_: Any) -> None:
 
     if local_process() is not None:
         close_process()
+
+
+def _on_worker_shutting_down(**_: Any) -> None:
+    # Sent from Celery's SIGTERM/SIGINT/SIGQUIT handler in the worker's main
+    # process (sender: its hostname): start handing the drives back
+    # (fleet.workers.shutdown). Only memory stores and a loop wake-up here.
+    from fleet.workers import shutdown
+    from fleet.workers.process import local_process
+
+    shutdown.request_drain()
+    process = local_process()
+    if process is not None:
+        process.begin_drain()
 
 
 def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:

@@ -11,10 +11,15 @@ loop.
 only if no live lease is held (``acquire_fence_if``); if one is, step aside
 (a duplicate delivery, counted); otherwise drive until the run stops (parks,
 ends, or is aborted) and say how it stopped.
+
+The loop also runs the process's ``Heartbeat`` (``fleet health`` reads it),
+and ``begin_drain`` is the graceful shutdown (``fleet.workers.shutdown``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -23,14 +28,16 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from fleet.config import FleetSettings
+from fleet.health import Heartbeat
 from fleet.kernel.errors import ExecutionNotFoundError, FleetError, StaleFenceError
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.flows import Features, load_flows
 from fleet.kernel.fold import DIVERGED_GATE
 from fleet.kernel.journal import EventObserver
 from fleet.kernel.runtime import Runtime
+from fleet.kernel.security import AccessPolicy
 from fleet.kernel.store.spi import EventStore
-from fleet.workers import stats
+from fleet.workers import shutdown, stats
 from fleet.workers.loop import EventLoopThread
 
 log = logging.getLogger("fleet.workers")
@@ -40,6 +47,8 @@ COMPLETED, FAILED, PARKED, DIVERGENCE_PARKED = "completed", "failed", "parked", 
 CANCELLED, CONTINUED, STEPPED_ASIDE, FENCED_OUT = "cancelled", "continued", "stepped_aside", \
     "fenced_out"
 ABORTED, IDLE, NOT_FOUND, REFUSED = "aborted", "idle", "not_found", "refused"
+# The worker is shutting down and let the run go (lease released): drive it elsewhere.
+HANDED_BACK = "handed_back"
 
 _ENDS: dict[EventType, str] = {
     EventType.EXECUTION_COMPLETED: COMPLETED, EventType.EXECUTION_FAILED: FAILED,
@@ -60,13 +69,16 @@ def open_store(settings: FleetSettings) -> EventStore:
 
 def build_runtime(settings: FleetSettings, store: EventStore, *, role: str,
                   on_durable_event: EventObserver | None = None,
-                  on_warn: Callable[[str], Any] | None = None) -> Runtime:
+                  on_warn: Callable[[str], Any] | None = None,
+                  access_policy: AccessPolicy | None = None) -> Runtime:
     """A Runtime configured by ``settings`` with its flows loaded.
 
     Fleet runtimes never arm in-process timers: the timer service fires them
-    (a worker that parks on a sleep lets go of it).
+    (a worker that parks on a sleep lets go of it). ``access_policy``: the
+    reward attacher's (a producer may ``annotate``); default the kernel's.
     """
     return Runtime(store, flows=load_flows(settings.flows), strict=settings.strict,
+                   access_policy=access_policy or AccessPolicy(),
                    divergence=settings.divergence,
                    features=Features(sha256_flow_hash=settings.sha256_flow_hash),
                    lease_ms=settings.lease_ms, local_timers=False,
@@ -125,6 +137,7 @@ class WorkerCounters:
     fenced_out: int = 0
     idle: int = 0
     errors: int = 0
+    handed_back: int = 0  # deliveries handed on unopened while draining
 
 
 class WorkerProcess:
@@ -150,6 +163,8 @@ class WorkerProcess:
         self._watch: dict[str, EventEnvelope | None] = {}
         self._base: dict[str, stats.Number] = {}
         self._writes = _WriteWatch(self._watch)
+        self._heartbeat: Heartbeat | None = None
+        self._draining = False
 
     @property
     def runtime(self) -> Runtime:
@@ -182,6 +197,9 @@ class WorkerProcess:
         self._writes.inner = store
         self._runtime = build_runtime(self.settings, cast(EventStore, self._writes),
                                       role="worker", on_durable_event=self._observe)
+        self._heartbeat = Heartbeat.for_component(self.settings, "worker", slot=self.slot,
+                                                  on_beat=self._poll_drain)
+        await self._heartbeat.start()
 
     def close(self) -> None:
         """Wait for the runs driven here, close the store, stop the loop."""
@@ -195,8 +213,50 @@ class WorkerProcess:
     async def _close(self) -> None:
         if self._runtime is not None:
             await self._runtime.close()
+        if self._heartbeat is not None:
+            await self._heartbeat.stop()
         if self._store is not None:
             await self._store.close()
+
+    # -------------------------------------------------------------- shutdown
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self, deadline_s: float | None = None) -> None:
+        """Let the runs go: at their next durable point, or cut after ``deadline_s``.
+
+        Thread- and signal-safe, idempotent (``fleet.workers.shutdown``).
+        ``deadline_s`` defaults to ``settings.worker_drain_s``.
+        """
+        if self._draining:
+            return
+        self._draining = True
+        deadline = self.settings.worker_drain_s if deadline_s is None else deadline_s
+        with contextlib.suppress(RuntimeError):  # the loop has already closed
+            self.loop.loop.call_soon_threadsafe(self._drain, deadline)
+
+    def _drain(self, deadline_s: float) -> None:
+        runtime = self._runtime
+        if runtime is None:
+            return
+        held = runtime.hand_back()
+        log.warning("fleet worker %s shutting down: %d run(s) in flight are handed back at "
+                    "their next durable point, any left in %g s where they are", os.getpid(),
+                    held, deadline_s)
+        asyncio.get_running_loop().call_later(deadline_s, self._cut)
+
+    def _cut(self) -> None:
+        runtime = self._runtime
+        if runtime is not None and (cut := runtime.hand_back_now()):
+            log.warning("fleet worker %s: drain deadline (%g s) passed: %d run(s) handed back "
+                        "mid-step (their step is in doubt)", os.getpid(),
+                        self.settings.worker_drain_s, cut)
+
+    def _poll_drain(self) -> None:
+        # A prefork child learns of the parent's SIGTERM here (once a second).
+        if not self._draining and shutdown.drain_requested():
+            self.begin_drain()
 
     # ----------------------------------------------------------------- drive
     def drive(self, execution_id: str) -> str:
@@ -209,6 +269,10 @@ class WorkerProcess:
     async def drive_async(self, execution_id: str) -> str:
         runtime = self.runtime
         self.counters.deliveries += 1
+        if self._draining or runtime.handing_back:
+            # Shutting down: take nothing; the task hands the message on.
+            self.counters.handed_back += 1
+            return HANDED_BACK
         grant = await runtime.store.acquire_fence_if(execution_id, holder=runtime.holder,
                                                      lease_ms=runtime.lease_ms)
         if grant is None:
@@ -232,6 +296,8 @@ class WorkerProcess:
         finally:
             last = self._watch.pop(execution_id, None)
             refused = self._writes.failed.pop(execution_id, None)
+            handed = execution_id in runtime.handed_back_ids
+            runtime.handed_back_ids.discard(execution_id)
         if isinstance(refused, StaleFenceError):
             self.counters.fenced_out += 1
             log.warning("drive of %s fenced out: a later holder took the execution; its write "
@@ -242,6 +308,9 @@ class WorkerProcess:
             log.warning("drive of %s aborted: a write failed (%s: %s)", execution_id,
                         type(refused).__name__, refused)
             return ABORTED
+        if handed:
+            log.info("drive of %s handed back (the worker is shutting down)", execution_id)
+            return HANDED_BACK
         outcome = self._outcome(last)
         if outcome is not None:
             return outcome
@@ -281,6 +350,8 @@ class WorkerProcess:
             values["active"] = runtime.active
         for name in ("deliveries", "stepped_aside", "fenced_out", "idle", "errors"):
             values[name] = getattr(self.counters, name)
+        values["handed_back"] = self.counters.handed_back + (
+            runtime.handed_back if runtime is not None else 0)
         values.update(stats.source_values())
         return values
 

@@ -14,6 +14,7 @@ recovered                drives that resumed a run a dead holder left
 timers_fired             timers this worker fired
 divergence_warnings      replay divergences reported (warn mode)
 divergence_parked        runs parked on the divergence gate
+handed_back              runs let go at shutdown (lease released, re-enqueued)
 outcomes_attached        late outcomes attached (the reward attacher, if here)
 outcomes_dead_lettered   reward messages dead-lettered (the attacher, if here)
 stream_lag_ms            the events stream's publishing lag (the publisher)
@@ -50,7 +51,7 @@ StatsSource = Callable[[], Mapping[str, Number]]
 COUNTERS: tuple[str, ...] = (
     "drives", "completed", "failed", "parked", "stepped_aside", "fenced_out", "recovered",
     "timers_fired", "divergence_warnings", "divergence_parked", "outcomes_attached",
-    "outcomes_dead_lettered", "deliveries", "idle", "aborted", "errors")
+    "outcomes_dead_lettered", "deliveries", "idle", "aborted", "errors", "handed_back")
 # Gauges: read as they are now, never summed over time.
 GAUGES: tuple[str, ...] = ("stream_lag_ms", "active")
 FIELDS: tuple[str, ...] = COUNTERS + GAUGES

@@ -5,6 +5,9 @@ to the end of its run (park, complete, fail, abort) before it returns, so the
 message is acknowledged (``acks_late``) only once the run stopped; it returns
 how the run stopped (``completed``, ``parked``, ``stepped_aside``,
 ``fenced_out``, ...). ``flow_id`` and ``tenant`` only route the message.
+A drive the worker handed back because it is shutting down (``handed_back``)
+publishes a new drive of the execution, on the same route, before it returns:
+another worker takes it over at once (``fleet.workers.shutdown``).
 
 ``fleet.dispatch(**request)`` is the dispatcher for producers that are not
 Python (``fleet.dispatcher.remote``).
@@ -12,10 +15,13 @@ Python (``fleet.dispatcher.remote``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK
 from fleet.kernel.errors import StoreUnavailableError
+
+log = logging.getLogger("fleet.workers")
 
 
 def register_tasks(app: Any) -> None:
@@ -23,9 +29,12 @@ def register_tasks(app: Any) -> None:
 
     def drive(execution_id: str, flow_id: str | None = None,
               tenant: str | None = None) -> str:
-        from fleet.workers.process import open_process
+        from fleet.workers.process import HANDED_BACK, open_process
 
-        return open_process(app.fleet_settings).drive(execution_id)
+        outcome = open_process(app.fleet_settings).drive(execution_id)
+        if outcome == HANDED_BACK:
+            hand_on(app, execution_id, flow_id, tenant)
+        return outcome
 
     def dispatch(*args: Any, **kwargs: Any) -> dict[str, Any]:
         from fleet.dispatcher.dispatcher import Dispatcher
@@ -44,4 +53,15 @@ def register_tasks(app: Any) -> None:
     app.task(name=DISPATCH_TASK, acks_late=True, reject_on_worker_lost=True)(dispatch)
 
 
-__all__ = ["register_tasks"]
+def hand_on(app: Any, execution_id: str, flow_id: str | None, tenant: str | None) -> None:
+    """Publish a new drive of an execution this worker let go (it is shutting down)."""
+    try:
+        app.send_task(DRIVE_TASK, args=[execution_id],
+                      kwargs={"flow_id": flow_id, "tenant": tenant})
+    except Exception as exc:  # noqa: BLE001 - the sweeper finds it (no live lease)
+        log.warning("could not re-enqueue handed-back %s (%s: %s): the recovery sweeper "
+                    "re-drives it after its grace period", execution_id, type(exc).__name__,
+                    exc)
+
+
+__all__ = ["hand_on", "register_tasks"]

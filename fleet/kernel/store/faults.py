@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from fleet.kernel.errors import StoreUnavailableError, ValidationError
+from fleet.kernel.errors import ConfigurationError, StoreUnavailableError, ValidationError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.spi import (
     ConditionalAppendResult,
+    CountsExecutions,
     DueTimer,
     EventStore,
     ExecutionSummary,
@@ -171,6 +172,12 @@ class FaultInjectingEventStore:
             status=status, flow_id=flow_id, tenant=tenant, waiting_on=waiting_on,
             updated_before=updated_before, updated_after=updated_after,
             lease_expired_at=lease_expired_at, after_id=after_id, limit=limit)
+
+    async def count_executions(self) -> dict[str, int]:
+        """The inner store's counts (``CountsExecutions``), if it has them."""
+        if not isinstance(self.inner, CountsExecutions):
+            raise ConfigurationError(f"{type(self.inner).__name__} does not count executions")
+        return await self.inner.count_executions()
 
     async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
         return await self.inner.get_execution(execution_id)

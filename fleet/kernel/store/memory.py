@@ -301,6 +301,13 @@ class MemoryEventStore:
             started_at=row.started_at, updated_at=row.updated_at, head=row.head,
             fence=held.token, holder=held.holder, lease_expires_at=held.lease_expires_at)
 
+    async def count_executions(self) -> dict[str, int]:
+        await _tick()
+        counts: dict[str, int] = {}
+        for row in self._index.values():
+            counts[row.status] = counts.get(row.status, 0) + 1
+        return counts
+
     async def list_executions(self, *, status: str | None = None, flow_id: str | None = None,
                               tenant: str | None = None, waiting_on: str | None = None,
                               updated_before: int | None = None,

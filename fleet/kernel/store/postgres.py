@@ -624,6 +624,11 @@ class PostgresEventStore(_PostgresBase):
         rows = await self._call(lambda pool: pool.fetch(sql, *params), idempotent=True)
         return [summary(row) for row in rows]
 
+    async def count_executions(self) -> dict[str, int]:
+        rows = await self._call(lambda pool: pool.fetch(
+            "SELECT status, count(*) AS n FROM executions GROUP BY status"), idempotent=True)
+        return {str(row["status"]): int(row["n"]) for row in rows}
+
     async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
         key = execution_key(execution_id)
         row = await self._call(lambda pool: pool.fetchrow(

@@ -174,6 +174,19 @@ class EventStore(Protocol):
 
 
 @runtime_checkable
+class CountsExecutions(Protocol):
+    """Optional: a store that counts its index rows by status in one query.
+
+    ``fleet status`` uses it when a store has it (memory, SQLite, Postgres and
+    the decorators do) and pages through ``list_executions`` otherwise.
+    """
+
+    async def count_executions(self) -> dict[str, int]:
+        """``{status: executions}`` for every status with at least one execution."""
+        ...
+
+
+@runtime_checkable
 class SnapshotStore(Protocol):
     """Checkpoints: a folded state at a sequence."""
 

@@ -661,6 +661,13 @@ class SqliteEventStore:
         return await self._db.reader.call(
             lambda conn: [_summary(row) for row in conn.execute(sql, params)])
 
+    async def count_executions(self) -> dict[str, int]:
+        def job(conn: sqlite3.Connection) -> dict[str, int]:
+            rows = conn.execute("SELECT status, count(*) FROM executions GROUP BY status")
+            return {str(status): int(n) for status, n in rows}
+
+        return await self._db.reader.call(job)
+
     async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
         def job(conn: sqlite3.Connection) -> ExecutionSummary | None:
             row = conn.execute(_SUMMARY_SQL + " WHERE e.execution_id = ?",

@@ -1,0 +1,517 @@
+"""The fleet's commands as real processes: ``fleet worker``, ``fleet timers``,
+``fleet recovery``, ``fleet attacher`` and ``fleet flower`` subprocesses on Redis
+and Postgres, driven by ``fleet start/resume/send/cancel``, ``fleet reward
+submit`` and ``fleet status``, probed by ``fleet health``; and a worker's
+graceful shutdown measured against a crash: SIGTERM mid-run hands the execution
+back at once, SIGKILL leaves it to the lease expiry and the recovery sweeper.
+
+Redis database 11 is this module's; queues, streams and node names carry a
+random token, and the store is a throwaway Postgres database, so concurrent
+runs do not meet. Each process has its own heartbeat directory, as each pod has
+its own ``/tmp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from base64 import b64encode
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fleet_process_flows import ALL
+from postgres_server import throwaway_database
+from redis_server import url_with_db
+
+from fleet.config import FleetSettings
+from fleet.kernel.events import EventEnvelope
+from fleet.kernel.store.spi import EventStore, ExecutionSummary
+from fleet.workers import make_app
+from fleet.workers.loop import EventLoopThread
+from fleet.workers.process import open_store
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+FLEET = str(Path(sys.executable).with_name("fleet"))
+REDIS_DB = 11
+LEASE_MS = 5000          # the lease a SIGKILLed worker leaves behind
+GRACE_MS = 2000          # the sweeper waits this long after the last write
+DRAIN_S = 2.0            # FLEET_WORKER_DRAIN_S: SIGTERM's deadline for a long step
+PRODUCER, SECRET = "p1", "test-secret"
+
+
+class Proc:
+    """One ``fleet ...`` subprocess, its log in a file."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path,
+                 nodename: str | None = None) -> None:
+        self.name = name
+        self.env = env
+        self.nodename = nodename
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([FLEET, *args], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, cwd=str(ROOT))
+
+    @property
+    def heartbeats(self) -> Path:
+        return Path(self.env["FLEET_HEARTBEAT_DIR"])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def wait_exit(self, timeout: float) -> float:
+        """Seconds until it exited (raises after ``timeout``)."""
+        start = time.monotonic()
+        self.proc.wait(timeout)
+        return time.monotonic() - start
+
+    def stop(self) -> None:
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(DRAIN_S + 15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+class Store:
+    """The test's own view of the store, on a loop thread of its own."""
+
+    def __init__(self, settings: FleetSettings) -> None:
+        self.loop = EventLoopThread("test-store")
+        self.loop.start()
+        self.store: EventStore = open_store(settings)
+
+    def read(self, execution_id: str) -> list[EventEnvelope]:
+        return self.loop.run_coroutine(self.store.read(execution_id), timeout=30)
+
+    def summary(self, execution_id: str) -> ExecutionSummary | None:
+        return self.loop.run_coroutine(self.store.get_execution(execution_id), timeout=30)
+
+    def until(self, execution_id: str, status: str, timeout: float = 30.0) -> float:
+        """Wait for ``status``; the wall-clock time (s) it was seen."""
+        deadline = time.monotonic() + timeout
+        seen = None
+        while time.monotonic() < deadline:
+            row = self.summary(execution_id)
+            seen = row.status if row is not None else None
+            if seen == status:
+                return time.time()
+            time.sleep(0.05)
+        raise AssertionError(f"{execution_id} is {seen}, not {status}, after {timeout} s: "
+                             f"{[str(e.type) for e in self.read(execution_id)]}")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.loop.run_coroutine(self.store.close(), timeout=10)
+        self.loop.stop()
+
+
+@dataclass
+class Fleet:
+    env: dict[str, str]
+    settings: FleetSettings
+    app: Any
+    store: Store
+    log_dir: Path
+    token: str
+    nap_queue: str
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def env_for(self, name: str, **extra: str) -> dict[str, str]:
+        env = dict(self.env)
+        env["FLEET_HEARTBEAT_DIR"] = str(self.log_dir / "heartbeats" / name)
+        env["FLEET_TEST_WORKER_NAME"] = name
+        env.update(extra)
+        return env
+
+    def start_worker(self, name: str, queues: list[str]) -> Proc:
+        nodename = f"{name}.{self.token}@{socket.gethostname()}"
+        proc = Proc(name, ["worker", "--queues", ",".join(queues), "--concurrency", "8",
+                           "-n", nodename, "--without-mingle", "--without-gossip"],
+                    self.env_for(name), self.log_dir, nodename)
+        self.procs[name] = proc
+        return proc
+
+    def start_service(self, component: str) -> Proc:
+        proc = Proc(component, [component], self.env_for(component), self.log_dir)
+        self.procs[component] = proc
+        return proc
+
+    def wait_ready(self, proc: Proc, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise AssertionError(f"{proc.name} exited:\n{proc.log()[-4000:]}")
+            if proc.nodename is not None:
+                if self.app.control.ping(destination=[proc.nodename], timeout=0.5):
+                    return
+            elif any(proc.heartbeats.glob("fleet-*.heartbeat")):
+                return
+            else:
+                time.sleep(0.1)
+        raise AssertionError(f"{proc.name} not ready in {timeout} s:\n{proc.log()[-4000:]}")
+
+    def cli(self, *args: str, env: dict[str, str] | None = None,
+            check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([FLEET, *args], env=env or self.env_for("cli"), cwd=str(ROOT),
+                              capture_output=True, text=True, timeout=60)
+        if check:
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done
+
+    def health(self, component: str, proc: Proc, *args: str,
+               **env: str) -> subprocess.CompletedProcess[str]:
+        return self.cli("health", "--component", component, *args, check=False,
+                        env={**proc.env, **env})
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    token = secrets.token_hex(3)
+    queue, nap_queue, block_queue = f"fp-{token}", f"fp-nap-{token}", f"fp-block-{token}"
+    broker = url_with_db(REDIS_DB)
+    log_dir = tmp_path_factory.mktemp("fleet-processes")
+    with throwaway_database() as database_url:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("FLEET_", "FLOWER_"))}
+        env.update({
+            "FLEET_DATABASE_URL": database_url, "FLEET_BROKER_URL": broker,
+            "FLEET_REDIS_URL": broker, "FLEET_QUEUE": queue, "FLEET_FLOWS": ALL,
+            "FLEET_ROUTES": json.dumps({"flow:proc-nap": nap_queue,
+                                        "flow:proc-block": block_queue}),
+            "FLEET_LEASE_MS": str(LEASE_MS), "FLEET_RECOVERY_GRACE_MS": str(GRACE_MS),
+            "FLEET_RECOVERY_INTERVAL_S": "0.5", "FLEET_TIMER_INTERVAL_S": "0.2",
+            "FLEET_WORKER_DRAIN_S": str(DRAIN_S),
+            "FLEET_REWARD_KEYS": json.dumps({PRODUCER: SECRET}),
+            "FLEET_REWARDS_STREAM": f"fleet-test:{token}:rewards",
+            "FLEET_REWARDS_DEAD": f"fleet-test:{token}:rewards:dead",
+            "FLEET_REWARDS_GROUP": f"fleet-test-{token}",
+            "FLEET_EVENTS_STREAM": f"fleet-test:{token}:events",
+            "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")]),
+            "C_FORCE_ROOT": "1"})
+        settings = FleetSettings(database_url=database_url, broker_url=broker,
+                                 redis_url=broker, queue=queue, lease_ms=LEASE_MS)
+        app = make_app(settings)
+        store = Store(settings)
+        built = Fleet(env, settings, app, store, log_dir, token, nap_queue)
+        try:
+            # The schema first (a worker applies it on open), then everything at once.
+            built.cli("db", "upgrade")
+            starting = [built.start_worker("a", [queue, block_queue]),
+                        built.start_worker("b", [queue]),
+                        *(built.start_service(c) for c in ("timers", "recovery", "attacher"))]
+            for proc in starting:
+                built.wait_ready(proc)
+            yield built
+        finally:
+            for proc in built.procs.values():
+                proc.stop()
+            store.close()
+            app.close()
+
+
+def _types(events: list[EventEnvelope]) -> list[str]:
+    return [str(e.type) for e in events]
+
+
+def _first(events: list[EventEnvelope], kind: str) -> EventEnvelope:
+    return next(e for e in events if str(e.type) == kind)
+
+
+# -- health ---------------------------------------------------------------------------
+
+def test_every_process_is_healthy_and_says_so_in_one_line(fleet: Fleet) -> None:
+    for component in ("worker", "timers", "recovery", "attacher"):
+        proc = fleet.procs["a" if component == "worker" else component]
+        done = fleet.health(component, proc)
+        assert done.returncode == 0, (component, done.stdout, done.stderr)
+        assert done.stdout.startswith(f"ok: {component}: heartbeat:")
+        assert "broker: redis://" in done.stdout
+        assert "store: postgresql://" in done.stdout
+        assert len(done.stdout.strip().splitlines()) == 1
+        live = fleet.health(component, proc, "--liveness", "--json")
+        report = json.loads(live.stdout)
+        assert (live.returncode, report["ok"], len(report["checks"])) == (0, True, 1)
+
+
+def test_health_fails_when_the_broker_or_the_store_is_unreachable(fleet: Fleet) -> None:
+    worker = fleet.procs["a"]
+    down = fleet.health("worker", worker, "--timeout", "1",
+                        FLEET_BROKER_URL="redis://127.0.0.1:1/0")
+    assert down.returncode == 1
+    assert "unhealthy: worker: broker: redis://127.0.0.1:1/0 unreachable" in down.stderr
+    no_store = {"FLEET_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/fleet"}
+    down = fleet.health("worker", worker, "--timeout", "1", **no_store)
+    assert down.returncode == 1
+    assert "unhealthy: worker: store: postgresql://postgres@127.0.0.1:1/fleet" in down.stderr
+    # Liveness asks only the loop: a store outage does not restart the pod.
+    assert fleet.health("worker", worker, "--liveness", **no_store).returncode == 0
+    # A process that is not running here has no heartbeat.
+    gone = fleet.health("worker", worker, FLEET_HEARTBEAT_DIR=str(fleet.log_dir / "none"))
+    assert gone.returncode == 1
+    assert "no heartbeat" in gone.stderr
+
+
+def test_health_fails_while_a_step_blocks_the_worker_loop(fleet: Fleet) -> None:
+    a, b = fleet.procs["a"], fleet.procs["b"]
+    # proc-block is routed to a queue only worker a takes; its step time.sleep()s
+    # on the loop, as a step that forgot to await would.
+    eid = fleet.cli("start", "proc-block", "--input", "3.0").stdout.strip()
+    failed = None
+    deadline = time.monotonic() + 10
+    while failed is None and time.monotonic() < deadline:
+        done = fleet.health("worker", a, "--liveness", "--max-age", "1")
+        if done.returncode == 1:
+            failed = done.stderr
+    assert failed is not None, "the stuck loop was never reported"
+    assert "event loop is stuck or gone" in failed
+    assert fleet.health("worker", b, "--liveness", "--max-age", "1").returncode == 0
+    fleet.store.until(eid, "completed", timeout=15)
+    deadline = time.monotonic() + 5
+    while fleet.health("worker", a, "--liveness", "--max-age", "1").returncode != 0:
+        assert time.monotonic() < deadline, "the loop did not beat again"
+
+
+# -- dispatch, status ----------------------------------------------------------------
+
+def test_start_resume_send_and_cancel_run_on_the_workers(fleet: Fleet) -> None:
+    gate = json.loads(fleet.cli("start", "proc-gate", "--input", "1", "--json").stdout)
+    eid = gate["executionId"]
+    fleet.store.until(eid, "parked")
+    fleet.cli("resume", eid, "approval", "--payload", '"yes"')
+    fleet.store.until(eid, "completed")
+    assert fleet.store.read(eid)[-1].payload["output"] == {"before": 2, "approved": "yes"}
+
+    waiting = fleet.cli("start", "proc-receive", "--input", "2").stdout.strip()
+    fleet.store.until(waiting, "parked")
+    sent = json.loads(fleet.cli("send", waiting, "ping", "--payload", '{"m": 1}',
+                                "--json").stdout)
+    assert sent == {"executionId": waiting, "woke": True}
+    fleet.store.until(waiting, "completed")
+
+    doomed = fleet.cli("start", "proc-gate", "--input", "3").stdout.strip()
+    fleet.store.until(doomed, "parked")
+    fleet.cli("cancel", doomed, "--reason", "test")
+    fleet.store.until(doomed, "cancelled")
+
+    status = json.loads(fleet.cli("status", "--json").stdout)
+    assert status["executions"]["completed"] >= 2
+    assert status["executions"]["cancelled"] >= 1
+    workers = {w["name"]: w for w in status["workers"]}
+    ours = [fleet.procs[n].nodename for n in ("a", "b")]
+    assert set(ours) <= set(workers)
+    assert sum(workers[n]["fleet"]["completed"] for n in ours) >= 2
+    assert {workers[n]["pool"] for n in ours} == {"thread"}
+    table = fleet.cli("status").stdout
+    assert "executions" in table
+    assert "workers (" in table
+
+
+def test_the_timer_service_fires_a_parked_sleep(fleet: Fleet) -> None:
+    eid = fleet.cli("start", "proc-timer", "--input", "1.5").stdout.strip()
+    fleet.store.until(eid, "parked")
+    fleet.store.until(eid, "completed", timeout=15)
+    types = _types(fleet.store.read(eid))
+    assert "TIMER_FIRED" in types
+    assert types[-1] == "EXECUTION_COMPLETED"
+
+
+def test_a_reward_from_the_command_line_is_attached_and_a_forged_one_dead_lettered(
+        fleet: Fleet, tmp_path: Path) -> None:
+    eid = fleet.cli("start", "proc-decide", "--input", "7").stdout.strip()
+    fleet.store.until(eid, "completed")
+    submit = ["reward", "submit", "--execution", eid, "--decision", "size",
+              "--producer", PRODUCER]
+    entry = json.loads(fleet.cli(*submit, "--key", "csat:1", "--score", "0.9",
+                                 "--json").stdout)["entry"]
+    assert entry
+    deadline = time.monotonic() + 15
+    while "OUTCOME_RECORDED" not in _types(fleet.store.read(eid)):
+        assert time.monotonic() < deadline, "the attacher did not attach the reward"
+        time.sleep(0.1)
+    outcome = _first(fleet.store.read(eid), "OUTCOME_RECORDED")
+    assert outcome.payload["score"] == 0.9
+    forged = tmp_path / "forged.key"
+    forged.write_text("not-the-secret\n")
+    fleet.cli(*submit, "--key", "csat:2", "--success", "--key-file", str(forged))
+    import redis
+
+    client = redis.Redis.from_url(fleet.settings.broker, decode_responses=True)
+    try:
+        deadline = time.monotonic() + 15
+        while not client.xlen(fleet.env["FLEET_REWARDS_DEAD"]):
+            assert time.monotonic() < deadline, "the forged reward was not dead-lettered"
+            time.sleep(0.1)
+        (_, dead), = client.xrange(fleet.env["FLEET_REWARDS_DEAD"])
+    finally:
+        client.close()
+    assert dead["dead_reason"] == "bad_signature"
+    assert _types(fleet.store.read(eid)).count("OUTCOME_RECORDED") == 1
+
+
+# -- flower ---------------------------------------------------------------------------
+
+def _get(url: str, auth: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url)
+    if auth is not None:
+        request.add_header("Authorization", "Basic " + b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=15) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, b""
+
+
+def test_flower_serves_only_behind_authentication(fleet: Fleet) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    refused = fleet.cli("flower", "--port", str(port), check=False)
+    assert refused.returncode == 1
+    assert "refuses to serve without authentication" in refused.stderr
+    env = fleet.env_for("flower", FLOWER_BASIC_AUTH="ops:pw")
+    proc = Proc("flower", ["flower", "--port", str(port), "--address", "127.0.0.1"], env,
+                fleet.log_dir)
+    fleet.procs["flower"] = proc
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.alive(), proc.log()[-4000:]
+            with contextlib.suppress(OSError):
+                if _get(f"{base}/healthcheck")[0] == 200:
+                    break
+            assert time.monotonic() < deadline, proc.log()[-4000:]
+            time.sleep(0.2)
+        assert _get(f"{base}/api/workers")[0] == 401
+        assert _get(f"{base}/api/workers", "ops:wrong")[0] == 401
+        status, body = _get(f"{base}/api/workers?refresh=1", "ops:pw")
+        assert status == 200
+        workers = json.loads(body)
+        node = fleet.procs["a"].nodename
+        assert node in workers
+        assert "fleet" in workers[node]["stats"]
+    finally:
+        proc.stop()
+
+
+# -- graceful shutdown: SIGTERM against SIGKILL ---------------------------------------
+
+@dataclass
+class Takeover:
+    how: str
+    victim: str
+    taker: str
+    takeover_s: float    # signal -> the next holder's RECOVERED
+    completed_s: float   # signal -> EXECUTION_COMPLETED
+    exited_s: float | None
+    events: list[EventEnvelope]
+
+
+def _run_until_signal(fleet: Fleet, marker: Path, first: float, again: float,
+                      sig: int, how: str) -> Takeover:
+    spec = {"marker": str(marker), "first": first, "again": again}
+    eid = fleet.cli("start", "proc-nap", "--input", json.dumps(spec)).stdout.strip()
+    deadline = time.monotonic() + 30
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the nap step never started"
+        time.sleep(0.02)
+    name = marker.read_text().split()[0]
+    victim = fleet.procs[name]
+    time.sleep(0.6)  # mid-step
+    signalled = time.time()
+    victim.signal(sig)
+    exited = victim.wait_exit(DRAIN_S + 20)
+    fleet.store.until(eid, "completed", timeout=30)
+    events = fleet.store.read(eid)
+    recovered = _first(events, "RECOVERED")
+    completed = events[-1]
+    assert str(completed.type) == "EXECUTION_COMPLETED"
+    taker = completed.payload["output"]["after"]
+    fleet.procs.pop(name).stop()
+    return Takeover(how, name, taker, recovered.timestamp / 1000 - signalled,
+                    completed.timestamp / 1000 - signalled,
+                    exited if sig == signal.SIGTERM else None, events)
+
+
+def test_sigterm_hands_the_run_back_sooner_than_sigkill_loses_it(
+        fleet: Fleet, tmp_path: Path) -> None:
+    q = [fleet.nap_queue]
+    for name in ("x", "y"):
+        fleet.start_worker(name, q)
+    for name in ("x", "y"):
+        fleet.wait_ready(fleet.procs[name])
+
+    # 1. SIGTERM mid-step: the step finishes (a durable point), the run is handed
+    #    back with its lease released, and re-enqueued: the other worker goes on.
+    durable = _run_until_signal(fleet, tmp_path / "m1", 1.6, 0.0, signal.SIGTERM,
+                                "SIGTERM, next durable point")
+    types = _types(durable.events)
+    assert "EFFECT_INDOUBT" not in types  # the step ran once
+    assert _first(durable.events, "STEP_COMPLETED").payload["output"] == {
+        "worker": durable.victim, "attempt": 1}
+    assert durable.taker != durable.victim
+    # Re-enqueued at once, not found by the sweeper after its grace period.
+    handed = _first(durable.events, "RECOVERED").timestamp - _first(
+        durable.events, "STEP_COMPLETED").timestamp
+    assert handed < GRACE_MS, handed
+
+    fleet.start_worker("z", q)
+    fleet.wait_ready(fleet.procs["z"])
+    # 2. SIGTERM in a step longer than the drain deadline: cut after DRAIN_S, the
+    #    step is in doubt and runs again elsewhere, and the lease is released.
+    cut = _run_until_signal(fleet, tmp_path / "m2", 60.0, 0.1, signal.SIGTERM,
+                            f"SIGTERM, cut at the {DRAIN_S:g} s drain deadline")
+    assert "EFFECT_INDOUBT" in _types(cut.events)
+    nap = _first(cut.events, "STEP_COMPLETED")
+    assert nap.payload["output"] == {"worker": cut.taker, "attempt": 2}
+    assert cut.exited_s is not None
+    assert DRAIN_S - 0.5 < cut.exited_s < DRAIN_S + 10
+
+    fleet.start_worker("w", q)
+    fleet.wait_ready(fleet.procs["w"])
+    # 3. The same run, SIGKILLed: the lease must expire and the sweeper find it.
+    killed = _run_until_signal(fleet, tmp_path / "m3", 1.6, 0.0, signal.SIGKILL, "SIGKILL")
+    assert "EFFECT_INDOUBT" in _types(killed.events)
+
+    for t in (durable, cut, killed):
+        print(f"\n{t.how}: {t.victim} -> {t.taker}: taken over after {t.takeover_s:.2f} s, "
+              f"completed after {t.completed_s:.2f} s"
+              + ("" if t.exited_s is None else f", victim exited after {t.exited_s:.2f} s"))
+    lease_s = LEASE_MS / 1000
+    assert durable.takeover_s < killed.takeover_s
+    assert cut.takeover_s < killed.takeover_s
+    assert durable.takeover_s < lease_s
+    assert cut.takeover_s < lease_s
+    assert durable.exited_s is not None
+    assert durable.exited_s < DRAIN_S + 10
+    # The crash waits at least for the lease the victim renewed last (a third of
+    # a lease before the kill at most).
+    assert killed.takeover_s > lease_s * 2 / 3
