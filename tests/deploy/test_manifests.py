@@ -392,9 +392,13 @@ def test_processes_run_their_command_and_their_own_health_check(overlay: str) ->
         main = pod_template(obj)["spec"]["containers"][0]
         assert main["args"] == COMMANDS[name], obj["metadata"]["name"]
         if name in HEALTH_CHECKED:
-            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            for probe in ("startupProbe", "readinessProbe"):
                 assert main[probe]["exec"]["command"] == [
                     "fleet", "health", "--component", name], (name, probe)
+            # Liveness asks only the process's own loop: a store outage must not
+            # restart every pod.
+            assert main["livenessProbe"]["exec"]["command"] == [
+                "fleet", "health", "--component", name, "--liveness"], name
     assert seen == set(COMMANDS)
     assert one(objs, "Deployment", "fleet-timers")["spec"]["replicas"] == 2
     assert one(objs, "Deployment", "fleet-recovery")["spec"]["replicas"] == 2
