@@ -471,6 +471,13 @@ from fleet.cli_fleet import register as _register_fleet_commands  # noqa: E402
 
 _register_fleet_commands(main)
 
+# `fleet up` and `fleet demo`, the embedded fleet: fleet/cli_embedded.py.
+from fleet.cli_embedded import demo as _demo_command  # noqa: E402
+from fleet.cli_embedded import up as _up_command  # noqa: E402
+
+main.add_command(_up_command, "up")
+main.add_command(_demo_command, "demo")
+
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
