@@ -16,7 +16,7 @@ from rich.table import Table
 from fleet.config import FleetSettings
 from fleet.kernel.errors import ConfigurationError, FleetError
 from fleet.kernel.events import EventEnvelope
-from fleet.kernel.flows import FlowDefinition
+from fleet.kernel.flows import load_flow
 from fleet.kernel.store.spi import EventStore
 
 T = TypeVar("T")
@@ -28,21 +28,6 @@ def _run(coro_fn: Callable[[], Awaitable[T]]) -> T:
         return asyncio.run(coro_fn())  # type: ignore[arg-type]
     except FleetError as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
-
-
-def load_flow(spec: str) -> FlowDefinition:
-    """``module:attribute`` → the FlowDefinition it names."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigurationError(f"flow {spec!r} must look like 'package.module:flow_name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
-    definition = getattr(module, attr, None)
-    if not isinstance(definition, FlowDefinition):
-        raise ConfigurationError(f"{spec!r} is not a flow declared with @flow(...)")
-    return definition
 
 
 def _open(url: str) -> EventStore:

@@ -98,8 +98,9 @@ def check(flow_specs: tuple[str, ...], log_files: tuple[Path, ...],
           execution_ids: tuple[str, ...], check_all: bool, db: str | None,
           snapshots: str | None, as_json: bool) -> None:
     """Replay logs against the current code; exit 1 if any is not ok (a deploy gate)."""
-    from fleet.cli import _open, _open_snapshots, _run, load_flow
+    from fleet.cli import _open, _open_snapshots, _run
     from fleet.config import FleetSettings
+    from fleet.kernel.flows import load_flow
     from fleet.kernel.replay import (
         ReplayVerdict,
         read_export,

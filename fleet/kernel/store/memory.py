@@ -36,6 +36,8 @@ from fleet.kernel.store.spi import (
     Status,
     TipObservation,
     check_batch,
+    check_lease_ms,
+    check_limit,
     creation_anchor,
     index_change,
 )
@@ -74,14 +76,6 @@ class _Fence:
     lease_expires_at: int | None = None
 
 
-def _check_lease(lease_ms: int) -> None:
-    if lease_ms < 0:
-        raise ValidationError(f"lease_ms must be >= 0, got {lease_ms}")
-
-
-def _check_limit(limit: int) -> None:
-    if limit < 0:
-        raise ValidationError(f"limit must be >= 0, got {limit}")
 
 
 class MemoryEventStore:
@@ -214,13 +208,13 @@ class MemoryEventStore:
 
     async def acquire_fence(self, execution_id: str, *, holder: str,
                             lease_ms: int) -> FenceGrant:
-        _check_lease(lease_ms)
+        check_lease_ms(lease_ms)
         await _tick()
         return self._grant(execution_id, holder, lease_ms)
 
     async def acquire_fence_if(self, execution_id: str, *, holder: str,
                                lease_ms: int) -> FenceGrant | None:
-        _check_lease(lease_ms)
+        check_lease_ms(lease_ms)
         await _tick()
         held = self._fences.get(execution_id)
         if (held is not None and held.lease_expires_at is not None
@@ -236,7 +230,7 @@ class MemoryEventStore:
         return FenceGrant(execution_id, held.token, holder, held.lease_expires_at)
 
     async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
-        _check_lease(lease_ms)
+        check_lease_ms(lease_ms)
         await _tick()
         held = self._fences.get(execution_id)
         if held is None or held.token != token or token == 0:
@@ -315,7 +309,7 @@ class MemoryEventStore:
                               lease_expired_at: int | None = None,
                               after_id: str | None = None,
                               limit: int = 100) -> list[ExecutionSummary]:
-        _check_limit(limit)
+        check_limit(limit)
         await _tick()
         out: list[ExecutionSummary] = []
         if limit == 0:
@@ -347,7 +341,7 @@ class MemoryEventStore:
         return self._summary(execution_id, row) if row is not None else None
 
     async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
-        _check_limit(limit)
+        check_limit(limit)
         await _tick()
         due = [DueTimer(execution_id, timer_id, due_at)
                for execution_id, timers in self._timers.items()

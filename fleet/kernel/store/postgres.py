@@ -78,6 +78,8 @@ from fleet.kernel.store.spi import (
     Snapshot,
     TipObservation,
     check_batch,
+    check_lease_ms,
+    check_limit,
 )
 
 try:
@@ -131,14 +133,6 @@ def _translate(exc: Exception) -> Exception:
     return exc
 
 
-def _check_lease(lease_ms: int) -> None:
-    if lease_ms < 0:
-        raise ValidationError(f"lease_ms must be >= 0, got {lease_ms}")
-
-
-def _check_limit(limit: int) -> None:
-    if limit < 0:
-        raise ValidationError(f"limit must be >= 0, got {limit}")
 
 
 def _split_url(url: str) -> tuple[str, dict[str, str]]:
@@ -557,7 +551,7 @@ class PostgresEventStore(_PostgresBase):
 
     async def _acquire(self, execution_id: str, holder: str, lease_ms: int, *,
                        conditional: bool) -> FenceGrant | None:
-        _check_lease(lease_ms)
+        check_lease_ms(lease_ms)
         key = execution_key(execution_id)
         now = self._clock()
         expires = now + lease_ms
@@ -571,7 +565,7 @@ class PostgresEventStore(_PostgresBase):
         return FenceGrant(execution_id, int(token), holder, expires)
 
     async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
-        _check_lease(lease_ms)
+        check_lease_ms(lease_ms)
         key = execution_key(execution_id)
         expires = self._clock() + lease_ms
         status = await self._call(lambda pool: pool.execute(
@@ -613,7 +607,7 @@ class PostgresEventStore(_PostgresBase):
                               lease_expired_at: int | None = None,
                               after_id: str | None = None,
                               limit: int = 100) -> list[ExecutionSummary]:
-        _check_limit(limit)
+        check_limit(limit)
         if limit == 0:
             return []
         sql, params = listing_sql(status=status, flow_id=flow_id, tenant=tenant,
@@ -636,7 +630,7 @@ class PostgresEventStore(_PostgresBase):
         return None if row is None else summary(row)
 
     async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
-        _check_limit(limit)
+        check_limit(limit)
         if limit == 0:
             return []
         rows = await self._call(lambda pool: pool.fetch(DUE_TIMERS_SQL, now_ms, limit),

@@ -251,6 +251,18 @@ def index_change(event: EventEnvelope) -> IndexChange:
     return change
 
 
+def check_lease_ms(lease_ms: int) -> None:
+    """A lease length a store accepts (every backend refuses the same way)."""
+    if lease_ms < 0:
+        raise ValidationError(f"lease_ms must be >= 0, got {lease_ms}")
+
+
+def check_limit(limit: int) -> None:
+    """A listing limit a store accepts (SQLite would read a negative one as "all")."""
+    if limit < 0:
+        raise ValidationError(f"limit must be >= 0, got {limit}")
+
+
 def creation_anchor(first: EventEnvelope) -> str:
     """The creation marker of a log: timestamp and id of its sequence-0 event."""
     return f"{first.timestamp}:{first.id}"

@@ -57,6 +57,8 @@ from fleet.kernel.store.spi import (
     Status,
     TipObservation,
     check_batch,
+    check_lease_ms,
+    check_limit,
     creation_anchor,
     index_change,
 )
@@ -462,15 +464,6 @@ def _move_timers(conn: sqlite3.Connection, execution_id: str, add: DueTimer | No
         conn.execute("DELETE FROM timers WHERE execution_id = ?", (execution_id,))
 
 
-def _check_lease(lease_ms: int) -> None:
-    if lease_ms < 0:
-        raise ValidationError(f"lease_ms must be >= 0, got {lease_ms}")
-
-
-def _check_limit(limit: int) -> None:
-    # SQLite reads a negative LIMIT as "no limit"; refuse it rather than surprise.
-    if limit < 0:
-        raise ValidationError(f"limit must be >= 0, got {limit}")
 
 
 def _parse(execution_id: str, sequence: int, body: Any) -> EventEnvelope:
@@ -564,13 +557,13 @@ class SqliteEventStore:
 
     async def acquire_fence(self, execution_id: str, *, holder: str,
                             lease_ms: int) -> FenceGrant:
-        _check_lease(lease_ms)
+        check_lease_ms(lease_ms)
         return await self._db.writer.call(lambda conn: self._grant(conn, execution_id,
                                                                    holder, lease_ms))
 
     async def acquire_fence_if(self, execution_id: str, *, holder: str,
                                lease_ms: int) -> FenceGrant | None:
-        _check_lease(lease_ms)
+        check_lease_ms(lease_ms)
 
         def job(conn: sqlite3.Connection) -> FenceGrant | None:
             tip = _tip(conn, execution_id)
@@ -591,7 +584,7 @@ class SqliteEventStore:
         return FenceGrant(execution_id, token, holder, expires)
 
     async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
-        _check_lease(lease_ms)
+        check_lease_ms(lease_ms)
 
         def job(conn: sqlite3.Connection) -> bool:
             return conn.execute(
@@ -642,7 +635,7 @@ class SqliteEventStore:
                               lease_expired_at: int | None = None,
                               after_id: str | None = None,
                               limit: int = 100) -> list[ExecutionSummary]:
-        _check_limit(limit)
+        check_limit(limit)
         where: list[str] = []
         params: list[Any] = []
         for clause, value in (("e.status = ?", status), ("e.flow_id = ?", flow_id),
@@ -677,7 +670,7 @@ class SqliteEventStore:
         return await self._db.reader.call(job)
 
     async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
-        _check_limit(limit)
+        check_limit(limit)
 
         def job(conn: sqlite3.Connection) -> list[DueTimer]:
             rows = conn.execute("SELECT execution_id, timer_id, due_at FROM timers "
