@@ -86,10 +86,11 @@ def run_worker(settings: FleetSettings, *, queues: Sequence[str] = (),
     argv = worker_argv(chosen, queues=queues, concurrency=concurrency, loglevel=loglevel,
                        hostname=hostname, extra=extra)
     try:
-        app.worker_main(argv)
+        # app.worker_main() without dropping the worker's exit code.
+        code = app.start(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return 0
+    return int(code or 0)
 
 
 # --------------------------------------------------------------------------

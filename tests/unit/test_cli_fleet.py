@@ -170,6 +170,36 @@ def test_status_counts_executions_by_state_and_lists_workers(env: Env) -> None:
     assert "workers (0)" in out
 
 
+class _Ticks:
+    """Stands in for ``time`` in fleet.cli_fleet: the second wait is a Ctrl-C."""
+
+    localtime = staticmethod(time.localtime)
+    strftime = staticmethod(time.strftime)
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def sleep(self, seconds: float) -> None:
+        self.waits += 1
+        if self.waits == 2:
+            raise KeyboardInterrupt
+
+
+def test_status_watch_refreshes_until_interrupted(env: Env,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import fleet.cli_fleet
+
+    monkeypatch.setattr(fleet.cli_fleet, "time", _Ticks())
+    code, out = run("status", "--watch", "--json", "--interval", "0.2",
+                    "--inspect-timeout", "0.2")
+    assert code == 0, out
+    assert [json.loads(line)["workers"] for line in out.splitlines()] == [[], []]
+    monkeypatch.setattr(fleet.cli_fleet, "time", _Ticks())
+    code, out = run("status", "--watch", "--interval", "0.2", "--inspect-timeout", "0.2")
+    assert code == 0, out
+    assert "workers (0)" in out
+
+
 async def test_every_backend_counts_its_executions_by_state(
         stores: tuple[EventStore, SnapshotStore]) -> None:
     store = stores[0]
