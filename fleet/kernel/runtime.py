@@ -353,9 +353,8 @@ class Runtime:
             raise ValidationError("execution_id must be a non-empty string")
         elif await self.store.head(execution_id) is not None:  # idempotent start
             return ExecutionHandle(self, execution_id)
-        grant = await self.store.acquire_fence_if(execution_id, holder=self.holder,
-                                                  lease_ms=self.lease_ms)
-        if grant is None:  # a concurrent start holds it
+        grant = await self._fence_for_start(execution_id)
+        if grant is None:  # a concurrent start wrote it
             return ExecutionHandle(self, execution_id)
         now = self.clock()
         payload: dict[str, Any] = {
@@ -367,6 +366,30 @@ class Runtime:
         if definition.deadline is not None:
             payload["deadlineAt"] = now + int(definition.deadline * 1000)
         return await self._begin(execution_id, definition, grant, payload, drive=drive)
+
+    async def _fence_for_start(self, execution_id: str) -> FenceGrant | None:
+        """The fence to write a new log under; ``None`` once another start has written it.
+
+        A live lease over an empty log is a start in flight, or one whose write
+        and release were both lost (a store outage) and that its caller is now
+        retrying: answering for it could name an execution that never comes to
+        exist. So wait for the log, or for the lease to lapse and take it.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.lease_ms / 1000 + 1.0
+        delay = 0.01
+        while True:
+            grant = await self.store.acquire_fence_if(execution_id, holder=self.holder,
+                                                      lease_ms=self.lease_ms)
+            if grant is not None:
+                return grant
+            if await self.store.head(execution_id) is not None:
+                return None
+            if loop.time() > deadline:
+                raise ExecutionBusyError(f"a start of {execution_id!r} holds its fence and "
+                                         "has written nothing yet; retry")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
     async def _begin(self, execution_id: str, definition: FlowDefinition, grant: FenceGrant,
                      payload: dict[str, Any], *, drive: bool = True) -> ExecutionHandle:
@@ -607,8 +630,16 @@ class Runtime:
             task = loop.create_task(self.store.renew_lease(
                 run.state.execution_id, run.grant.token, lease_ms=self.lease_ms))
             self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            task.add_done_callback(renewed)
             run_handle[0] = loop.call_later(interval, beat)
+
+        def renewed(task: asyncio.Task[bool]) -> None:
+            self._background.discard(task)
+            # A renewal lost to a store outage is not fatal: the run's next write
+            # fails too, or the lease lapses and the next holder fences it out.
+            if not task.cancelled() and (exc := task.exception()) is not None:
+                self.warner.warn(f"could not renew the lease of {run.state.execution_id!r}: "
+                                 f"{type(exc).__name__}: {exc}", key="renew")
 
         run_handle = [loop.call_later(interval, beat)]
 

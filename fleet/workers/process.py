@@ -29,7 +29,12 @@ from typing import Any, cast
 
 from fleet.config import FleetSettings
 from fleet.health import Heartbeat
-from fleet.kernel.errors import ExecutionNotFoundError, FleetError, StaleFenceError
+from fleet.kernel.errors import (
+    ExecutionNotFoundError,
+    FleetError,
+    StaleFenceError,
+    StoreUnavailableError,
+)
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.flows import Features, load_flows
 from fleet.kernel.fold import DIVERGED_GATE
@@ -287,6 +292,8 @@ class WorkerProcess:
             self.counters.errors += 1
             log.warning("drive of %s: no such execution", execution_id)
             return NOT_FOUND
+        except StoreUnavailableError:
+            raise  # not a refusal: the task retries it (and the sweeper finds it)
         except FleetError as exc:
             # The run was refused before it began (flow not registered here,
             # code mismatch): nothing was written, the fence is released.
