@@ -25,7 +25,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from fleet.config import FleetSettings
 from fleet.health import Heartbeat
@@ -45,6 +45,8 @@ from fleet.kernel.store.spi import EventStore
 from fleet.workers import shutdown, stats
 from fleet.workers.loop import EventLoopThread
 
+if TYPE_CHECKING:
+    from fleet.streams.publisher import EventPublisher
 log = logging.getLogger("fleet.workers")
 
 # How a drive ended, as the ``fleet.drive`` task returns it.
@@ -162,6 +164,7 @@ class WorkerProcess:
         # Forwarded every durable event: the hook for the stream publisher when
         # it runs in the worker process (fleet.streams sets it).
         self.event_observer: EventObserver | None = None
+        self._publisher: EventPublisher | None = None
         self._runtime: Runtime | None = None
         self._store: EventStore | None = None
         # The last durable event of each run driven here, to say how it stopped.
@@ -205,6 +208,16 @@ class WorkerProcess:
         self._heartbeat = Heartbeat.for_component(self.settings, "worker", slot=self.slot,
                                                   on_beat=self._poll_drain)
         await self._heartbeat.start()
+        if self.settings.publish_events and self.settings.redis_url:
+            # Every durable event this process writes goes out on the events
+            # stream (ADR 0147: at most once, in order per writer).
+            from fleet.streams.publisher import EventPublisher
+
+            publisher = EventPublisher.from_settings(self.settings)
+            await publisher.start()
+            self._publisher = publisher
+            stats.register_stats_source(
+                "events", lambda: {"stream_lag_ms": int(publisher.stats()["lag_ms"])})
 
     def close(self) -> None:
         """Wait for the runs driven here, close the store, stop the loop."""
@@ -218,6 +231,9 @@ class WorkerProcess:
     async def _close(self) -> None:
         if self._runtime is not None:
             await self._runtime.close()
+        if self._publisher is not None:
+            stats.unregister_stats_source("events")
+            await self._publisher.stop()  # sends what is buffered, within its timeout
         if self._heartbeat is not None:
             await self._heartbeat.stop()
         if self._store is not None:
@@ -340,6 +356,8 @@ class WorkerProcess:
     def _observe(self, event: EventEnvelope) -> Any:
         if event.execution_id in self._watch:
             self._watch[event.execution_id] = event
+        if self._publisher is not None:
+            self._publisher.on_durable_event(event)
         observer = self.event_observer
         if observer is not None:
             return observer(event)
