@@ -14,6 +14,7 @@ from fleet.kernel.context import (
 )
 from fleet.kernel.errors import (
     AccessDeniedError,
+    BrokerUnavailableError,
     ConfigurationError,
     CorruptLogError,
     DuplicateSequenceError,
@@ -65,6 +66,7 @@ __all__ = [
     "EVENT_SCHEMA",
     "AccessDeniedError",
     "AccessPolicy",
+    "BrokerUnavailableError",
     "ConfigurationError",
     "Context",
     "CorruptLogError",

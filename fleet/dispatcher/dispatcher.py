@@ -23,18 +23,25 @@ import asyncio
 import concurrent.futures
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.routing import DRIVE_TASK, check_routes, route_queue
-from fleet.kernel.errors import ConfigurationError, ExecutionBusyError, ValidationError
+from fleet.kernel.errors import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    ExecutionBusyError,
+    ValidationError,
+)
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import Principal
 from fleet.kernel.store.spi import EventStore
 from fleet.workers.loop import EventLoopThread, refuse_inside_loop
 
+log = logging.getLogger("fleet.dispatcher")
 
 @dataclass(frozen=True, slots=True)
 class DriveOrder:
@@ -91,6 +98,7 @@ class Dispatcher:
         self._owns_app = app is None
         self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
         self.enqueued = 0
+        self.enqueue_failed = 0
 
     # ------------------------------------------------------------ the parts
     @property
@@ -131,11 +139,40 @@ class Dispatcher:
                            tenant=order.tenant)
 
     def enqueue(self, order: DriveOrder) -> None:
-        """Publish a ``fleet.drive`` for ``order`` (blocking; call off the loop)."""
-        self.app.send_task(DRIVE_TASK, args=[order.execution_id],
-                           kwargs={"flow_id": order.flow_id, "tenant": order.tenant},
-                           queue=self.queue_for(order))
+        """Publish a ``fleet.drive`` for ``order`` (blocking; call off the loop).
+
+        Raises:
+            BrokerUnavailableError: the broker did not take it (retryable).
+        """
+        queue = self.queue_for(order)
+        try:
+            self.app.send_task(DRIVE_TASK, args=[order.execution_id],
+                               kwargs={"flow_id": order.flow_id, "tenant": order.tenant},
+                               queue=queue)
+        except Exception as exc:
+            raise BrokerUnavailableError(
+                f"could not enqueue the drive of {order.execution_id!r} on {queue!r}: "
+                f"{type(exc).__name__}: {exc}") from exc
         self.enqueued += 1
+
+    def _hand_on(self, order: DriveOrder) -> None:
+        """Enqueue after a durable write; a broker fault is counted, not raised.
+
+        The write stands, so the execution is running with no lease: the
+        recovery sweeper enqueues its drive after its grace period.
+        """
+        try:
+            self.enqueue(order)
+        except BrokerUnavailableError as exc:
+            self.enqueue_failed += 1
+            log.warning("%s; the recovery sweeper will drive it", exc)
+
+    async def _hand_on_async(self, order: DriveOrder) -> None:
+        try:
+            await self.enqueue_async(order)
+        except BrokerUnavailableError as exc:
+            self.enqueue_failed += 1
+            log.warning("%s; the recovery sweeper will drive it", exc)
 
     async def enqueue_async(self, order: DriveOrder) -> None:
         """``enqueue`` on a publisher thread, so the loop never blocks on the broker."""
@@ -213,21 +250,21 @@ class Dispatcher:
         order = await self.write_start(flow_id, input, principal=principal,
                                        execution_id=execution_id,
                                        idempotency_key=idempotency_key)
-        await self.enqueue_async(order)
+        await self._hand_on_async(order)
         return order.execution_id
 
     async def resume(self, execution_id: str, gate: str, payload: Any = None, *,
                      principal: Principal | None = None) -> None:
         """Answer the gate a parked execution waits on; a worker drives it on."""
         order = await self.write_resume(execution_id, gate, payload, principal=principal)
-        await self.enqueue_async(order)
+        await self._hand_on_async(order)
 
     async def send(self, execution_id: str, key: str, payload: Any = None, *,
                    principal: Principal | None = None) -> bool:
         """Deliver a message to ``ctx.receive(key)``; True when it woke the execution."""
         order = await self.write_send(execution_id, key, payload, principal=principal)
         if order is not None:
-            await self.enqueue_async(order)
+            await self._hand_on_async(order)
         return order is not None
 
     async def cancel(self, execution_id: str, *, principal: Principal | None = None,
@@ -264,7 +301,7 @@ class Dispatcher:
         order = self._loop_thread("start_sync").run_coroutine(self.write_start(
             flow_id, input, principal=principal, execution_id=execution_id,
             idempotency_key=idempotency_key))
-        self.enqueue(order)
+        self._hand_on(order)
         return order.execution_id
 
     def resume_sync(self, execution_id: str, gate: str, payload: Any = None, *,
@@ -272,7 +309,7 @@ class Dispatcher:
         """``resume`` for code without an event loop (refused inside one)."""
         order = self._loop_thread("resume_sync").run_coroutine(self.write_resume(
             execution_id, gate, payload, principal=principal))
-        self.enqueue(order)
+        self._hand_on(order)
 
     def send_sync(self, execution_id: str, key: str, payload: Any = None, *,
                   principal: Principal | None = None) -> bool:
@@ -280,7 +317,7 @@ class Dispatcher:
         order = self._loop_thread("send_sync").run_coroutine(self.write_send(
             execution_id, key, payload, principal=principal))
         if order is not None:
-            self.enqueue(order)
+            self._hand_on(order)
         return order is not None
 
     def cancel_sync(self, execution_id: str, *, principal: Principal | None = None,

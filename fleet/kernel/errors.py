@@ -32,6 +32,7 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     ├── StepFailedError               a step failed for good; the flow may catch it
     ├── ExecutionFailedError          handle.result() of a failed execution
     ├── ExecutionCancelledError       handle.result() of a cancelled execution
+    ├── BrokerUnavailableError        a drive could not be enqueued (retryable)
     ├── StoreError                    the store could not do what it was asked
     │   ├── StaleFenceError           an append under a superseded fence token
     │   ├── DuplicateSequenceError    the slot is taken (the plain-append CAS)
@@ -206,6 +207,11 @@ class ExecutionFailedError(FleetError):
 
 class ExecutionCancelledError(FleetError):
     code = "execution_cancelled"
+
+
+class BrokerUnavailableError(FleetError):
+    code = "broker_unavailable"
+    retryable = True
 
 
 class StoreError(FleetError):

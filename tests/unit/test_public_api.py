@@ -8,7 +8,8 @@ import fleet
 from fleet.kernel import errors
 
 EXPECTED = {
-    "EVENT_SCHEMA", "AccessDeniedError", "AccessPolicy", "ConfigurationError", "Context",
+    "EVENT_SCHEMA", "AccessDeniedError", "AccessPolicy", "BrokerUnavailableError",
+    "ConfigurationError", "Context",
     "CorruptLogError", "Decision", "DuplicateSequenceError", "DuplicateStepError",
     "EvaluationError",
     "EventEnvelope", "EventType", "ExecutionBusyError", "ExecutionCancelledError",
