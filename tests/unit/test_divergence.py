@@ -26,6 +26,7 @@ from fleet import (
     RetryPolicy,
     Runtime,
 )
+from fleet.kernel import run as run_module
 from fleet.kernel import runtime as runtime_module
 from fleet.kernel.divergence import DivergenceDetector
 from fleet.kernel.events import EventEnvelope, EventType
@@ -522,7 +523,7 @@ async def test_fix2_item2_an_overflowed_record_exempts_the_window_from_inner_fro
 
 
 async def test_fix2_item2_the_id_cap_overflows_at_4096() -> None:
-    inner = runtime_module._InnerSteps(7)
+    inner = run_module._InnerSteps(7)
     for i in range(4097):
         inner.add(f"s{i}")
     record = inner.record()
