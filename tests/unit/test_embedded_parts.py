@@ -49,7 +49,11 @@ def test_redact_hides_only_the_password() -> None:
     assert redact(None) is None
 
 
-def test_the_demo_keeps_to_its_own_queue_and_streams_on_a_shared_redis() -> None:
+def test_the_demo_keeps_to_its_own_queue_and_streams_on_a_shared_redis(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The "own" case is the demo with nothing configured: CI exports FLEET_*.
+    for name in [n for n in os.environ if n.startswith("FLEET_")]:
+        monkeypatch.delenv(name)
     options = DemoOptions()
     own = demo_settings(FleetSettings(), options, "abc123", "k")
     assert own.queue == "fleet.drive"
