@@ -28,16 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from fleet.kernel.errors import ConfigurationError, StoreError, ValidationError
+from fleet.kernel.errors import StoreError, ValidationError
 from fleet.kernel.events import EventEnvelope
+from fleet.kernel.store.forwarding import ForwardingEventStore
 from fleet.kernel.store.spi import (
-    ConditionalAppendResult,
-    CountsExecutions,
-    DueTimer,
     EventStore,
-    ExecutionSummary,
-    FenceGrant,
-    TipObservation,
     check_batch,
 )
 
@@ -61,7 +56,7 @@ class _Pending:
     future: asyncio.Future[None]
 
 
-class CoalescingEventStore:
+class CoalescingEventStore(ForwardingEventStore):
     """An ``EventStore`` decorator that group-commits appends.
 
     Args:
@@ -78,7 +73,7 @@ class CoalescingEventStore:
         if max_batch < 1 or max_inflight < 1 or max_wait_ms < 0:
             raise ValidationError("max_batch and max_inflight must be >= 1 and max_wait_ms "
                                   f">= 0; got {max_batch}, {max_inflight}, {max_wait_ms}")
-        self.inner = inner
+        super().__init__(inner)
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000
         self.flushes = 0
@@ -172,62 +167,6 @@ class CoalescingEventStore:
         return results
 
     # -- everything else goes straight through ------------------------------------
-
-    async def read(self, execution_id: str, *, after: int = -1) -> list[EventEnvelope]:
-        return await self.inner.read(execution_id, after=after)
-
-    async def head(self, execution_id: str) -> int | None:
-        return await self.inner.head(execution_id)
-
-    async def acquire_fence(self, execution_id: str, *, holder: str,
-                            lease_ms: int) -> FenceGrant:
-        return await self.inner.acquire_fence(execution_id, holder=holder, lease_ms=lease_ms)
-
-    async def acquire_fence_if(self, execution_id: str, *, holder: str,
-                               lease_ms: int) -> FenceGrant | None:
-        return await self.inner.acquire_fence_if(execution_id, holder=holder,
-                                                 lease_ms=lease_ms)
-
-    async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
-        return await self.inner.renew_lease(execution_id, token, lease_ms=lease_ms)
-
-    async def release_fence(self, execution_id: str, token: int) -> bool:
-        return await self.inner.release_fence(execution_id, token)
-
-    async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
-                                  expect: TipObservation | None = None,
-                                  ) -> ConditionalAppendResult:
-        return await self.inner.append_if_unchanged(execution_id, event, expect)
-
-    async def delete_execution(self, execution_id: str) -> bool:
-        return await self.inner.delete_execution(execution_id)
-
-    async def compact_through(self, execution_id: str, sequence: int) -> int:
-        return await self.inner.compact_through(execution_id, sequence)
-
-    async def list_executions(self, *, status: str | None = None, flow_id: str | None = None,
-                              tenant: str | None = None, waiting_on: str | None = None,
-                              updated_before: int | None = None,
-                              updated_after: int | None = None,
-                              lease_expired_at: int | None = None,
-                              after_id: str | None = None,
-                              limit: int = 100) -> list[ExecutionSummary]:
-        return await self.inner.list_executions(
-            status=status, flow_id=flow_id, tenant=tenant, waiting_on=waiting_on,
-            updated_before=updated_before, updated_after=updated_after,
-            lease_expired_at=lease_expired_at, after_id=after_id, limit=limit)
-
-    async def count_executions(self) -> dict[str, int]:
-        """The inner store's counts (``CountsExecutions``), if it has them."""
-        if not isinstance(self.inner, CountsExecutions):
-            raise ConfigurationError(f"{type(self.inner).__name__} does not count executions")
-        return await self.inner.count_executions()
-
-    async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
-        return await self.inner.get_execution(execution_id)
-
-    async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
-        return await self.inner.due_timers(now_ms, limit=limit)
 
     async def close(self) -> None:
         """Flush what is queued, then close the inner store."""

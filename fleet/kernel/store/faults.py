@@ -19,15 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from fleet.kernel.errors import ConfigurationError, StoreUnavailableError, ValidationError
+from fleet.kernel.errors import StoreUnavailableError, ValidationError
 from fleet.kernel.events import EventEnvelope
+from fleet.kernel.store.forwarding import ForwardingEventStore
 from fleet.kernel.store.spi import (
     ConditionalAppendResult,
-    CountsExecutions,
-    DueTimer,
     EventStore,
-    ExecutionSummary,
-    FenceGrant,
     TipObservation,
 )
 
@@ -47,7 +44,7 @@ class InjectedFault:
     delay_ms: float = 0.0
 
 
-class FaultInjectingEventStore:
+class FaultInjectingEventStore(ForwardingEventStore):
     """An ``EventStore`` decorator that rejects, delays or hangs writes by seed.
 
     Args:
@@ -77,7 +74,7 @@ class FaultInjectingEventStore:
         if not 0 <= low <= high:
             raise ValidationError(f"delay_ms must be (low, high) with 0 <= low <= high, "
                                   f"got {delay_ms}")
-        self.inner = inner
+        super().__init__(inner)
         self.seed = seed
         self._rng = random.Random(seed)
         self._reject_rate = reject_rate
@@ -133,58 +130,3 @@ class FaultInjectingEventStore:
         return await self.inner.append_if_unchanged(execution_id, event, expect)
 
     # -- everything else passes through --------------------------------------
-
-    async def read(self, execution_id: str, *, after: int = -1) -> list[EventEnvelope]:
-        return await self.inner.read(execution_id, after=after)
-
-    async def head(self, execution_id: str) -> int | None:
-        return await self.inner.head(execution_id)
-
-    async def acquire_fence(self, execution_id: str, *, holder: str,
-                            lease_ms: int) -> FenceGrant:
-        return await self.inner.acquire_fence(execution_id, holder=holder, lease_ms=lease_ms)
-
-    async def acquire_fence_if(self, execution_id: str, *, holder: str,
-                               lease_ms: int) -> FenceGrant | None:
-        return await self.inner.acquire_fence_if(execution_id, holder=holder,
-                                                 lease_ms=lease_ms)
-
-    async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
-        return await self.inner.renew_lease(execution_id, token, lease_ms=lease_ms)
-
-    async def release_fence(self, execution_id: str, token: int) -> bool:
-        return await self.inner.release_fence(execution_id, token)
-
-    async def delete_execution(self, execution_id: str) -> bool:
-        return await self.inner.delete_execution(execution_id)
-
-    async def compact_through(self, execution_id: str, sequence: int) -> int:
-        return await self.inner.compact_through(execution_id, sequence)
-
-    async def list_executions(self, *, status: str | None = None, flow_id: str | None = None,
-                              tenant: str | None = None, waiting_on: str | None = None,
-                              updated_before: int | None = None,
-                              updated_after: int | None = None,
-                              lease_expired_at: int | None = None,
-                              after_id: str | None = None,
-                              limit: int = 100) -> list[ExecutionSummary]:
-        return await self.inner.list_executions(
-            status=status, flow_id=flow_id, tenant=tenant, waiting_on=waiting_on,
-            updated_before=updated_before, updated_after=updated_after,
-            lease_expired_at=lease_expired_at, after_id=after_id, limit=limit)
-
-    async def count_executions(self) -> dict[str, int]:
-        """The inner store's counts (``CountsExecutions``), if it has them."""
-        if not isinstance(self.inner, CountsExecutions):
-            raise ConfigurationError(f"{type(self.inner).__name__} does not count executions")
-        return await self.inner.count_executions()
-
-    async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
-        return await self.inner.get_execution(execution_id)
-
-    async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
-        return await self.inner.due_timers(now_ms, limit=limit)
-
-    async def close(self) -> None:
-        """Close the wrapped store: the decorator owns it."""
-        await self.inner.close()
