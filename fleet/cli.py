@@ -174,6 +174,23 @@ def _load_callable(spec: str) -> Any:
     return target
 
 
+def _collect(url: str, snapshots: str | None, flow_id: str | None) -> Any:
+    """Every finished execution's trajectories (checkpoints read when a snapshot store is set)."""
+    from fleet.learning import collect_trajectories
+
+    async def go() -> Any:
+        store = _open(url)
+        snaps = _open_snapshots(snapshots or url)
+        try:
+            return await collect_trajectories(store, snaps, flow_id=flow_id)
+        finally:
+            if snaps is not None:
+                await snaps.close()
+            await store.close()
+
+    return _run(go)
+
+
 def _warn_compacted(ids: list[str]) -> None:
     if ids:
         shown = ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else "")
@@ -199,21 +216,9 @@ _snapshots_option = click.option(
 def learn_report(db: str | None, snapshots: str | None, flow_id: str | None,
                  as_json: bool) -> None:
     """Decisions, propensities and joined rewards per policy."""
-    from fleet.learning import collect_trajectories
-
     url = db or FleetSettings().database_url
 
-    async def go() -> Any:
-        store = _open(url)
-        snaps = _open_snapshots(snapshots or url)
-        try:
-            return await collect_trajectories(store, snaps, flow_id=flow_id)
-        finally:
-            if snaps is not None:
-                await snaps.close()
-            await store.close()
-
-    found = _run(go)
+    found = _collect(url, snapshots, flow_id)
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for path in found.trajectories:
         for d in path.decisions:
@@ -259,22 +264,12 @@ def learn_report(db: str | None, snapshots: str | None, flow_id: str | None,
 def learn_eval(policy_spec: str, db: str | None, snapshots: str | None, flow_id: str | None,
                min_lift: float, min_ess: float, as_json: bool) -> None:
     """Evaluate a target policy offline (IPS/SNIPS) against the logged decisions."""
-    from fleet.learning import collect_trajectories, evaluate_policy, promotion_gate
+    from fleet.learning import evaluate_policy, promotion_gate
 
     url = db or FleetSettings().database_url
     target = _load_callable(policy_spec)
 
-    async def go() -> Any:
-        store = _open(url)
-        snaps = _open_snapshots(snapshots or url)
-        try:
-            return await collect_trajectories(store, snaps, flow_id=flow_id)
-        finally:
-            if snaps is not None:
-                await snaps.close()
-            await store.close()
-
-    found = _run(go)
+    found = _collect(url, snapshots, flow_id)
     _warn_compacted(found.compacted_unread)
     try:
         result = evaluate_policy(found.trajectories, target)
