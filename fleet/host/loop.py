@@ -1,6 +1,7 @@
 """One asyncio event loop in one thread, driven from synchronous code.
 
-A fleet process (a Celery worker process, a sync ``Dispatcher``) owns one
+A fleet process (a Celery worker process, a sync ``Dispatcher``, the embedded
+fleet's services, ``fleet status``) owns one
 ``EventLoopThread``: the store's connection pool and the ``Runtime`` live on
 its loop, and synchronous callers (Celery task threads) hand coroutines to it
 with ``run_coroutine`` and block until they finish. Never ``asyncio.run`` per

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fleet.kernel.runtime import Runtime
-from fleet.services import PeriodicService
+from fleet.services.base import PeriodicService
 
 Enqueue = Callable[[str], Awaitable[Any]]
 
@@ -67,3 +67,6 @@ class RecoverySweeper(PeriodicService):
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "examined": self.examined, "redriven": self.redriven,
                 "skipped": self.skipped}
+
+
+__all__ = ["Enqueue", "RecoverySweeper"]

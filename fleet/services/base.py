@@ -140,3 +140,6 @@ async def run_services(services: Sequence[Service], *,
             await service.stop()
         for sig in installed:
             loop.remove_signal_handler(sig)
+
+
+__all__ = ["PeriodicService", "Service", "run_services", "start_order"]

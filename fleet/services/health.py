@@ -36,6 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from fleet.config import FleetSettings
 from fleet.kernel.errors import ConfigurationError
+from fleet.kernel.store.factory import open_event_store, open_postgres_event_store
 
 log = logging.getLogger("fleet.health")
 
@@ -238,7 +239,8 @@ def check_broker(url: str | None, timeout_s: float = 2.0) -> Check:
     scheme = url.split("://", 1)[0].lower()
     try:
         if scheme in _REDIS_SCHEMES:
-            from fleet.streams._redis import sync_redis
+            # Imported here: the probe loads only the client of the broker it pings.
+            from fleet.streams.redis_client import sync_redis
 
             client = sync_redis.Redis.from_url(url, socket_connect_timeout=timeout_s,
                                                socket_timeout=timeout_s)
@@ -261,17 +263,15 @@ def check_broker(url: str | None, timeout_s: float = 2.0) -> Check:
 
 
 def _probe_store(settings: FleetSettings, timeout_s: float) -> Any:
-    from fleet.kernel.store import factory
-
     url = settings.database_url
     if url.startswith(("postgresql://", "postgres://")):
         # One connection, no migration: a probe never changes the schema.
-        return factory.open_postgres_event_store(url, migrate=False, pool_min=1, pool_max=1,
-                                                 connect_timeout=timeout_s)
+        return open_postgres_event_store(url, migrate=False, pool_min=1, pool_max=1,
+                                         connect_timeout=timeout_s)
     if url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).exists():
         # Opening it would create an empty database: a wrong path must fail.
         raise ConfigurationError(f"no SQLite database at {url[len('sqlite:///'):]}")
-    return factory.open_event_store(url)
+    return open_event_store(url)
 
 
 def check_store(settings: FleetSettings, timeout_s: float = 2.0) -> Check:

@@ -5,8 +5,8 @@ query; a store without it is paged, up to ``page_limit`` rows per state).
 Workers come from Celery's ``inspect().stats()``, each with the fleet
 counters its bootstep adds (``stats["fleet"]``, ``fleet.workers.stats``).
 
-``StatusReader`` keeps one store and one Celery app open between reads, for
-``fleet status --watch``.
+``StatusReader`` keeps one store and one Celery app (a bare one on the broker:
+inspecting needs no tasks) open between reads, for ``fleet status --watch``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.config import FleetSettings
+from fleet.host.celery_api import broker_app
+from fleet.host.kernel import open_store
+from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel.errors import FleetError
 from fleet.kernel.store.spi import CountsExecutions, EventStore
 
@@ -106,8 +109,6 @@ class StatusReader:
     """
 
     def __init__(self, settings: FleetSettings, *, inspect_timeout: float = 1.0) -> None:
-        from fleet.workers.loop import EventLoopThread, refuse_inside_loop
-
         refuse_inside_loop("StatusReader")
         self.settings = settings
         self.inspect_timeout = inspect_timeout
@@ -118,8 +119,6 @@ class StatusReader:
 
     async def _counts(self) -> tuple[dict[str, int], bool]:
         if self._store is None:
-            from fleet.workers.process import open_store
-
             self._store = open_store(self.settings)
         return await execution_counts(self._store)
 
@@ -135,9 +134,7 @@ class StatusReader:
         workers: list[WorkerStatus] = []
         try:
             if self._app is None:
-                from fleet.workers.app import make_app
-
-                self._app = make_app(self.settings, main="fleet-status")
+                self._app = broker_app("fleet-status", self.settings.broker)
             workers = worker_statuses(self._app, timeout=self.inspect_timeout)
         except Exception as exc:  # noqa: BLE001 - shown, and the rest still reported
             problems.append(f"broker: {type(exc).__name__}: {exc}")

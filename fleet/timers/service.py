@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fleet.kernel.runtime import Runtime
-from fleet.services import PeriodicService
+from fleet.services.base import PeriodicService
 
 Enqueue = Callable[[str], Awaitable[Any]]
 
@@ -66,3 +66,6 @@ class TimerService(PeriodicService):
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "fired": self.fired, "enqueued": self.enqueued,
                 "enqueue_errors": self.enqueue_errors}
+
+
+__all__ = ["Enqueue", "TimerService"]

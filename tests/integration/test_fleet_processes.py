@@ -36,11 +36,11 @@ from postgres_server import throwaway_database
 from redis_server import url_with_db
 
 from fleet.config import FleetSettings
+from fleet.host.kernel import open_store
+from fleet.host.loop import EventLoopThread
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.spi import EventStore, ExecutionSummary
 from fleet.workers import make_app
-from fleet.workers.loop import EventLoopThread
-from fleet.workers.process import open_store
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -25,19 +25,22 @@ import pytest
 import worker_unit_flows as hold_flows
 from click.testing import CliRunner
 
-import fleet.processes
+import fleet.assembly.roles
+import fleet.cli.processes
+import fleet.cli.status
+from fleet.assembly.roles import flower_argv, open_role, serve
 from fleet.cli import main
 from fleet.config import FleetSettings
-from fleet.health import Heartbeat, check_heartbeat, heartbeat_path
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.events import EventType
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.coalescing import CoalescingEventStore
 from fleet.kernel.store.spi import EventStore, SnapshotStore
 from fleet.kernel.store.sqlite import SqliteEventStore
-from fleet.processes import flower_argv, open_component, serve, worker_argv, worker_settings
-from fleet.status import execution_counts
+from fleet.services.health import Heartbeat, check_heartbeat, heartbeat_path
+from fleet.services.status import execution_counts
 from fleet.workers.process import WorkerProcess
+from fleet.workers.run import worker_argv, worker_settings
 
 
 @dataclass
@@ -171,7 +174,7 @@ def test_status_counts_executions_by_state_and_lists_workers(env: Env) -> None:
 
 
 class _Ticks:
-    """Stands in for ``time`` in fleet.cli_fleet: the second wait is a Ctrl-C."""
+    """Stands in for ``time`` in fleet.cli.status: the second wait is a Ctrl-C."""
 
     localtime = staticmethod(time.localtime)
     strftime = staticmethod(time.strftime)
@@ -187,14 +190,12 @@ class _Ticks:
 
 def test_status_watch_refreshes_until_interrupted(env: Env,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    import fleet.cli_fleet
-
-    monkeypatch.setattr(fleet.cli_fleet, "time", _Ticks())
+    monkeypatch.setattr(fleet.cli.status, "time", _Ticks())
     code, out = run("status", "--watch", "--json", "--interval", "0.2",
                     "--inspect-timeout", "0.2")
     assert code == 0, out
     assert [json.loads(line)["workers"] for line in out.splitlines()] == [[], []]
-    monkeypatch.setattr(fleet.cli_fleet, "time", _Ticks())
+    monkeypatch.setattr(fleet.cli.status, "time", _Ticks())
     code, out = run("status", "--watch", "--interval", "0.2", "--inspect-timeout", "0.2")
     assert code == 0, out
     assert "workers (0)" in out
@@ -330,7 +331,7 @@ def test_worker_takes_the_manifest_arguments_and_passes_the_rest_to_celery(
         seen.update(kwargs, settings=settings)
         return 0
 
-    monkeypatch.setattr(fleet.processes, "run_worker", fake_run_worker)
+    monkeypatch.setattr(fleet.cli.processes, "run_worker", fake_run_worker)
     code, out = run("worker", "--queues", "fleet.drive,heavy", "--concurrency", "64",
                     "--pool", "threads", "-n", "w1@host", "--without-gossip")
     assert code == 0, out
@@ -360,7 +361,7 @@ def test_service_commands_serve_their_component(env: Env,
         served.append(component)
         return {}
 
-    monkeypatch.setattr(fleet.processes, "serve", fake_serve)
+    monkeypatch.setattr(fleet.assembly.roles, "serve", fake_serve)
     for component in ("timers", "recovery", "attacher"):
         code, out = run(component, "--loglevel", "warning")
         assert code == 0, out
@@ -395,12 +396,12 @@ async def test_a_service_component_runs_with_a_heartbeat_and_stops_cleanly(
         assert stats["heartbeat"]["beats"] >= 1
         assert not path.exists()  # a stopped process has no heartbeat
     with pytest.raises(ConfigurationError, match="FLEET_REDIS_URL"):
-        await open_component(settings, "attacher")
+        await open_role(settings, "attacher")
     keyless = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
     with pytest.raises(ConfigurationError, match="no producer keys"):
-        await open_component(keyless, "attacher")
-    with pytest.raises(ConfigurationError, match="unknown service component"):
-        await open_component(settings, "worker")
+        await open_role(keyless, "attacher")
+    with pytest.raises(ConfigurationError, match="unknown service role"):
+        await open_role(settings, "worker")
 
 
 # -- rewards -----------------------------------------------------------------------

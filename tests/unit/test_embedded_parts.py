@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from fleet.config import FleetSettings
-from fleet.demo import DemoOptions, demo_settings, problems
 from fleet.embedded import redact, settings_env
 from fleet.examples import agent
+from fleet.examples.demo import DemoOptions, demo_settings, problems
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.memory import MemoryEventStore
 from fleet.learning import trajectories

@@ -20,10 +20,10 @@ from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher, DriveRouter, check_routes, idempotent_execution_id
 from fleet.dispatcher.remote import DispatchRequest, handle_dispatch, parse_request
 from fleet.dispatcher.routing import route_queue
+from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.flows import load_flow
 from fleet.kernel.security import Principal
-from fleet.workers import EventLoopThread, refuse_inside_loop
 from fleet.workers.process import WorkerProcess
 from fleet.workers.stats import (
     COUNTERS,
