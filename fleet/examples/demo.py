@@ -55,6 +55,8 @@ from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import Principal
 from fleet.learning import evaluate_policy, promotion_gate, trajectories
 from fleet.learning.trajectories import Trajectory
+from fleet.streams import RewardMessage, submit_rewards
+from fleet.streams.redis_client import TRANSIENT, aioredis
 
 AGENT_FLOW = "fleet.examples.agent:support_reply"
 FLOW_ID = "support-reply"
@@ -364,9 +366,6 @@ class _Demo:
              ["effects: escalations", effects["escalate"]]])
 
     async def rewards(self, fleet: EmbeddedFleet) -> None:
-        from fleet.streams import RewardMessage, submit_rewards
-        from fleet.streams.redis_client import aioredis
-
         settings = fleet.settings
         runtime = await fleet.dispatcher.runtime()
         valid: list[RewardMessage] = []
@@ -463,8 +462,6 @@ class _Demo:
             ["", "reply_style (reward: CSAT)", "discount (reward: margin kept)"], rows)
 
     async def report_numbers(self, fleet: EmbeddedFleet) -> None:
-        from fleet.streams.redis_client import aioredis
-
         stats = await fleet.astats(timeout=1.0)
         totals = stats["worker_totals"]
         services = stats["services"]
@@ -510,8 +507,6 @@ async def _forget_demo_keys(settings: FleetSettings) -> None:
     """Delete the run's own queue, bindings and streams from a Redis others use, and the
     messages the killed worker left unacknowledged (kombu would restore them, in an
     hour, to a queue nobody reads)."""
-    from fleet.streams.redis_client import TRANSIENT, aioredis
-
     queue = settings.queue
     client = aioredis.Redis.from_url(str(settings.redis_url), socket_connect_timeout=2.0)
     try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -249,8 +250,6 @@ def check_broker(url: str | None, timeout_s: float = 2.0) -> Check:
             finally:
                 client.close()
         else:
-            import importlib
-
             # kombu ships partial types; its Connection is used as Any.
             connection: Any = importlib.import_module("kombu").Connection
             with connection(url, connect_timeout=timeout_s) as conn:
