@@ -189,7 +189,7 @@ def test_check_names_an_unreadable_log_and_a_missing_execution(
 
 
 def test_check_replays_a_corpus_vector(tmp_path: Path) -> None:
-    vector = Path(__file__).resolve().parents[1] / "vectors" / "divergence"
+    vector = Path(__file__).resolve().parents[2] / "tests" / "vectors" / "divergence"
     path = next(vector.glob("*_dropped_step.json"))
     doc = json.loads(path.read_text())
     # The vector file has the export's "log" key; its flow is in the corpus registry.

@@ -44,8 +44,8 @@ from fleet.workers import make_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+HERE = ROOT / "tests" / "kits"  # the flows the processes import
 FLEET = str(Path(sys.executable).with_name("fleet"))
 REDIS_DB = 11
 LEASE_MS = 5000          # the lease a SIGKILLed worker leaves behind

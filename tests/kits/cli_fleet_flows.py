@@ -1,4 +1,4 @@
-"""Flows for ``tests/unit/test_cli_fleet.py`` (the CLI imports them through FLEET_FLOWS)."""
+"""Flows for ``tests/cli/test_cli_fleet.py`` (the CLI imports them through FLEET_FLOWS)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ unchanged body, or an edited one with the same id, version and declared steps).
 Every step function and decider counts its calls in ``CALLS``: a dry replay
 must leave it empty.
 
-Run ``.venv/bin/python tests/unit/divergence_corpus.py`` to re-record every
+Run ``.venv/bin/python tests/kits/divergence_corpus.py`` to re-record every
 vector in ``tests/vectors/divergence/`` from real runs on the memory store
 (a fixed clock, fixed execution ids); the legacy vectors are those runs with
 the fields an older writer did not write removed (``LEGACY_EDITS``). The

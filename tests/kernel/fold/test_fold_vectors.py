@@ -18,7 +18,7 @@ import pytest
 from fleet.kernel.events import EventEnvelope, EventType, validate_payload_for
 from fleet.kernel.fold import ExecutionState, fold, fold_log
 
-VECTOR_DIR = Path(__file__).resolve().parents[1] / "vectors" / "fold"
+VECTOR_DIR = Path(__file__).resolve().parents[3] / "tests" / "vectors" / "fold"
 
 
 def load_vectors() -> list[dict[str, Any]]:
