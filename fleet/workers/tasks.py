@@ -45,10 +45,13 @@ def register_tasks(app: Any) -> None:
 
     # A store outage is retried a few times (short countdowns, far below the
     # Redis visibility timeout); after that the recovery sweeper re-drives it.
+    # shared=False: the tasks belong to this app only, not to every Celery app the
+    # process makes (a producer app, or the user's own, must not run drives).
     app.task(name=DRIVE_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
              autoretry_for=(StoreUnavailableError,), retry_backoff=True, retry_backoff_max=30,
-             max_retries=5)(drive)
-    app.task(name=DISPATCH_TASK, acks_late=True, reject_on_worker_lost=True)(dispatch)
+             max_retries=5, shared=False)(drive)
+    app.task(name=DISPATCH_TASK, acks_late=True, reject_on_worker_lost=True,
+             shared=False)(dispatch)
 
 
 def requeue_handed_back(app: Any, execution_id: str, flow_id: str | None,

@@ -1,8 +1,9 @@
 """The worker's parts in one process, on the memory store: the loop thread, the drive
 outcomes (stepped aside, fenced out, idle), stats, routing and ``fleet.dispatch``.
 
-The real-process versions are in ``tests/integration/test_workers.py`` and
-``test_dispatcher.py``.
+``fleet.drive`` and ``fleet.dispatch`` under a real (in-process) Celery worker:
+``test_celery_tasks.py``; the real-process versions: ``tests/integration/test_workers.py``
+and ``test_dispatcher.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import worker_unit_flows as flows
 
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher, DriveRouter, check_routes, idempotent_execution_id
-from fleet.dispatcher.remote import DispatchRequest, handle_dispatch, parse_request
+from fleet.dispatcher.remote import DispatchRequest, parse_request
 from fleet.dispatcher.routing import route_queue
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel.errors import ConfigurationError
@@ -196,18 +197,6 @@ def test_load_flow_names_what_is_wrong() -> None:
 
 # -- fleet.dispatch --------------------------------------------------------------
 
-class _App:
-    """What ``fleet.dispatch`` needs of the Celery app: settings and ``send_task``."""
-
-    def __init__(self, settings: FleetSettings) -> None:
-        self.fleet_settings = settings
-        self.sent: list[tuple[str, list[Any], dict[str, Any], str]] = []
-
-    def send_task(self, name: str, *, args: list[Any], kwargs: dict[str, Any],
-                  queue: str) -> None:
-        self.sent.append((name, args, kwargs, queue))
-
-
 def test_dispatch_requests_are_validated_per_op() -> None:
     assert parse_request([], {"op": "start", "flow_id": "f"}).op == "start"
     assert parse_request([{"op": "cancel", "execution_id": "e"}], {}).op == "cancel"
@@ -218,37 +207,3 @@ def test_dispatch_requests_are_validated_per_op() -> None:
             parse_request(args, kwargs)
     who = DispatchRequest(op="start", flow_id="f", principal={"actor": "a", "tenant": "t"})
     assert who.who() == Principal("a", tenant="t")
-
-
-def test_fleet_dispatch_writes_then_enqueues_and_answers_errors(
-        process: WorkerProcess) -> None:
-    app = _App(process.settings.model_copy(update={"routes": {"flow:unit-double": "q-d"}}))
-    dispatcher = Dispatcher(runtime=process.runtime, app=app)
-
-    def call(**kwargs: Any) -> dict[str, Any]:
-        return handle_dispatch(dispatcher, process.loop.run_coroutine, [], kwargs)
-
-    started = call(op="start", flow_id="unit-double", input=4,
-                   principal={"actor": "a", "tenant": "t"}, idempotency_key="k")
-    assert started["ok"]
-    assert started["enqueued"]
-    assert app.sent == [("fleet.drive", [started["execution_id"]],
-                         {"flow_id": "unit-double", "tenant": "t"}, "q-d")]
-    assert process.drive(started["execution_id"]) == "completed"
-    refused = call(op="resume", execution_id=started["execution_id"], gate="go",
-                   principal={"actor": "a", "tenant": "t"})
-    assert refused["ok"] is False
-    assert refused["error"]["code"] == "execution_finished"
-    denied = call(op="cancel", execution_id=started["execution_id"],
-                  principal={"actor": "mallory", "tenant": "t"})
-    assert denied["error"]["code"] == "access_denied"
-    assert call(op="nope")["error"]["code"] == "validation"
-    assert call(op="start", flow_id="missing")["error"]["code"] == "flow_not_found"
-    parked = call(op="start", flow_id="unit-gate", input=0)
-    assert process.drive(parked["execution_id"]) == "parked"
-    woke = call(op="send", execution_id=parked["execution_id"], key="k")
-    assert woke["ok"]
-    assert woke["woke"] is False
-    assert woke["enqueued"] is False
-    assert call(op="cancel", execution_id=parked["execution_id"])["ok"] is True
-    assert len(app.sent) == 2
