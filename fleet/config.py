@@ -76,7 +76,8 @@ class FleetSettings(BaseSettings):
     recovery_grace_ms: int = Field(
         5_000, ge=0, description="a running execution with no lease is lost after this")
     publish_events: bool = Field(
-        True, description="workers XADD every durable event to events_stream (needs redis_url)")
+        True, description="every fleet process (worker, timers, recovery, attacher) XADDs "
+        "each durable event its runtime writes to events_stream (needs redis_url)")
     events_stream: str = "fleet:events"
     events_maxlen: int = Field(100_000, ge=1, description="MAXLEN ~ of the events stream")
     rewards_stream: str = "fleet:rewards"
