@@ -37,7 +37,8 @@ from fleet.kernel.store.factory import (
     open_snapshot_store,
     postgres_event_store_class,
 )
-from fleet.kernel.store.pg_migrations import SCHEMA_VERSION
+from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
+from fleet.kernel.store.pg_queries import APPEND_SQL, Write
 from fleet.kernel.store.postgres import PostgresEventStore, PostgresSnapshotStore
 from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
 
@@ -116,22 +117,39 @@ async def test_schema_version_is_recorded_and_a_newer_one_refused(
     await again.close()
 
 
-async def test_an_older_schema_is_upgraded_on_first_use(
-        db: PostgresEventStore, database_url: str) -> None:
-    await db.append_batch([started("u"), make_event("u", 1), make_event("u", 2)])
-    raw = await _raw(db, database_url)
-    try:  # put the schema back to version 1
-        await raw.execute("DROP FUNCTION fleet_compact(bytea, bigint)")
-        await raw.execute("DELETE FROM fleet_schema_version WHERE version > 1")
+async def test_an_older_schema_is_upgraded_on_first_use(database_url: str) -> None:
+    # A schema made by version 1 alone (what an old fleet left), holding logs
+    # written by its own functions: the store brings it to the newest version,
+    # and the rows written before the feed existed join it, each log in order.
+    schema = fresh_schema()
+    raw = await asyncpg.connect(database_url, server_settings={
+        "default_transaction_isolation": "read committed"})
+    try:
+        await raw.execute(f'CREATE SCHEMA "{schema}"; SET search_path = "{schema}"')
+        await raw.execute(VERSION_TABLE)
+        await raw.execute(MIGRATIONS[0][1])
+        await raw.execute("INSERT INTO fleet_schema_version (version) VALUES (1)")
+        for x, stamps in (("u", (30, 10, 50)), ("v", (20, 40))):  # a clock step inside u
+            events = [started(x, timestamp=T0 + stamps[0])] + [
+                make_event(x, s, timestamp=T0 + t) for s, t in enumerate(stamps[1:], 1)]
+            write = Write.of(x, events, None)
+            row = await raw.fetchrow(APPEND_SQL, write.key, x, None, *write.args())
+            assert row["code"] == 0
     finally:
         await raw.close()
-    again = PostgresEventStore(database_url, schema=db.schema, pool_max=1)
+    again = PostgresEventStore(database_url, schema=schema, pool_max=1)
     try:
+        feed = await again.read_committed()
+        assert [(c.event.execution_id, c.event.sequence) for c in feed] == [
+            ("v", 0), ("u", 0), ("u", 1), ("v", 1), ("u", 2)]
+        await again.append(make_event("v", 2))  # the new functions write under the feed
+        newest = await again.read_committed(after=feed[-1].position)
+        assert [(c.event.execution_id, c.event.sequence) for c in newest] == [("v", 2)]
         assert await again.compact_through("u", 1) == 1
         assert [e.sequence for e in await again.read("u")] == [0, 2]
     finally:
         await again.close()
-    raw = await _raw(db, database_url)
+    raw = await asyncpg.connect(database_url, server_settings={"search_path": f'"{schema}"'})
     try:
         assert await raw.fetchval("SELECT max(version) FROM fleet_schema_version") == (
             SCHEMA_VERSION)

@@ -204,7 +204,8 @@ async def test_a_request_failing_midway_leaves_nothing(db: SqliteEventStore) -> 
     stray = make_event("mid", 2)
     raw = _raw(db.path)
     try:
-        raw.execute("INSERT INTO events VALUES ('mid', 2, ?, ?, ?)",
+        raw.execute("INSERT INTO events (execution_id, sequence, type, timestamp, body) "
+                    "VALUES ('mid', 2, ?, ?, ?)",
                     (stray.type.value, stray.timestamp, stray.to_json()))
         results = await asyncio.gather(
             db.append_batch([make_event("mid", 1), make_event("mid", 2)]),

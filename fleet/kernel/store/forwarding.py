@@ -12,12 +12,15 @@ from collections.abc import Sequence
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.spi import (
+    ORIGIN,
+    CommittedEvent,
     ConditionalAppendResult,
     CountsExecutions,
     DueTimer,
     EventStore,
     ExecutionSummary,
     FenceGrant,
+    Position,
     TipObservation,
 )
 
@@ -90,6 +93,10 @@ class ForwardingEventStore:
 
     async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
         return await self.inner.due_timers(now_ms, limit=limit)
+
+    async def read_committed(self, *, after: Position = ORIGIN, limit: int = 500,
+                             max_bytes: int | None = None) -> list[CommittedEvent]:
+        return await self.inner.read_committed(after=after, limit=limit, max_bytes=max_bytes)
 
     async def close(self) -> None:
         """Close the wrapped store: the decorator owns it."""

@@ -28,14 +28,18 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.spi import (
+    ORIGIN,
+    CommittedEvent,
     ConditionalAppendResult,
     DueTimer,
     ExecutionSummary,
     FenceGrant,
+    Position,
     Snapshot,
     Status,
     TipObservation,
     check_batch,
+    check_feed_read,
     check_lease_ms,
     check_limit,
     creation_anchor,
@@ -93,6 +97,10 @@ class MemoryEventStore:
         self._index: dict[str, _Row] = {}
         self._fences: dict[str, _Fence] = {}
         self._timers: dict[str, dict[str, int]] = {}
+        # The committed feed: every event in the order its write ran (each call
+        # is one synchronous step, so that is commit order), numbered from 1.
+        self._feed: list[EventEnvelope] = []
+        self._feed_base = 1  # the number of _feed[0]
 
     # -- writes ------------------------------------------------------------
 
@@ -163,6 +171,7 @@ class MemoryEventStore:
         if log is None:
             log = self._logs[execution_id] = []
         log.extend(events)
+        self._feed.extend(events)
         self._move_index(execution_id, events)
 
     def _move_index(self, execution_id: str, events: Iterable[EventEnvelope]) -> None:
@@ -279,6 +288,28 @@ class MemoryEventStore:
         if dropped:
             self._compacted.add(execution_id)
         return dropped
+
+    async def read_committed(self, *, after: Position = ORIGIN, limit: int = 500,
+                             max_bytes: int | None = None) -> list[CommittedEvent]:
+        check_feed_read(after, limit, max_bytes)
+        await _tick()
+        out: list[CommittedEvent] = []
+        size = 0
+        start = max(after.major + 1, self._feed_base)  # positions here are (n, 0)
+        for number in range(start, self._feed_base + len(self._feed)):
+            if len(out) >= limit or (max_bytes is not None and out and size >= max_bytes):
+                break
+            event = self._feed[number - self._feed_base]
+            log = self._logs.get(event.execution_id)
+            # Deleted or compacted since: the log no longer holds this very envelope.
+            if log is None or event.sequence >= len(log) or log[event.sequence] is not event:
+                continue
+            if max_bytes is not None:
+                size += len(event.to_json().encode("utf-8", "surrogatepass"))
+            row = self._index.get(event.execution_id)
+            out.append(CommittedEvent(Position(number), event,
+                                      row.tenant if row is not None else None))
+        return out
 
     def _tip(self, execution_id: str) -> TipObservation:
         held = self._fences.get(execution_id) or _Fence()

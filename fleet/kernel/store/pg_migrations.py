@@ -405,10 +405,146 @@ BEGIN
 END $$;
 """
 
+# -- version 3: the committed feed (decision 0020) ---------------------------------
+#
+# Every event row records the id of the transaction that inserted it (``txid``,
+# 64-bit, never wraps) and a number from one sequence (``pos``), both column
+# defaults: the insert statement is unchanged and nothing is added to the round
+# trip. ``read_committed`` returns rows in (txid, pos) order and only those whose
+# transaction is below the xmin of its own snapshot: every transaction below
+# xmin has ended, and any transaction that commits later has a txid >= that
+# xmin, so a reader that resumes after the last (txid, pos) it returned never
+# skips a row that committed late. ``pos`` orders the rows of one transaction
+# (a sequence hands out increasing numbers within one backend).
+#
+# One execution's later sequence must sit at a later position. A writer takes
+# its txid when it first locks a row, which can be before the previous writer
+# of the same execution committed; so every append compares its txid with the
+# execution's ``last_txid`` (read under the fence lock it holds anyway) and,
+# when it is older, writes nothing and answers code 4 (``o_reason = 'retry'``):
+# the client calls again in a new transaction, whose txid is newer than any
+# committed one. That race needs two writers of one execution at once; the
+# common path pays one more column on a row it already reads and rewrites.
+#
+# The doorbell: a relay that has caught up arms ``fleet_relay_doorbell``; the
+# first append that commits after that disarms it and NOTIFYs the relay's
+# channel. Appends skip the NOTIFY otherwise, because a NOTIFY makes its
+# transaction take a lock that serialises the commits of every notifying
+# transaction of the server. The table is UNLOGGED (no WAL for the flips; a
+# crash empties it, and the relay arms it again with an upsert).
+_V3_FEED = """
+CREATE SEQUENCE fleet_event_position CACHE 32;
+ALTER TABLE events ADD COLUMN txid bigint, ADD COLUMN pos bigint;
+UPDATE events AS e SET txid = pg_current_xact_id()::text::bigint, pos = o.n
+FROM (SELECT s.ekey, s.sequence, row_number() OVER (ORDER BY s.mts, s.ekey, s.sequence) AS n
+      FROM (SELECT ekey, sequence,
+                   max(timestamp) OVER (PARTITION BY ekey ORDER BY sequence) AS mts
+            FROM events) AS s) AS o
+WHERE e.ekey = o.ekey AND e.sequence = o.sequence;
+SELECT setval('fleet_event_position', coalesce((SELECT max(pos) FROM events), 0) + 1, false);
+ALTER TABLE events
+    ALTER COLUMN txid SET DEFAULT (pg_current_xact_id()::text::bigint),
+    ALTER COLUMN txid SET NOT NULL,
+    ALTER COLUMN pos SET DEFAULT nextval('fleet_event_position'),
+    ALTER COLUMN pos SET NOT NULL;
+CREATE UNIQUE INDEX events_by_position ON events (txid, pos);
+ALTER TABLE executions ADD COLUMN last_txid bigint;
+CREATE UNLOGGED TABLE fleet_relay_doorbell (
+    id boolean PRIMARY KEY DEFAULT true CHECK (id),
+    armed boolean NOT NULL DEFAULT false,
+    channel text NOT NULL);
+"""
+
+_CURRENT_TXID = "pg_current_xact_id()::text::bigint"
+
+# Rung at the end of every append that wrote something; FOR UPDATE SKIP LOCKED
+# takes no lock while the bell is not armed, and lets one writer ring it.
+_RING = """
+    PERFORM 1 FROM fleet_relay_doorbell WHERE armed FOR UPDATE SKIP LOCKED;
+    IF FOUND THEN
+        UPDATE fleet_relay_doorbell SET armed = false RETURNING channel INTO bell;
+        PERFORM pg_notify(bell, '');
+    END IF;
+"""
+
+
+def _edit(sql: str, *edits: tuple[str, str]) -> str:
+    """``sql`` (a released function) with each ``old`` replaced by ``new`` exactly once."""
+    for old, new in edits:
+        if sql.count(old) != 1:
+            raise AssertionError(f"migration edit does not match once: {old!r}")
+        sql = sql.replace(old, new)
+    return sql
+
+
+_PLACE_V3 = _edit(
+    _PLACE,
+    ("p_ts[n], p_first + n - 1, p_anchor);",
+     f"p_ts[n], p_first + n - 1, p_anchor, {_CURRENT_TXID});"),
+    ("waiting_on, started_at, updated_at, head, anchor)\n        VALUES",
+     "waiting_on, started_at, updated_at, head, anchor,\n"
+     "                                last_txid)\n        VALUES"),
+    ("UPDATE executions SET head = p_first + n - 1, updated_at = p_ts[n]\n",
+     f"UPDATE executions SET head = p_first + n - 1, updated_at = p_ts[n],\n"
+     f"                              last_txid = {_CURRENT_TXID}\n"),
+    ("status = p_status, waiting_on = p_waiting\n",
+     f"status = p_status, waiting_on = p_waiting,\n"
+     f"                              last_txid = {_CURRENT_TXID}\n"),
+) + _RING
+
+_V3_APPEND = _edit(
+    _V1_APPEND,
+    ("CREATE FUNCTION fleet_append(", "CREATE OR REPLACE FUNCTION fleet_append("),
+    ("    n integer;\nBEGIN", "    n integer;\n    lx bigint;\n    bell text;\nBEGIN"),
+    ("SELECT e.head INTO h FROM executions AS e WHERE e.ekey = p_key;",
+     "SELECT e.head, e.last_txid INTO h, lx FROM executions AS e WHERE e.ekey = p_key;"),
+    ("        detail := h;\n        RETURN;\n    END IF;\n",
+     "        detail := h;\n        RETURN;\n    END IF;\n"
+     f"    IF lx > {_CURRENT_TXID} THEN  -- the log's last writer is newer: retry\n"
+     "        code := 4;\n        detail := h;\n        RETURN;\n    END IF;\n"),
+    (_PLACE, _PLACE_V3),
+)
+
+_V3_APPEND_IF = _edit(
+    _V1_APPEND_IF,
+    ("CREATE FUNCTION fleet_append_if(", "CREATE OR REPLACE FUNCTION fleet_append_if("),
+    ("    n integer;\nBEGIN", "    n integer;\n    lx bigint;\n    bell text;\nBEGIN"),
+    ("SELECT e.head, e.anchor INTO o_head, o_anchor FROM executions AS e WHERE e.ekey = p_key;",
+     "SELECT e.head, e.anchor, e.last_txid INTO o_head, o_anchor, lx\n"
+     "    FROM executions AS e WHERE e.ekey = p_key;"),
+    ("        o_reason := 'moved';\n        RETURN;\n    END IF;\n",
+     "        o_reason := 'moved';\n        RETURN;\n    END IF;\n"
+     f"    IF lx > {_CURRENT_TXID} THEN  -- the log's last writer is newer: retry\n"
+     "        o_reason := 'retry';\n        RETURN;\n    END IF;\n"),
+    (_PLACE, _PLACE_V3),
+)
+
+_V3_APPEND_MANY = _edit(
+    _V1_APPEND_MANY,
+    ("CREATE FUNCTION fleet_append_many(", "CREATE OR REPLACE FUNCTION fleet_append_many("),
+    ("    rdet bigint[];\nBEGIN", "    rdet bigint[];\n    bell text;\nBEGIN"),
+    ("                          WHEN u.first > coalesce(x.head + 1, 0) THEN 3\n",
+     "                          WHEN u.first > coalesce(x.head + 1, 0) THEN 3\n"
+     f"                          WHEN x.last_txid > {_CURRENT_TXID} THEN 4\n"),
+    ("                                waiting_on, started_at, updated_at, head, anchor)\n"
+     "        SELECT u.k, u.id, u.flow, u.tenant, u.owner, u.status, u.waiting, u.started,\n"
+     "               u.updated, u.head, u.anchor\n",
+     "                                waiting_on, started_at, updated_at, head, anchor,\n"
+     "                                last_txid)\n"
+     "        SELECT u.k, u.id, u.flow, u.tenant, u.owner, u.status, u.waiting, u.started,\n"
+     f"               u.updated, u.head, u.anchor, {_CURRENT_TXID}\n"),
+    ("            waiting_on = CASE WHEN u.status IS NULL THEN x.waiting_on ELSE u.waiting END\n",
+     "            waiting_on = CASE WHEN u.status IS NULL THEN x.waiting_on ELSE u.waiting END,\n"
+     f"            last_txid = {_CURRENT_TXID}\n"),
+    ("    END LOOP;\nEND $$;", "    END LOOP;\n    IF 0 = ANY (codes) THEN" + _RING
+     + "    END IF;\nEND $$;"),
+)
+
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1_TABLES + _V1_LOCK + _V1_APPEND + _V1_APPEND_MANY + _V1_APPEND_IF
      + _V1_FENCES),
     (2, _V2_COMPACT),
+    (3, _V3_FEED + _V3_APPEND + _V3_APPEND_IF + _V3_APPEND_MANY),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -21,6 +21,7 @@ from fleet.kernel.errors import (
     PayloadTooLargeError,
     SequenceGapError,
     StaleFenceError,
+    StoreUnavailableError,
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, dumps
@@ -147,6 +148,10 @@ def refusal(write: Write, fence: int | None, code: int, detail: int | None) -> F
     if code == 2:
         return DuplicateSequenceError(f"{write.execution_id!r} already holds sequence "
                                       f"{write.first} (head {detail})")
+    if code == 4:
+        return StoreUnavailableError(f"the append to {write.execution_id!r} kept losing an "
+                                     "ordering race with another writer of it; nothing was "
+                                     "written, retry")
     return SequenceGapError(f"{write.execution_id!r} expects sequence "
                             f"{0 if detail is None else detail + 1}, got {write.first}")
 

@@ -54,6 +54,7 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope, dumps
 from fleet.kernel.store.memory import wall_clock_ms
+from fleet.kernel.store.pg_feed import PostgresCommitSignal, channel_for, committed, feed_query
 from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
 from fleet.kernel.store.pg_queries import (
     APPEND_IF_SQL,
@@ -71,13 +72,17 @@ from fleet.kernel.store.pg_queries import (
     summary,
 )
 from fleet.kernel.store.spi import (
+    ORIGIN,
+    CommittedEvent,
     ConditionalAppendResult,
     DueTimer,
     ExecutionSummary,
     FenceGrant,
+    Position,
     Snapshot,
     TipObservation,
     check_batch,
+    check_feed_read,
     check_lease_ms,
     check_limit,
 )
@@ -93,6 +98,8 @@ __all__ = ["SCHEMA_VERSION", "PostgresEventStore", "PostgresSnapshotStore", "Sch
 
 T = TypeVar("T")
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
+_RETRY = 4  # fleet_append's code for "an older transaction than the log's last writer"
+_ORDER_RETRIES = 3  # one is enough (a new transaction is newer); more is a guard
 _OWN_QUERY_KEYS = ("schema", "pool_min", "pool_max")
 
 _CONNECTION_LOST: tuple[type[BaseException], ...] = (
@@ -217,7 +224,7 @@ class _Database:
                 self.pool = await self._open()
         return self.pool
 
-    def _server_settings(self) -> dict[str, str]:
+    def server_settings(self) -> dict[str, str]:
         settings = {"default_transaction_isolation": "read committed", "jit": "off"}
         if self.schema:
             settings["search_path"] = _quote_ident(self.schema)
@@ -227,7 +234,7 @@ class _Database:
         try:
             pool = await asyncpg.create_pool(
                 self.dsn, min_size=self.pool_min, max_size=self.pool_max,
-                timeout=self.connect_timeout, server_settings=self._server_settings(),
+                timeout=self.connect_timeout, server_settings=self.server_settings(),
                 reset=_keep_session)
         except Exception as exc:
             raise _translate(exc) from exc
@@ -243,7 +250,7 @@ class _Database:
         """The schema version on a connection of its own (no pool); migrate first if asked."""
         try:
             conn = await asyncpg.connect(self.dsn, timeout=self.connect_timeout,
-                                         server_settings=self._server_settings())
+                                         server_settings=self.server_settings())
         except Exception as exc:
             raise _translate(exc) from exc
         try:
@@ -360,6 +367,7 @@ class PostgresEventStore(_PostgresBase):
         self._clock = clock or wall_clock_ms
         self._max_event_bytes = max_event_bytes
         self._closed = False
+        self.order_retries = 0  # appends sent again after an ordering race (decision 0020)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresEventStore:
@@ -419,11 +427,17 @@ class PostgresEventStore(_PostgresBase):
             return await pool.fetchrow(APPEND_SQL, write.key, write.execution_id, fence,
                                        *write.args())
 
-        try:
-            row = await self._call(op, idempotent=False)
-        except StoreUnavailableError as lost:
-            await self._settle(write, fence, lost)
-            return
+        for _ in range(_ORDER_RETRIES):
+            try:
+                row = await self._call(op, idempotent=False)
+            except StoreUnavailableError as lost:
+                await self._settle(write, fence, lost)
+                return
+            if row["code"] != _RETRY:
+                break
+            # This transaction's id is older than the log's last writer's (decision
+            # 0020): nothing was written; a new transaction gets a newer id.
+            self.order_retries += 1
         if row["code"] != 0:
             raise refusal(write, fence, row["code"], row["detail"])
 
@@ -441,6 +455,9 @@ class PostgresEventStore(_PostgresBase):
                 idempotent=False)
         except StoreUnavailableError:
             raise lost from None
+        if row["code"] == _RETRY:
+            await self._append(write, fence)  # nothing was written: the ordinary path
+            return
         if row["code"] != 0:
             if row["code"] == 2 and await self._bodies(write) == write.bodies:
                 return  # the first attempt was still running and landed after all
@@ -491,9 +508,20 @@ class PostgresEventStore(_PostgresBase):
                 except FleetError as exc:
                     results[i] = exc
             return results
+        again: set[bytes] = set()  # executions with a request to send again, in order
         for (i, write, fence), code, detail in zip(prepared, row["codes"], row["details"],
                                                    strict=True):
-            if code != 0:
+            if code == _RETRY or (write.key in again and code != 0):
+                # Too old a transaction for this log (decision 0020), and the requests
+                # of the same execution after it (judged against the head it did not
+                # move): nothing of them was written, each goes through the single path.
+                again.add(write.key)
+                self.order_retries += code == _RETRY
+                try:
+                    await self._append(write, fence)
+                except FleetError as exc:
+                    results[i] = exc
+            elif code != 0:
                 results[i] = refusal(write, fence, code, detail)
         return results
 
@@ -512,9 +540,16 @@ class PostgresEventStore(_PostgresBase):
             raise ValidationError(f"event of {event.execution_id!r} offered to "
                                   f"{execution_id!r}")
         write = self._prepare((event,))
-        row = await self._call(lambda pool: pool.fetchrow(
-            APPEND_IF_SQL, key, expect.head, expect.fence, expect.anchor, execution_id,
-            *write.args()), idempotent=False)
+        for _ in range(_ORDER_RETRIES):
+            row = await self._call(lambda pool: pool.fetchrow(
+                APPEND_IF_SQL, key, expect.head, expect.fence, expect.anchor, execution_id,
+                *write.args()), idempotent=False)
+            if row["o_reason"] != "retry":
+                break
+            self.order_retries += 1  # see _append
+        if row["o_reason"] == "retry":
+            raise StoreUnavailableError(f"the append to {execution_id!r} kept losing an "
+                                        "ordering race; nothing was written, retry")
         tip = TipObservation(head=row["o_head"], fence=row["o_token"] or 0,
                              anchor=row["o_anchor"], holder=row["o_holder"],
                              lease_expires_at=row["o_lease"])
@@ -636,6 +671,26 @@ class PostgresEventStore(_PostgresBase):
         rows = await self._call(lambda pool: pool.fetch(DUE_TIMERS_SQL, now_ms, limit),
                                 idempotent=True)
         return [DueTimer(row["execution_id"], row["timer_id"], row["due_at"]) for row in rows]
+
+    async def read_committed(self, *, after: Position = ORIGIN, limit: int = 500,
+                             max_bytes: int | None = None) -> list[CommittedEvent]:
+        check_feed_read(after, limit, max_bytes)
+        if limit == 0:
+            return []
+        sql, args = feed_query(after, limit, max_bytes)
+        rows = await self._call(lambda pool: pool.fetch(sql, *args), idempotent=True)
+        return committed(rows)
+
+    def commit_signal(self) -> PostgresCommitSignal:
+        """A ``CommitSignal`` for a feed reader (LISTEN/NOTIFY on a connection of its own)."""
+        db = self._db
+
+        async def connect() -> Any:
+            await db.ready()  # the schema (and its doorbell) exists before we arm it
+            return await asyncpg.connect(db.dsn, timeout=db.connect_timeout,
+                                         server_settings=db.server_settings())
+
+        return PostgresCommitSignal(connect, channel_for(db.schema))
 
     async def close(self) -> None:
         """Close this store's pool (once every store sharing it closed)."""

@@ -16,6 +16,12 @@ write, arbitrated by the sequence alone (the runtime uses it only for audit).
 Sequences. Every append lands at exactly ``head + 1`` (``0`` for a new log):
 a taken slot is ``DuplicateSequenceError``, a hole is ``SequenceGapError``.
 ``append_batch`` is all or nothing.
+
+The committed feed. ``read_committed`` returns the events every writer
+committed, in the store's commit order, each with a ``Position`` that only
+grows and is never reused; a reader that pages with ``after=`` never skips an
+event that commits later (decision 0020 says how each backend keeps that
+promise). The relay (``fleet relay``) publishes the events stream from it.
 """
 
 from __future__ import annotations
@@ -95,6 +101,59 @@ class Snapshot:
     state: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class Position:
+    """Where an event sits in its store's commit order (``read_committed``).
+
+    Two integers compared in order: Postgres uses (inserting transaction id,
+    a per-insert sequence number), SQLite and memory (a commit counter, 0).
+    Positions of one store only grow; they are never reused, not even after a
+    deletion or a compaction. ``str(position)`` is ``"major-minor"``, which is
+    also a valid Redis stream entry id (the relay publishes under it).
+    Positions of different stores are not comparable.
+    """
+
+    major: int
+    minor: int = 0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.major < 2**64 and 0 <= self.minor < 2**64):
+            raise ValidationError(f"a position is two integers in [0, 2**64), got "
+                                  f"{self.major}-{self.minor}")
+
+    def __str__(self) -> str:
+        return f"{self.major}-{self.minor}"
+
+    @classmethod
+    def parse(cls, text: str) -> Position:
+        """``"12-3"`` (or ``"12"``, minor 0) -> ``Position(12, 3)``; anything else is refused."""
+        major, sep, minor = str(text).strip().partition("-")
+        try:
+            if not major.isdigit() or (sep and not minor.isdigit()):
+                raise ValueError(text)
+            return cls(int(major), int(minor) if sep else 0)
+        except (ValueError, ValidationError):
+            raise ValidationError(f"{text!r} is not a position: two non-negative integers "
+                                  "as 'major-minor', e.g. '5123-17'") from None
+
+
+#: Before every event: ``read_committed(after=ORIGIN)`` reads from the first.
+ORIGIN = Position(0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedEvent:
+    """One event of the committed feed: where it sits, the event, its execution's tenant.
+
+    ``tenant`` comes from the execution index (None: no tenant, or the index
+    row is gone).
+    """
+
+    position: Position
+    event: EventEnvelope
+    tenant: str | None = None
+
+
 @runtime_checkable
 class EventStore(Protocol):
     """An append-only log per execution, with fences and an index."""
@@ -168,6 +227,20 @@ class EventStore(Protocol):
 
     async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
         """Scheduled, unfired timers with ``due_at <= now_ms``, earliest first."""
+
+    async def read_committed(self, *, after: Position = ORIGIN, limit: int = 500,
+                             max_bytes: int | None = None) -> list[CommittedEvent]:
+        """Committed events with a position above ``after``, in commit order.
+
+        Every event any writer appended appears exactly once, above every
+        position already returned, and never before an event of its execution
+        with a lower sequence: a reader that pages with ``after=<the last
+        position it got>`` sees every event, however late its transaction
+        commits (decision 0020). At most ``limit`` events; with ``max_bytes``,
+        no more once the events returned hold that many bytes of JSON (at least
+        one is returned). Events removed by ``delete_execution`` or
+        ``compact_through`` before a reader reached them are not returned.
+        """
 
     async def close(self) -> None:
         """Release connections and threads."""
@@ -261,6 +334,32 @@ def check_limit(limit: int) -> None:
     """A listing limit a store accepts (SQLite would read a negative one as "all")."""
     if limit < 0:
         raise ValidationError(f"limit must be >= 0, got {limit}")
+
+
+def check_feed_read(after: Position, limit: int, max_bytes: int | None) -> None:
+    """The arguments of ``read_committed`` every backend accepts (and refuses) alike."""
+    if not isinstance(after, Position):
+        raise ValidationError(f"after must be a Position, got {type(after).__name__}")
+    check_limit(limit)
+    if max_bytes is not None and max_bytes < 1:
+        raise ValidationError(f"max_bytes must be >= 1, got {max_bytes}")
+
+
+@runtime_checkable
+class CommitSignal(Protocol):
+    """Optional: a store that can wake a feed reader when something commits.
+
+    ``arm`` asks for a signal on the next commit (False: cannot, poll
+    instead); a reader arms, reads once more (what committed before the arming
+    rang nobody), then waits. A signal may be spurious or late; it is
+    never the only way a reader learns of an event (it polls as well).
+    """
+
+    async def arm(self) -> bool: ...
+
+    async def wait(self, timeout: float) -> bool: ...
+
+    async def close(self) -> None: ...
 
 
 def creation_anchor(first: EventEnvelope) -> str:

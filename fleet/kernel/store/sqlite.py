@@ -39,7 +39,6 @@ from fleet.kernel.errors import (
     DuplicateSequenceError,
     FleetError,
     NotSerializableError,
-    SchemaVersionError,
     SequenceGapError,
     StaleFenceError,
     StoreError,
@@ -49,51 +48,28 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventEnvelope, dumps
 from fleet.kernel.store.memory import wall_clock_ms
 from fleet.kernel.store.spi import (
+    ORIGIN,
+    CommittedEvent,
     ConditionalAppendResult,
     DueTimer,
     ExecutionSummary,
     FenceGrant,
+    Position,
     Snapshot,
     Status,
     TipObservation,
     check_batch,
+    check_feed_read,
     check_lease_ms,
     check_limit,
     creation_anchor,
     index_change,
 )
+from fleet.kernel.store.sqlite_schema import FEED_SQL, SCHEMA_VERSION, migrate, next_positions
 
 __all__ = ["SCHEMA_VERSION", "SqliteEventStore", "SqliteSnapshotStore"]
 
-SCHEMA_VERSION = 1
 _GROUP_LIMIT = 512  # requests per transaction; bounds the latency of the last one
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS events (
-    execution_id TEXT NOT NULL, sequence INTEGER NOT NULL, type TEXT NOT NULL,
-    timestamp INTEGER NOT NULL, body TEXT NOT NULL,
-    PRIMARY KEY (execution_id, sequence)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS executions (
-    execution_id TEXT PRIMARY KEY, flow_id TEXT NOT NULL, tenant TEXT, owner TEXT,
-    status TEXT NOT NULL, waiting_on TEXT, started_at INTEGER NOT NULL,
-    updated_at INTEGER NOT NULL, head INTEGER NOT NULL, anchor TEXT NOT NULL) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS executions_by_status ON executions (status, execution_id);
-CREATE INDEX IF NOT EXISTS executions_by_flow ON executions (flow_id, execution_id);
-CREATE INDEX IF NOT EXISTS executions_by_tenant ON executions (tenant, execution_id);
-CREATE INDEX IF NOT EXISTS executions_by_gate ON executions (waiting_on, execution_id)
-    WHERE waiting_on IS NOT NULL;
-CREATE INDEX IF NOT EXISTS executions_by_updated ON executions (updated_at);
-CREATE TABLE IF NOT EXISTS fences (
-    execution_id TEXT PRIMARY KEY, token INTEGER NOT NULL, holder TEXT,
-    lease_expires_at INTEGER) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS timers (
-    execution_id TEXT NOT NULL, timer_id TEXT NOT NULL, due_at INTEGER NOT NULL,
-    PRIMARY KEY (execution_id, timer_id)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS timers_by_due ON timers (due_at, execution_id, timer_id);
-CREATE TABLE IF NOT EXISTS snapshots (
-    execution_id TEXT PRIMARY KEY, sequence INTEGER NOT NULL, state TEXT NOT NULL)
-    WITHOUT ROWID;
-"""
 
 # One statement, so head, anchor and fence are read from one snapshot; the
 # outer row exists even when neither the log nor the fence does.
@@ -221,13 +197,7 @@ class _Worker:
             if str(mode).lower() != "wal":
                 raise ConfigurationError(f"SQLite at {self._path} refused WAL mode ({mode})")
             conn.execute("PRAGMA synchronous = NORMAL")
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise SchemaVersionError(f"{self._path} has schema {version}; this fleet "
-                                         f"reads up to {SCHEMA_VERSION}: upgrade fleet")
-            if version < SCHEMA_VERSION:
-                conn.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} "
-                                   f"PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+            migrate(conn, self._path)
             return conn
         except BaseException:
             conn.close()
@@ -417,8 +387,12 @@ class _Write:
         if first > expected:
             raise SequenceGapError(f"{self.execution_id!r} expects sequence {expected}, "
                                    f"got {first}")
-        conn.executemany("INSERT INTO events (execution_id, sequence, type, timestamp, body)"
-                         " VALUES (?, ?, ?, ?, ?)", self.rows)
+        # Positions come from the counter inside this write transaction: SQLite
+        # commits one writer at a time, so they follow commit order (decision 0020).
+        first_position = next_positions(conn, len(self.rows))
+        conn.executemany("INSERT INTO events (execution_id, sequence, type, timestamp, body, "
+                         "position) VALUES (?, ?, ?, ?, ?, ?)",
+                         [(*row, first_position + i) for i, row in enumerate(self.rows)])
         rest: Sequence[EventEnvelope] = self.events
         if head is None:
             born = self.events[0]
@@ -609,6 +583,28 @@ class SqliteEventStore:
             rows = conn.execute("SELECT sequence, body FROM events WHERE execution_id = ? "
                                 "AND sequence > ? ORDER BY sequence", (execution_id, after))
             return [_parse(execution_id, sequence, body) for sequence, body in rows]
+
+        return await self._db.reader.call(job)
+
+    async def read_committed(self, *, after: Position = ORIGIN, limit: int = 500,
+                             max_bytes: int | None = None) -> list[CommittedEvent]:
+        check_feed_read(after, limit, max_bytes)
+        # Positions here are (n, 0): everything above ``after`` is above after.major
+        # (clamped: SQLite integers are signed 64-bit).
+        floor = min(after.major, 2**63 - 1)
+
+        def job(conn: sqlite3.Connection) -> list[CommittedEvent]:
+            out: list[CommittedEvent] = []
+            size = 0
+            for position, execution_id, sequence, body, tenant in conn.execute(
+                    FEED_SQL, (floor, limit)):
+                if max_bytes is not None:
+                    if out and size >= max_bytes:
+                        break  # the cursor stops here: the rest is never fetched
+                    size += len(body.encode("utf-8", "surrogatepass"))
+                out.append(CommittedEvent(Position(position),
+                                          _parse(execution_id, sequence, body), tenant))
+            return out
 
         return await self._db.reader.call(job)
 
