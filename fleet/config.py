@@ -75,11 +75,32 @@ class FleetSettings(BaseSettings):
     recovery_interval_s: float = Field(2.0, gt=0)
     recovery_grace_ms: int = Field(
         5_000, ge=0, description="a running execution with no lease is lost after this")
-    publish_events: bool = Field(
-        True, description="every fleet process (worker, timers, recovery, attacher) XADDs "
-        "each durable event its runtime writes to events_stream (needs redis_url)")
-    events_stream: str = "fleet:events"
-    events_maxlen: int = Field(100_000, ge=1, description="MAXLEN ~ of the events stream")
+    events_stream: str = Field(
+        "fleet:events", description="the stream `fleet relay` publishes every committed event "
+        "to (exactly once, under its store position); no other writer may use it")
+    events_maxlen: int = Field(
+        100_000, ge=1, description="MAXLEN ~ of the events stream: the trim policy (a consumer "
+        "that falls further behind reads the gap from the store)")
+
+    # -- the relay (issue 12): the store's committed feed -> events_stream -------------
+    relay_batch_size: int = Field(500, ge=1, le=10_000,
+                                  description="most events the relay reads and publishes at once")
+    relay_batch_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="a relay batch stops once it holds this many "
+        "bytes of JSON (with relay_batch_size, what bounds the relay's memory)")
+    relay_poll_s: float = Field(
+        0.25, gt=0, description="how often a caught-up relay reads the store when no commit "
+        "signal arrives (SQLite and memory always poll)")
+    relay_notify: bool = Field(
+        True, description="on Postgres, wake the relay with LISTEN/NOTIFY (the first commit "
+        "after it went idle rings it); off: poll only")
+    relay_lease_ms: int = Field(
+        10_000, ge=300, description="the lease that makes one relay replica the publisher; a "
+        "standby takes over within about this long after the holder died")
+    publisher_buffer_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="bytes of JSON an EventPublisher (the in-process "
+        "hook onto a stream of your own; no fleet role runs one) holds while Redis cannot take "
+        "them; the oldest are dropped past it")
     rewards_stream: str = "fleet:rewards"
     rewards_dead: str = "fleet:rewards:dead"
     rewards_group: str = "fleet-attachers"

@@ -3,34 +3,34 @@
 =========  ======================================  ==================================
 role       its Runtime (``fleet.host.kernel``)     its services, in start order
 =========  ======================================  ==================================
-worker     the fleet's flows; every durable event  event publisher*, heartbeat
+worker     the fleet's flows; every durable event  heartbeat
            also to the ``WorkerProcess``           (``WorkerProcess`` runs them on its
                                                    loop; its Celery app is
                                                    ``fleet.workers.make_app``)
-timers     the fleet's flows                       event publisher*, ``TimerService``
-                                                   (drives enqueued through a
-                                                   ``Dispatcher``), heartbeat
-recovery   the fleet's flows                       event publisher*, ``RecoverySweeper``
-                                                   (the same), heartbeat
-attacher   ``annotate: any`` (decision 0011)       event publisher*, ``RewardAttacher``,
+timers     the fleet's flows                       ``TimerService`` (drives enqueued
+                                                   through a ``Dispatcher``), heartbeat
+recovery   the fleet's flows                       ``RecoverySweeper`` (the same),
                                                    heartbeat
+attacher   ``annotate: any`` (decision 0011)       ``RewardAttacher``, heartbeat
+relay      (none: it only reads the store)         ``EventRelay`` (the store's committed
+                                                   feed -> the events stream, one
+                                                   replica at a time), heartbeat
 flower     (none)                                  Flower on the dispatcher's app
 =========  ======================================  ==================================
 
-\\* with ``FLEET_PUBLISH_EVENTS`` (the default) and ``FLEET_REDIS_URL``: every
-durable event the role's runtime writes goes to the events stream (ADR 0147's
-observer; issue 12 replaces it with a relay that tails the store).
+Events reach the events stream through the relay alone, whoever wrote them
+(decision 0021); ADR 0147's ``on_durable_event`` stays the in-process hook.
 
 Both ways of running a fleet use these functions: the process entry points
-(``fleet worker`` through the Celery app, ``fleet timers|recovery|attacher``
+(``fleet worker`` through the Celery app, ``fleet timers|recovery|attacher|relay``
 through ``serve``, ``fleet flower`` through ``run_flower``) and the embedded
 fleet (``fleet up``, ``fleet demo``: ``fleet.embedded``), so what the demo runs
-is what Kubernetes runs. A new role (the relay) is one more ``open_*``
-function and one entry in ``OPENERS``.
+is what Kubernetes runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,25 +40,27 @@ from typing import Any
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.dispatcher import Dispatcher
-from fleet.host.kernel import build_runtime, open_store
+from fleet.host.kernel import build_runtime, holder_name, open_store
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.journal import EventObserver
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import AccessPolicy
-from fleet.kernel.store.spi import EventStore
+from fleet.kernel.store.factory import StoreOptions, open_event_store
+from fleet.kernel.store.spi import CommitSignal, EventStore, SignalsCommits
 from fleet.recovery.sweeper import RecoverySweeper
 from fleet.services.base import Service, run_services
 from fleet.services.health import Heartbeat
 from fleet.streams.attacher import RewardAttacher
-from fleet.streams.publisher import EventPublisher
+from fleet.streams.redis_client import aioredis
+from fleet.streams.relay import EventRelay, RelayLease
 from fleet.timers.service import TimerService
 
 log = logging.getLogger("fleet.assembly")
 
 #: The roles a fleet process can have.
-ROLES: tuple[str, ...] = ("worker", "timers", "recovery", "attacher", "flower")
+ROLES: tuple[str, ...] = ("worker", "timers", "recovery", "attacher", "relay", "flower")
 #: The roles ``serve`` runs (the worker runs inside Celery, Flower is Flower).
-SERVICE_ROLES: tuple[str, ...] = ("timers", "recovery", "attacher")
+SERVICE_ROLES: tuple[str, ...] = ("timers", "recovery", "attacher", "relay")
 #: A store seen through a wrapper before the runtime is built on it (the worker's).
 StoreView = Callable[[EventStore], EventStore]
 
@@ -70,23 +72,26 @@ class Role:
     Attributes:
         name: The role.
         store: Its event store (opened, and read once: a wrong URL failed already).
-        runtime: Its Runtime on ``store``.
+        runtime: Its Runtime on ``store`` (None for the relay, which only reads).
         services: Its services in the order they start (stop in reverse).
         service: The role's own service among them (the timer service, the
-            sweeper, the attacher); None for the worker.
+            sweeper, the attacher, the relay); None for the worker.
         dispatcher: What the timer service and the sweeper enqueue drives through.
-        publisher: The event publisher, when the events stream is on.
         closers: Called (and awaited) by ``aclose`` after the services stopped.
     """
 
     name: str
     store: EventStore
-    runtime: Runtime
+    runtime: Runtime | None
     services: list[Service] = field(default_factory=list)
     service: Service | None = None
     dispatcher: Dispatcher | None = None
-    publisher: EventPublisher | None = None
     closers: list[Callable[[], Any]] = field(default_factory=list)
+
+    def require_runtime(self) -> Runtime:
+        if self.runtime is None:
+            raise ConfigurationError(f"the {self.name} role has no Runtime")
+        return self.runtime
 
     def stats(self) -> dict[str, Any]:
         """Every service's ``stats()`` by name."""
@@ -110,50 +115,23 @@ def _report(role: str) -> Callable[[BaseException], None]:
     return report
 
 
-def _publisher(settings: FleetSettings) -> EventPublisher | None:
-    if not (settings.publish_events and settings.redis_url):
-        return None
-    return EventPublisher.from_settings(settings, on_warn=log.warning)
-
-
-def _observers(*observers: EventObserver | None) -> EventObserver | None:
-    """One ``on_durable_event`` calling each given observer in turn."""
-    chosen = [o for o in observers if o is not None]
-    if len(chosen) <= 1:
-        return chosen[0] if chosen else None
-
-    def observe(event: Any) -> Any:
-        result = None
-        for observer in chosen:
-            result = observer(event)
-        return result
-    return observe
-
-
 async def _open(settings: FleetSettings, name: str, *,
                 on_durable_event: EventObserver | None = None,
                 access_policy: AccessPolicy | None = None,
                 store_view: StoreView | None = None) -> Role:
-    """The store (opened and probed), the publisher and the runtime every role has."""
+    """The store (opened and probed) and the runtime every writing role has."""
     store = open_store(settings)
     try:
         # Connect now (and apply the schema): a wrong URL fails the process at
         # start, not at its first piece of work.
         await store.head("fleet:health-probe")
-        publisher = _publisher(settings)
         runtime = build_runtime(
             settings, store_view(store) if store_view is not None else store, role=name,
-            on_durable_event=_observers(
-                publisher.on_durable_event if publisher is not None else None,
-                on_durable_event),
-            access_policy=access_policy)
+            on_durable_event=on_durable_event, access_policy=access_policy)
     except BaseException:
         await store.close()
         raise
-    role = Role(name, store, runtime, publisher=publisher)
-    if publisher is not None:
-        role.services.append(publisher)
-    return role
+    return Role(name, store, runtime)
 
 
 def _heartbeat(settings: FleetSettings, role: Role, **options: Any) -> None:
@@ -164,12 +142,12 @@ async def open_worker(settings: FleetSettings, *, slot: int | None = None,
                       on_durable_event: EventObserver | None = None,
                       on_beat: Callable[[], Any] | None = None,
                       store_view: StoreView | None = None) -> Role:
-    """A worker process's parts: its store, its Runtime, the publisher, its heartbeat.
+    """A worker process's parts: its store, its Runtime, its heartbeat.
 
     Args:
         settings: The worker's settings.
         slot: A prefork child's pool index (its own heartbeat file).
-        on_durable_event: The ``WorkerProcess``'s observer, after the publisher.
+        on_durable_event: The ``WorkerProcess``'s observer.
         on_beat: Called on the loop after each heartbeat (the drain poll).
         store_view: Wraps the store the runtime writes through (the worker's
             write watch); the role keeps (and closes) the store itself.
@@ -186,10 +164,10 @@ async def _open_enqueuing(settings: FleetSettings, name: str,
     role = await _open(settings, name)
     try:
         app = producer_app(settings, main=f"fleet-{name}")
-        dispatcher = Dispatcher(settings, runtime=role.runtime, app=app)
+        dispatcher = Dispatcher(settings, runtime=role.require_runtime(), app=app)
         role.dispatcher = dispatcher
         role.closers += [app.close, dispatcher.aclose]
-        role.service = make(role.runtime, dispatcher)
+        role.service = make(role.require_runtime(), dispatcher)
         role.services.append(role.service)
         if heartbeat:
             _heartbeat(settings, role)
@@ -222,7 +200,8 @@ async def open_attacher(settings: FleetSettings, *, heartbeat: bool = True) -> R
     role = await _open(settings, "attacher",
                        access_policy=AccessPolicy(rules={"annotate": "any"}))
     try:
-        role.service = RewardAttacher.from_settings(settings, role.runtime, on_warn=log.warning)
+        role.service = RewardAttacher.from_settings(settings, role.require_runtime(),
+                                                    on_warn=log.warning)
         role.services.append(role.service)
         if heartbeat:
             _heartbeat(settings, role)
@@ -232,13 +211,52 @@ async def open_attacher(settings: FleetSettings, *, heartbeat: bool = True) -> R
     return role
 
 
+async def open_relay(settings: FleetSettings, *, heartbeat: bool = True) -> Role:
+    """The relay: the store's committed feed onto the events stream, exactly once.
+
+    Its store is opened without group commit (it only reads). On Postgres with
+    ``relay_notify`` a LISTEN/NOTIFY signal wakes it on commits; it polls every
+    ``relay_poll_s`` regardless. A lease on the store (``relay_lease_ms``)
+    makes one replica the publisher.
+    """
+    if not settings.redis_url:
+        raise ConfigurationError("the relay needs FLEET_REDIS_URL (the events stream's Redis)")
+    options = settings.store_options()
+    store = open_event_store(settings.database_url, StoreOptions(
+        pool_min=options.pool_min, pool_max=options.pool_max,
+        max_event_bytes=options.max_event_bytes))
+    try:
+        await store.head("fleet:health-probe")  # a wrong URL fails here, at start
+    except BaseException:
+        await store.close()
+        raise
+    signal: CommitSignal | None = None
+    if settings.relay_notify and isinstance(store, SignalsCommits):
+        signal = store.commit_signal()
+    client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0,
+                                     socket_timeout=10.0)
+    relay = EventRelay(store, client, stream=settings.events_stream,
+                       maxlen=settings.events_maxlen, batch_size=settings.relay_batch_size,
+                       batch_bytes=settings.relay_batch_bytes, poll_s=settings.relay_poll_s,
+                       signal=signal,
+                       lease=RelayLease(store, settings.events_stream,
+                                        lease_ms=settings.relay_lease_ms,
+                                        holder=holder_name("relay")),
+                       on_warn=log.warning, close_client=True)
+    role = Role("relay", store, None, services=[relay], service=relay)
+    if heartbeat:
+        _heartbeat(settings, role)
+    return role
+
+
 #: The opener of each role ``serve`` runs.
 OPENERS: dict[str, Callable[..., Awaitable[Role]]] = {
-    "timers": open_timers, "recovery": open_recovery, "attacher": open_attacher}
+    "timers": open_timers, "recovery": open_recovery, "attacher": open_attacher,
+    "relay": open_relay}
 
 
 async def open_role(settings: FleetSettings, name: str, *, heartbeat: bool = True) -> Role:
-    """Build (without starting) the services of ``timers``, ``recovery`` or ``attacher``.
+    """Build (without starting) the services of a role ``serve`` runs (``SERVICE_ROLES``).
 
     The store is opened and read once, so a wrong URL fails here. With
     ``heartbeat``, a ``Heartbeat`` for ``fleet health`` is the last service.
@@ -254,19 +272,39 @@ async def serve(settings: FleetSettings, name: str, *,
     """Run role ``name`` until SIGTERM/SIGINT (or ``until``); its services' stats.
 
     Stops cleanly: services in reverse order (in-flight ticks finish, the
-    attacher acknowledges what it handled, the publisher drains), then the
-    heartbeat file is removed and the store and broker connections close.
+    attacher acknowledges what it handled, the relay finishes its batch and
+    releases its lease), then the heartbeat file is removed and the store and
+    broker connections close. A relay that stopped for good (another writer
+    uses its stream) ends the process with its error.
     """
     role = await open_role(settings, name)
     log.info("fleet %s (pid %d) running: %s", name, os.getpid(),
              ", ".join(s.name for s in role.services))
+    relay = role.service if isinstance(role.service, EventRelay) else None
     try:
-        await run_services(role.services, until=until)
+        await run_services(role.services, until=_first(until, relay))
     finally:
         await role.aclose()
     stats = role.stats()
     log.info("fleet %s stopped: %s", name, stats)
+    if relay is not None and relay.failed is not None:
+        raise relay.failed  # a refusal that can never succeed ends the process
     return stats
+
+
+async def _first(until: Awaitable[Any] | None, relay: EventRelay | None) -> None:
+    """Whichever ends first: ``until``, or the relay stopping for good."""
+    waiters: list[asyncio.Future[Any]] = []
+    if until is not None:
+        waiters.append(asyncio.ensure_future(until))
+    if relay is not None:
+        waiters.append(asyncio.ensure_future(relay.ended()))
+    if not waiters:
+        await asyncio.Event().wait()  # only a signal stops it
+    _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+
 
 
 # --------------------------------------------------------------------------
@@ -335,5 +373,5 @@ def run_flower(settings: FleetSettings, *, port: int | None = None,
 
 
 __all__ = ["OPENERS", "ROLES", "SERVICE_ROLES", "Role", "StoreView", "flower_app",
-           "flower_argv", "open_attacher", "open_recovery", "open_role", "open_timers",
-           "open_worker", "run_flower", "serve"]
+           "flower_argv", "open_attacher", "open_recovery", "open_relay", "open_role",
+           "open_timers", "open_worker", "run_flower", "serve"]

@@ -84,7 +84,8 @@ def up(workers: int, flower: bool, flower_port: int, data_dir: str, as_json: boo
 
     SQLite and an embedded Valkey unless FLEET_DATABASE_URL / FLEET_REDIS_URL
     say otherwise; N workers; the timer service, the recovery sweeper, the
-    reward attacher and the event publisher; Flower.
+    reward attacher and the relay (every committed event onto the events
+    stream); Flower.
     """
     stop = threading.Event()
     signals: list[tuple[signal.Signals, Any]] = []
@@ -125,7 +126,7 @@ def _print_up(fleet: Any, took: float, as_json: bool) -> None:
         "embedded_redis": fleet.embedded_redis, "flower": urls["flower"],
         "flower_auth": fleet.flower_auth,
         "workers": [{"name": w.name, "pid": w.pid, "node": w.node} for w in fleet.workers],
-        "services": ["timers", "recovery", "attacher", "publisher"],
+        "services": ["timers", "recovery", "attacher", "relay"],
         "flows": list(fleet.settings.flows), "queue": fleet.settings.queue,
         "data_dir": urls["data_dir"], "logs": urls["logs"]}
     if as_json:
@@ -140,8 +141,7 @@ def _print_up(fleet: Any, took: float, as_json: bool) -> None:
     rows: list[list[Any]] = [
         ["store", urls["store"]], ["redis: broker and streams", redis],
         *[[w.name, f"pid {w.pid}  {w.node}"] for w in fleet.workers],
-        ["timer service, recovery sweeper,\nreward attacher, event publisher",
-         "in this process"],
+        ["timer service, recovery sweeper,\nreward attacher, relay", "in this process"],
         ["flower", flower], ["flows", ", ".join(fleet.settings.flows)],
         ["queue", fleet.settings.queue], ["logs", urls["logs"]]]
     console.print(_table(f"fleet up ({took:.1f} s): Ctrl-C to stop", ["part", "where"], rows))

@@ -1,4 +1,5 @@
-"""The fleet's processes: ``fleet worker``, ``timers``, ``recovery``, ``attacher``, ``flower``.
+"""The fleet's processes: ``fleet worker``, ``timers``, ``recovery``, ``attacher``, ``relay``,
+``flower``.
 
 Each parses its options and runs what ``fleet.assembly.roles`` builds for its role
 (the worker: ``fleet.workers.run``), the same parts ``fleet up`` runs.
@@ -61,6 +62,10 @@ recovery = _service_command(
 attacher = _service_command(
     "attacher", "Run the reward attacher: verifies signed rewards on the rewards stream and "
     "attaches them as late outcomes (bad ones are dead-lettered), until SIGTERM.")
+relay = _service_command(
+    "relay", "Run the relay: publishes every event the store commits, whoever wrote it, to "
+    "the events stream (FLEET_EVENTS_STREAM) exactly once and in commit order, until "
+    "SIGTERM. Replicas are safe: a lease on the store makes one of them the publisher.")
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -84,4 +89,4 @@ def flower(port: int | None, address: str | None, basic_auth: str | None,
                           extra=flower_args))
 
 
-__all__ = ["attacher", "flower", "recovery", "timers", "worker"]
+__all__ = ["attacher", "flower", "recovery", "relay", "timers", "worker"]

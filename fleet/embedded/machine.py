@@ -13,9 +13,10 @@ N workers           subprocesses, ``celery -A fleet.workers.main worker``, each
                     environment (the reward keys left out: no worker needs them)
 timer service,      in this process, on one event loop thread: each role built
 recovery sweeper,   by ``fleet.assembly.roles.open_role`` exactly as ``fleet
-reward attacher     timers|recovery|attacher`` builds it in its own pod (its
-                    store, its Runtime, its event publisher, its heartbeat in
-                    ``<data_dir>/heartbeats``)
+reward attacher,    timers|recovery|attacher|relay`` builds it in its own pod
+relay               (its store, its Runtime, its heartbeat in
+                    ``<data_dir>/heartbeats``); the relay publishes every
+                    event the store commits to the events stream
 Flower              a subprocess (``celery flower``) on 127.0.0.1, when asked
 ==================  =========================================================
 
@@ -24,19 +25,20 @@ wait on the store and on Redis; four more interpreters would cost about a
 second and 50 MB each on a laptop, for nothing the embedded fleet needs:
 none of them holds a lease or a run, so they are not what a crash must be
 shown to spare. The workers are the part that holds runs, and each is a real
-process that can be killed (``kill_worker``) and recovered from. Every role
-publishes the durable events its runtime writes to the events stream, here as
-in a deployed fleet (``fleet.assembly.roles``).
+process that can be killed (``kill_worker``) and recovered from. The relay
+publishes every event any of them committed to the events stream, here as in
+a deployed fleet (``fleet.assembly.roles``).
 
 **Stopping** (``stop``, or leaving the ``with`` block): the timer service and
 the sweeper stop first (no new drives); every worker gets SIGTERM (a warm
 shutdown: runs in flight are handed back at their next durable point) and
 ``stop_timeout`` seconds, after which its whole process group is SIGKILLed;
-then Flower; then the attacher and the roles' publishers (which drain to
-Redis); then Valkey. Every child is waited for, so none is left behind. The embedded Valkey
-is started with SIGINT blocked: a Ctrl-C in the terminal reaches every process
-of its foreground group, and Valkey would stop at once, under workers still
-shutting down; the fleet stops it last, with SIGTERM. (The workers and Flower
+then Flower; then the attacher and the relay (which publishes what the
+workers committed up to then); then Valkey. Every child is waited for, so
+none is left behind. The embedded Valkey is started with SIGINT blocked: a
+Ctrl-C in the terminal reaches every process of its foreground group, and
+Valkey would stop at once, under workers still shutting down; the fleet stops
+it last, with SIGTERM. (The workers and Flower
 run in sessions of their own, which a terminal's Ctrl-C does not reach.) A
 SIGKILL of this process cannot be cleaned up after: its children would remain.
 
@@ -119,7 +121,7 @@ class EmbeddedFleet:
         app: The fleet's Celery app (control commands, ``inspect``).
         workers: The worker processes (``ChildProcess``), killed ones included.
         services: The in-process services by name (``timers``, ``recovery``,
-            ``attacher``, ``publisher``).
+            ``attacher``, ``relay``).
     """
 
     def __init__(self, settings: FleetSettings | None = None, *, workers: int = 2,

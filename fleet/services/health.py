@@ -1,7 +1,7 @@
 """Is this fleet process healthy? Its event loop's heartbeat, its broker, its store.
 
 Each long-running fleet process (a worker, the timer service, the recovery
-sweeper, the reward attacher) runs a ``Heartbeat`` on its event loop: every
+sweeper, the reward attacher, the relay) runs a ``Heartbeat`` on its event loop: every
 second, from inside the loop, it rewrites ``fleet-<component>.heartbeat`` in
 ``FLEET_HEARTBEAT_DIR`` (default: the temp dir). A loop that is stuck (a step
 that blocks it, a deadlock) stops rewriting it, while the process itself is
@@ -41,7 +41,7 @@ from fleet.kernel.store.factory import open_event_store, open_postgres_event_sto
 
 log = logging.getLogger("fleet.health")
 
-COMPONENTS: tuple[str, ...] = ("worker", "timers", "recovery", "attacher")
+COMPONENTS: tuple[str, ...] = ("worker", "timers", "recovery", "attacher", "relay")
 BEAT_INTERVAL_S = 1.0
 PROBE_EXECUTION_ID = "fleet:health-probe"
 _REDIS_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "unix")
@@ -299,9 +299,9 @@ def check_store(settings: FleetSettings, timeout_s: float = 2.0) -> Check:
 
 
 def broker_url_for(settings: FleetSettings, component: str) -> str | None:
-    """The broker a component needs: the reward attacher reads Redis streams, the
-    others enqueue (or take) drives on the Celery broker."""
-    if component == "attacher":
+    """The broker a component needs: the reward attacher and the relay use Redis
+    streams, the others enqueue (or take) drives on the Celery broker."""
+    if component in ("attacher", "relay"):
         return settings.redis_url
     return settings.broker_url or settings.redis_url
 

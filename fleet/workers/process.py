@@ -122,8 +122,7 @@ class WorkerProcess:
         self.slot = slot
         self.loop = EventLoopThread(f"fleet-loop-{os.getpid()}")
         self.counters = WorkerCounters()
-        # Forwarded every durable event this process writes (after the events
-        # stream's publisher, which the role wires in).
+        # Forwarded every durable event this process writes.
         self.event_observer: EventObserver | None = None
         self._role: Role | None = None
         self._runtime: Runtime | None = None
@@ -158,7 +157,7 @@ class WorkerProcess:
         return cast(EventStore, self._writes)
 
     async def _open(self) -> None:
-        # The store, the runtime, the event publisher and the heartbeat: built as
+        # The store, the runtime and the heartbeat: built as
         # every role's are (fleet.assembly.roles), started here on the loop.
         role = await open_worker(self.settings, slot=self.slot,
                                  on_durable_event=self._observe, on_beat=self._poll_drain,
@@ -175,11 +174,7 @@ class WorkerProcess:
             raise
         self._role = role
         self._store = role.store
-        self._runtime = role.runtime
-        publisher = role.publisher
-        if publisher is not None:
-            stats.register_stats_source(
-                "events", lambda: {"stream_lag_ms": int(publisher.stats()["lag_ms"])})
+        self._runtime = role.require_runtime()
 
     def close(self) -> None:
         """Wait for the runs driven here, close the store, stop the loop."""
@@ -196,10 +191,7 @@ class WorkerProcess:
         role, self._role = self._role, None
         if role is None:
             return
-        if role.publisher is not None:
-            stats.unregister_stats_source("events")
-        # The heartbeat stops (its file removed), then the publisher sends what is
-        # buffered (within its timeout), then the store closes.
+        # The heartbeat stops (its file removed), then the store closes.
         for service in reversed(start_order(role.services)):
             try:
                 await service.stop()

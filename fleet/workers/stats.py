@@ -17,16 +17,16 @@ divergence_parked        runs parked on the divergence gate
 handed_back              runs let go at shutdown (lease released, re-enqueued)
 outcomes_attached        late outcomes attached (the reward attacher, if here)
 outcomes_dead_lettered   reward messages dead-lettered (the attacher, if here)
-stream_lag_ms            the events stream's publishing lag (the publisher)
 =======================  ===================================================
 
 and ``deliveries``, ``idle`` (nothing to do: already parked or ended),
 ``aborted``, ``errors``, ``active`` (runs in flight now).
 
-**The hook for the stream services.** The last three come from services that
-may run in the worker process (the durable-event publisher, the reward
-attacher): such a service calls ``register_stats_source(name, fn)`` where
-``fn()`` returns a mapping of those keys; until one does, they read 0.
+**The hook for the stream services.** The last two come from a service that
+may run in the worker process (the reward attacher): such a service calls
+``register_stats_source(name, fn)`` where ``fn()`` returns a mapping of those
+keys; until one does, they read 0. (The events stream's lag is the relay's:
+``fleet relay`` reports it, not the workers.)
 
 **Prefork.** Tasks run in child processes, but ``inspect stats`` is answered by
 the parent. Each child publishes its totals after every task into its own row
@@ -51,7 +51,7 @@ COUNTERS: tuple[str, ...] = (
     "timers_fired", "divergence_warnings", "divergence_parked", "outcomes_attached",
     "outcomes_dead_lettered", "deliveries", "idle", "aborted", "errors", "handed_back")
 # Gauges: read as they are now, never summed over time.
-GAUGES: tuple[str, ...] = ("stream_lag_ms", "active")
+GAUGES: tuple[str, ...] = ("active",)
 FIELDS: tuple[str, ...] = COUNTERS + GAUGES
 
 _sources: dict[str, StatsSource] = {}
@@ -62,8 +62,8 @@ def register_stats_source(name: str, source: StatsSource) -> None:
     """Add counters from a service running in this process (replaces ``name``'s).
 
     ``source()`` returns a mapping with any of ``outcomes_attached``,
-    ``outcomes_dead_lettered``, ``stream_lag_ms`` (or other numeric keys,
-    which are reported as they are). It is called when stats are asked for
+    ``outcomes_dead_lettered`` (or other numeric keys, which are reported as
+    they are). It is called when stats are asked for
     and must not block.
     """
     with _sources_lock:
@@ -123,8 +123,7 @@ class SharedBoard:
             for name in COUNTERS:
                 out[name] += row[name]
             out["active"] += row["active"]
-            out["stream_lag_ms"] = max(out["stream_lag_ms"], row["stream_lag_ms"])
-        return {k: int(v) if k != "stream_lag_ms" else v for k, v in out.items()}
+        return {k: int(v) for k, v in out.items()}
 
 
 _board: SharedBoard | None = None

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from fleet.assembly.roles import OPENERS, SERVICE_ROLES, Role, open_role, open_worker
+from fleet.streams.relay import EventRelay
 from fleet.config import FleetSettings
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.store.spi import EventStore
@@ -24,7 +25,7 @@ FLOWS = ["worker_unit_flows:double"]
 def _settings(tmp_path: Path, **changes: Any) -> FleetSettings:
     base: dict[str, Any] = {
         "database_url": f"sqlite:///{tmp_path / 'fleet.db'}", "broker_url": "memory://",
-        # A Redis nobody listens on: the publisher and the attacher only connect on start.
+        # A Redis nobody listens on: the relay and the attacher only connect on start.
         "redis_url": "redis://127.0.0.1:1/0", "flows": FLOWS, "lease_ms": 12_345,
         "divergence": "fail", "sha256_flow_hash": True, "strict": True,
         "reward_keys": {"p": "k"}, "heartbeat_dir": str(tmp_path / "beats")}
@@ -33,7 +34,7 @@ def _settings(tmp_path: Path, **changes: Any) -> FleetSettings:
 
 
 def _assert_configured(role: Role, settings: FleetSettings) -> None:
-    runtime = role.runtime
+    runtime = role.require_runtime()
     assert runtime.divergence == settings.divergence
     assert runtime.features.sha256_flow_hash is settings.sha256_flow_hash
     assert runtime.strict is settings.strict
@@ -43,7 +44,10 @@ def _assert_configured(role: Role, settings: FleetSettings) -> None:
     assert runtime.flows.latest("unit-double") is not None
 
 
-@pytest.mark.parametrize("name", SERVICE_ROLES)
+WRITERS = [name for name in SERVICE_ROLES if name != "relay"]
+
+
+@pytest.mark.parametrize("name", WRITERS)
 async def test_every_service_role_is_built_from_the_same_settings(tmp_path: Path,
                                                                   name: str) -> None:
     settings = _settings(tmp_path)
@@ -51,37 +55,48 @@ async def test_every_service_role_is_built_from_the_same_settings(tmp_path: Path
     try:
         _assert_configured(role, settings)
         names = [service.name for service in role.services]
-        # The events stream's publisher first, the role's own service, the heartbeat last.
-        assert names[0] == "event-publisher"
-        assert names[-1] == "heartbeat"
-        assert role.service is role.services[1]
-        assert role.publisher is role.services[0]
+        # The role's own service, then the heartbeat; no publisher (the relay's job).
+        assert names == [role.services[0].name, "heartbeat"]
+        assert "event-publisher" not in names
+        assert role.service is role.services[0]
+        runtime = role.require_runtime()
+        assert runtime.on_durable_event is None
         if name == "attacher":
             # Only the attacher's runtime lets a producer annotate (decision 0011).
-            assert role.runtime.access_policy.rule_for("annotate") == "any"
+            assert runtime.access_policy.rule_for("annotate") == "any"
             assert role.dispatcher is None
         else:
-            assert role.runtime.access_policy.rule_for("annotate") == "owner"
+            assert runtime.access_policy.rule_for("annotate") == "owner"
             assert role.dispatcher is not None
             assert role.dispatcher.runtime is not None
     finally:
         await role.aclose()
 
 
-async def test_without_the_events_stream_no_role_has_a_publisher(tmp_path: Path) -> None:
-    settings = _settings(tmp_path, publish_events=False)
-    for name in ("timers", "recovery"):
-        role = await open_role(settings, name)
-        try:
-            assert role.publisher is None
-            assert [s.name for s in role.services] == [name, "heartbeat"]
-        finally:
-            await role.aclose()
-    role = await open_role(settings, "attacher", heartbeat=False)
+async def test_the_relay_role_reads_the_store_and_publishes_under_a_lease(
+        tmp_path: Path) -> None:
+    settings = _settings(tmp_path, events_stream="ev:x", events_maxlen=777,
+                         relay_batch_size=33, relay_batch_bytes=4096, relay_lease_ms=4000,
+                         relay_poll_s=0.5, group_commit=True)
+    role = await open_role(settings, "relay")
     try:
-        assert [s.name for s in role.services] == ["reward-attacher"]
+        assert role.runtime is None
+        with pytest.raises(ConfigurationError, match="no Runtime"):
+            role.require_runtime()
+        assert [s.name for s in role.services] == ["relay", "heartbeat"]
+        relay = role.service
+        assert isinstance(relay, EventRelay)
+        assert (relay.stream, relay.maxlen, relay.batch_size, relay.batch_bytes,
+                relay.poll_s) == ("ev:x", 777, 33, 4096, 0.5)
+        assert relay.lease is not None
+        assert relay.lease.lease_ms == 4000
+        assert relay.lease.holder.startswith("relay:")
+        assert relay.signal is None  # SQLite: it polls
+        assert type(role.store).__name__ == "SqliteEventStore"  # read only: no group commit
     finally:
         await role.aclose()
+    with pytest.raises(ConfigurationError, match="FLEET_REDIS_URL"):
+        await open_role(_settings(tmp_path, redis_url=None), "relay")
 
 
 async def test_the_worker_role_writes_through_a_view_and_keeps_the_store(
@@ -97,7 +112,7 @@ async def test_the_worker_role_writes_through_a_view_and_keeps_the_store(
     try:
         _assert_configured(role, settings)
         assert seen == [role.store]
-        assert [s.name for s in role.services] == ["event-publisher", "heartbeat"]
+        assert [s.name for s in role.services] == ["heartbeat"]
         assert str(role.services[-1].stats()["path"]).endswith("fleet-worker-3.heartbeat")
     finally:
         await role.aclose()
@@ -106,7 +121,7 @@ async def test_the_worker_role_writes_through_a_view_and_keeps_the_store(
 async def test_unknown_roles_and_missing_settings_are_refused(tmp_path: Path) -> None:
     settings = _settings(tmp_path)
     assert set(OPENERS) == set(SERVICE_ROLES)
-    for name in ("worker", "flower", "relay", ""):
+    for name in ("worker", "flower", "publisher", ""):
         with pytest.raises(ConfigurationError, match="unknown service role"):
             await open_role(settings, name)
     with pytest.raises(ConfigurationError, match="no producer keys"):

@@ -110,10 +110,11 @@ def test_up_and_down_leaves_no_process_and_removes_its_temporary_directory() -> 
                           _Missing).status == "completed")
         stats = fleet.stats()
         assert stats["worker_totals"]["completed"] == 1
-        assert set(stats["services"]) == {"timers", "recovery", "attacher"}
-        # Each role runs what its own pod runs: its publisher and its heartbeat too.
-        for role in ("timers", "recovery", "attacher"):
-            assert set(stats["roles"][role]) >= {"event-publisher", "heartbeat"}
+        assert set(stats["services"]) == {"timers", "recovery", "attacher", "relay"}
+        # Each role runs what its own pod runs: its heartbeat too, and no publisher.
+        for role in ("timers", "recovery", "attacher", "relay"):
+            assert "heartbeat" in stats["roles"][role]
+            assert "event-publisher" not in stats["roles"][role]
             assert (fleet.data_dir / "heartbeats" / f"fleet-{role}.heartbeat").exists()
         data_dir = fleet.data_dir
         assert (data_dir / "fleet.db").exists()
@@ -226,6 +227,11 @@ def check_summary(summary: dict[str, Any]) -> None:
         assert math.isfinite(evaluation["snips"])
         assert math.isfinite(evaluation["ips"])
     assert summary["stats"]["timers_fired"] == executions["started"]
+    # The events stream is the log: every event any process committed, each once.
+    stats = summary["stats"]
+    assert stats["events_committed"] > executions["started"] * 5
+    assert stats["events_stream_length"] == stats["events_committed"] == (
+        stats["events_published"])
     assert summary["shutdown"]["left_running"] == []
     assert summary["shutdown"]["sigkilled_after_timeout"] == []
 

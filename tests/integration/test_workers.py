@@ -411,7 +411,7 @@ async def test_sigkill_chaos_every_execution_completes_exactly_once_per_step(
 
 FLEET_KEYS = {"drives", "completed", "failed", "parked", "stepped_aside", "fenced_out",
               "recovered", "timers_fired", "divergence_warnings", "divergence_parked",
-              "outcomes_attached", "outcomes_dead_lettered", "stream_lag_ms"}
+              "outcomes_attached", "outcomes_dead_lettered"}
 
 
 async def test_flower_shows_the_fleet_counters_and_they_move(fleet: Fleet) -> None:

@@ -100,10 +100,14 @@ class PostgresCommitSignal:
         self.channel = channel
         self._conn: Any = None
         self._heard = asyncio.Event()
+        self._armed = False
+        self.armings = 0
         self.signals = 0
         self.failures = 0
 
     async def arm(self) -> bool:
+        if self._armed and self._conn is not None and not self._conn.is_closed():
+            return True  # nobody rang since the last arming: the bell is still armed
         try:
             if self._conn is None or self._conn.is_closed():
                 await self._drop()
@@ -113,6 +117,8 @@ class PostgresCommitSignal:
                 self._conn = conn
             self._heard.clear()
             await self._conn.execute(_ARM_SQL, self.channel)
+            self._armed = True
+            self.armings += 1
             return True
         except Exception:  # noqa: BLE001 - no signal is a fallback to polling, not an error
             self.failures += 1
@@ -130,12 +136,15 @@ class PostgresCommitSignal:
 
     def _on_notify(self, *_: Any) -> None:
         self.signals += 1
+        self._armed = False  # a writer disarmed it to ring
         self._heard.set()
 
     def _on_lost(self, *_: Any) -> None:
+        self._armed = False
         self._heard.set()  # wake the reader: it re-arms on a new connection
 
     async def _drop(self) -> None:
+        self._armed = False
         conn, self._conn = self._conn, None
         if conn is not None and not conn.is_closed():
             with contextlib.suppress(Exception):

@@ -272,6 +272,7 @@ class SnapshotStore(Protocol):
     async def close(self) -> None: ...
 
 
+
 # --------------------------------------------------------------------------
 # Shared logic every backend uses.
 # --------------------------------------------------------------------------
@@ -360,6 +361,13 @@ class CommitSignal(Protocol):
     async def wait(self, timeout: float) -> bool: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class SignalsCommits(Protocol):
+    """Optional: a store that makes a ``CommitSignal`` (Postgres: LISTEN/NOTIFY)."""
+
+    def commit_signal(self) -> CommitSignal: ...
 
 
 def creation_anchor(first: EventEnvelope) -> str:
