@@ -173,7 +173,7 @@ class EventRelay:
         signal: Wakes a caught-up relay on the next commit (Postgres).
         lease: Only its holder publishes (None: this one always does).
         on_warn: Where faults are reported (rate-limited).
-        close_client: Close ``redis`` (and the signal) on ``stop``.
+        close_client: Close ``redis`` on ``stop`` (the signal is always closed).
 
     ``stats()``: ``published`` (entries added), ``present`` (entries Redis
     already had: a re-send refused), ``batches``, ``errors``, ``position`` (the
@@ -239,9 +239,9 @@ class EventRelay:
             self._task = None
         if self.lease is not None:
             await self.lease.release()
+        if self.signal is not None:
+            await self.signal.close()  # the relay owns its signal (a connection of its own)
         if self._close_client:
-            if self.signal is not None:
-                await self.signal.close()
             await self.redis.aclose()
 
     async def ended(self) -> None:

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from fleet.assembly.roles import OPENERS, SERVICE_ROLES, Role, open_role, open_worker
-from fleet.streams.relay import EventRelay
 from fleet.config import FleetSettings
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.store.spi import EventStore
+from fleet.streams.relay import EventRelay
 
 FLOWS = ["worker_unit_flows:double"]
 
