@@ -20,7 +20,7 @@ from fleet.streams.events import (
     parse_entry,
     stream_bounds,
 )
-from fleet.streams.redis_client import ResponseError, aioredis, as_text, read_entries
+from fleet.streams.redis_client import aioredis, as_text, read_entries
 
 
 @click.group()
@@ -88,14 +88,15 @@ async def _tail(settings: FleetSettings, after: Position | None, wanted: EventFi
         return count is not None and printed >= count
 
     try:
-        first, gone = await stream_bounds(client, stream)
+        bounds = await stream_bounds(client, stream)
         if after is None:
-            cursor = await _last_id(client, stream)
+            cursor = str(bounds.last)
         else:
-            if gone > after:  # trimmed above where we start: the store has those events
+            end = bounds.gap_after(after)
+            if end is not None:  # the stream lost some above where we start: read the store
                 store = open_store_at(resolve_store_url(db))
                 try:
-                    async for committed in backfill(store, after=after, until=first):
+                    async for committed in backfill(store, after=after, until=end):
                         after = committed.position
                         if show(committed):
                             return
@@ -120,20 +121,6 @@ async def _tail(settings: FleetSettings, after: Position | None, wanted: EventFi
                     return
     finally:
         await client.aclose()
-
-
-async def _last_id(client: aioredis.Redis, stream: str) -> str:
-    """The stream's last id now ('0-0' when there is none): 'from now on' starts here."""
-    try:
-        info = await client.xinfo_stream(stream)
-    except ResponseError as exc:
-        if "no such key" in str(exc).lower():
-            return "0-0"
-        raise
-    for key, value in info.items():
-        if as_text(key) == "last-generated-id":
-            return as_text(value)
-    return "0-0"
 
 
 __all__ = ["events"]

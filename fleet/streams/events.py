@@ -33,7 +33,8 @@ from fleet.streams.consumer import Reject, StreamConsumer, StreamEntry, default_
 from fleet.streams.redis_client import ResponseError, aioredis, as_text
 
 __all__ = ["Checkpoint", "EventFilter", "EventHandler", "EventStreamConsumer",
-           "RedisCheckpoint", "backfill", "committed_to_json", "parse_entry", "stream_bounds"]
+           "RedisCheckpoint", "StreamBounds", "backfill", "committed_to_json", "parse_entry",
+           "stream_bounds"]
 
 EventHandler = Callable[[CommittedEvent], Awaitable[Any]]
 
@@ -109,24 +110,47 @@ async def backfill(store: EventStore, *, after: Position = ORIGIN,
         after = batch[-1].position
 
 
-async def stream_bounds(redis: aioredis.Redis, stream: str
-                        ) -> tuple[Position | None, Position]:
-    """(the first entry's position or None when empty, the highest position ever trimmed or
-    deleted: ``0-0`` when none): what a reader compares its position with."""
+@dataclass(frozen=True, slots=True)
+class StreamBounds:
+    """What the stream holds now: its first entry, its last id, how many entries it lost.
+
+    ``removed`` counts entries added and since trimmed or deleted; 0 means the
+    stream still holds everything ever published to it.
+    """
+
+    first: Position | None  # None: empty
+    last: Position          # the last id ever added (ORIGIN: none)
+    removed: int
+
+    def gap_after(self, position: Position) -> Position | None:
+        """Where what a reader at ``position`` could have lost ends (exclusive): the
+        first entry still held; None when it cannot have lost anything."""
+        if self.removed <= 0:
+            return None
+        if self.first is None:
+            return Position(self.last.major, self.last.minor + 1) if self.last > position \
+                else None
+        return self.first if position < self.first else None
+
+
+async def stream_bounds(redis: aioredis.Redis, stream: str) -> StreamBounds:
+    """The stream's ``StreamBounds`` (an absent stream: empty, nothing lost)."""
     try:
         info = await redis.xinfo_stream(stream)
     except ResponseError as exc:
         if "no such key" in str(exc).lower():
-            return None, ORIGIN
+            return StreamBounds(None, ORIGIN, 0)
         raise
     first = _field(info, "first-entry")
-    deleted = _field(info, "max-deleted-entry-id")
-    head = Position.parse(as_text(first[0])) if first else None
+    last = _field(info, "last-generated-id")
+    added, length = _field(info, "entries-added"), _field(info, "length")
     try:
-        gone = Position.parse(as_text(deleted)) if deleted is not None else ORIGIN
+        last_position = Position.parse(as_text(last)) if last is not None else ORIGIN
     except FleetError:
-        gone = ORIGIN
-    return head, gone
+        last_position = ORIGIN
+    removed = int(added) - int(length) if added is not None and length is not None else 0
+    return StreamBounds(Position.parse(as_text(first[0])) if first else None, last_position,
+                        removed)
 
 
 def _field(info: Any, name: str) -> Any:
@@ -246,24 +270,31 @@ class EventStreamConsumer:
                 "position": None if self.position is None else str(self.position)}
 
     async def fell_behind(self) -> bool:
-        """Whether entries above this consumer's position were trimmed before it read them."""
-        _, gone = await stream_bounds(self.redis, self.stream)
-        return gone > (self.position or ORIGIN)
+        """Whether the stream lost events above this consumer's position before it read
+        them (asks the store when it has one: otherwise it may say True wrongly)."""
+        end = (await stream_bounds(self.redis, self.stream)).gap_after(
+            self.position or ORIGIN)
+        if end is None:
+            return False
+        if self.store is None:
+            return True
+        missed = await self.store.read_committed(after=self.position or ORIGIN, limit=1)
+        return bool(missed) and missed[0].position < end
 
     async def backfill(self) -> int:
-        """Hand the handler what the stream trimmed away above the position; how many.
+        """Hand the handler what the stream lost above the position; how many.
 
         Reads the store from the position (the start, without one) up to the
         stream's first entry; nothing when the stream has lost nothing above it.
         """
         if self.store is None:
             raise ValidationError("backfill needs the store: EventStreamConsumer(store=...)")
-        first, gone = await stream_bounds(self.redis, self.stream)
         after = self.position or ORIGIN
-        if gone <= after:
+        end = (await stream_bounds(self.redis, self.stream)).gap_after(after)
+        if end is None:
             return 0
         count = 0
-        async for committed in backfill(self.store, after=after, until=first):
+        async for committed in backfill(self.store, after=after, until=end):
             await self._consume(committed)
             count += 1
         self.backfilled += count

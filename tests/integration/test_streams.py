@@ -14,6 +14,7 @@ import hmac
 import json
 import socket
 import time
+import tracemalloc
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -272,8 +273,8 @@ async def rewards(redis: aioredis.Redis, ns: str) -> AsyncIterator[Rewards]:
 
 async def test_publisher_delivers_every_durable_event_as_the_log_holds_it(
         redis: aioredis.Redis, ns: str, tmp_path: Path) -> None:
-    settings = FleetSettings(redis_url=server_url(), events_stream=f"{ns}events")
-    publisher = EventPublisher.from_settings(settings)
+    settings = FleetSettings(redis_url=server_url())
+    publisher = EventPublisher.from_settings(settings, stream=f"{ns}events")
     store: EventStore = SqliteEventStore(str(tmp_path / "fleet.db"))
     rt = Runtime(store, flows=[deal, gated], access_policy=ANNOTATE_ANY,
                  on_durable_event=publisher.on_durable_event)
@@ -305,7 +306,7 @@ async def test_publisher_delivers_every_durable_event_as_the_log_holds_it(
             assert by_execution[eid] == [e.to_json() for e in await store.read(eid)]
             total += len(by_execution[eid])
         assert publisher.stats() == {"published": total, "dropped": 0, "buffered": 0,
-                                     "errors": 0, "lag_ms": 0.0}
+                                     "buffered_bytes": 0, "errors": 0, "lag_ms": 0.0}
     finally:
         await publisher.stop()
         await rt.close()
@@ -350,12 +351,51 @@ async def test_an_unreachable_redis_neither_slows_nor_breaks_a_run(
         assert stats["published"] + stats["dropped"] + stats["buffered"] == seen
         assert stats["lag_ms"] > 0
         await eventually(lambda: publisher.errors > 0, 5, "a failed send")
-        assert any("dropping the oldest" in w for w in warnings)
+        assert any("dropped the oldest" in w for w in warnings)
     finally:
         await publisher.stop()
     stats = publisher.stats()
     assert stats["buffered"] == 0
     assert stats["dropped"] == seen
+
+
+async def test_with_redis_down_large_events_are_bounded_in_bytes_not_just_count() -> None:
+    # Issue 10 item 6: 4,000 events of 256 KiB held ~1 GiB under a bound of 10,000
+    # events. The buffer's bytes are bounded too; the oldest go, counted and warned.
+    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0",
+                                     socket_timeout=0.3, socket_connect_timeout=0.3)
+    warnings: list[str] = []
+    bound = 4 * 1024 * 1024
+    publisher = EventPublisher(client, stream="never", buffer_bytes=bound, batch_size=8,
+                               drain_timeout_s=0.2, on_warn=warnings.append, close_client=True)
+    await publisher.start()
+    size = 256 * 1024
+    tracemalloc.start()
+    try:
+        for n in range(400):  # 100 MiB offered while Redis is down
+            publisher.on_durable_event(EventEnvelope.make(
+                "big", n, EventType.STEP_COMPLETED, 1, {"stepId": f"s{n}", "attempt": 1,
+                                                         "output": "x" * size}))
+            if n % 50 == 0:
+                await asyncio.sleep(0.01)  # let the sender try (and fail)
+        stats = publisher.stats()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        await publisher.stop()
+    assert stats["buffered_bytes"] <= bound
+    assert stats["buffered"] <= bound // size
+    assert stats["dropped"] == 400 - stats["buffered"]
+    assert peak < 4 * bound, peak  # what it holds, and one event's copies; not 100 MiB
+    assert any("dropped the oldest" in w for w in warnings)
+    alone = EventPublisher(client, stream="never", buffer_bytes=size)  # smaller than one event
+    alone.on_durable_event(EventEnvelope.make("big", 0, EventType.STEP_COMPLETED, 1, {
+        "stepId": "s", "attempt": 1, "output": "x" * size}))
+    assert alone.stats()["buffered"] == 0
+    assert alone.dropped == 1
+    with pytest.raises(ConfigurationError, match="relay's stream"):
+        EventPublisher.from_settings(FleetSettings(redis_url=server_url()),
+                                     stream="fleet:events")
 
 
 async def test_publisher_buffers_through_an_outage_and_reconnects(
