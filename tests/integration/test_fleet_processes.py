@@ -1,9 +1,11 @@
 """The fleet's commands as real processes: ``fleet worker``, ``fleet timers``,
-``fleet recovery``, ``fleet attacher`` and ``fleet flower`` subprocesses on Redis
-and Postgres, driven by ``fleet start/resume/send/cancel``, ``fleet reward
-submit`` and ``fleet status``, probed by ``fleet health``; and a worker's
-graceful shutdown measured against a crash: SIGTERM mid-run hands the execution
-back at once, SIGKILL leaves it to the lease expiry and the recovery sweeper.
+``fleet recovery``, ``fleet attacher``, ``fleet relay`` and ``fleet flower``
+subprocesses on Redis and Postgres, driven by ``fleet start/resume/send/cancel``,
+``fleet reward submit`` and ``fleet status``, probed by ``fleet health``; a
+worker's graceful shutdown measured against a crash: SIGTERM mid-run hands the
+execution back at once, SIGKILL leaves it to the lease expiry and the recovery
+sweeper; and at the end, the events stream holding every event every one of
+them (and the command line) wrote.
 
 Redis database 11 is this module's; queues, streams and node names carry a
 random token, and the store is a throwaway Postgres database, so concurrent
@@ -31,15 +33,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from fleet_process_flows import ALL
 from postgres_server import throwaway_database
 from redis_server import url_with_db
+from relay_kit import assert_stream_is_the_log, stream_events, wait_published
 
 from fleet.config import FleetSettings
 from fleet.host.kernel import open_store
 from fleet.host.loop import EventLoopThread
 from fleet.kernel.events import EventEnvelope
-from fleet.kernel.store.spi import EventStore, ExecutionSummary
+from fleet.kernel.flows import load_flows
+from fleet.kernel.fold import fold_log
+from fleet.kernel.runtime import Runtime
+from fleet.kernel.store.factory import open_snapshot_store
+from fleet.kernel.store.spi import CommittedEvent, EventStore, ExecutionSummary, Snapshot
+from fleet.streams.events import EventStreamConsumer, RedisCheckpoint
 from fleet.workers import make_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -226,7 +235,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             built.cli("db", "upgrade")
             starting = [built.start_worker("a", [queue, block_queue]),
                         built.start_worker("b", [queue]),
-                        *(built.start_service(c) for c in ("timers", "recovery", "attacher"))]
+                        *(built.start_service(c)
+                          for c in ("timers", "recovery", "attacher", "relay"))]
             for proc in starting:
                 built.wait_ready(proc)
             yield built
@@ -248,7 +258,7 @@ def _first(events: list[EventEnvelope], kind: str) -> EventEnvelope:
 # -- health ---------------------------------------------------------------------------
 
 def test_every_process_is_healthy_and_says_so_in_one_line(fleet: Fleet) -> None:
-    for component in ("worker", "timers", "recovery", "attacher"):
+    for component in ("worker", "timers", "recovery", "attacher", "relay"):
         proc = fleet.procs["a" if component == "worker" else component]
         done = fleet.health(component, proc)
         assert done.returncode == 0, (component, done.stdout, done.stderr)
@@ -374,6 +384,47 @@ def test_a_reward_from_the_command_line_is_attached_and_a_forged_one_dead_letter
         client.close()
     assert dead["dead_reason"] == "bad_signature"
     assert _types(fleet.store.read(eid)).count("OUTCOME_RECORDED") == 1
+
+
+def test_a_late_reward_attached_by_the_attacher_reaches_a_stream_consumer(
+        fleet: Fleet) -> None:
+    # The reward is written by the attacher's process, the start by the client's
+    # (the command line), the steps by a worker's: a consumer of the events
+    # stream sees all of it, in order, ending with the late reward.
+    eid = fleet.cli("start", "proc-decide", "--input", "9").stdout.strip()
+    fleet.store.until(eid, "completed")
+    seen: list[EventEnvelope] = []
+
+    async def handle(committed: CommittedEvent) -> None:
+        if committed.event.execution_id == eid:
+            seen.append(committed.event)
+
+    async def open_consumer() -> tuple[aioredis.Redis, EventStreamConsumer]:
+        client = aioredis.Redis.from_url(fleet.settings.broker)
+        consumer = EventStreamConsumer(
+            client, handle, stream=fleet.env["FLEET_EVENTS_STREAM"],
+            group=f"trainer-{fleet.token}", block_ms=100,
+            checkpoint=RedisCheckpoint(client, f"{fleet.env['FLEET_EVENTS_STREAM']}:cp"))
+        await consumer.start()
+        return client, consumer
+
+    client, consumer = fleet.store.loop.run_coroutine(open_consumer(), timeout=30)
+    try:
+        fleet.cli("reward", "submit", "--execution", eid, "--decision", "size",
+                  "--producer", PRODUCER, "--key", "csat:late", "--score", "0.75")
+        deadline = time.monotonic() + 30
+        while not (seen and str(seen[-1].type) == "OUTCOME_RECORDED"):
+            assert time.monotonic() < deadline, _types(seen)
+            time.sleep(0.05)
+    finally:
+        fleet.store.loop.run_coroutine(consumer.stop(), timeout=30)
+        fleet.store.loop.run_coroutine(client.aclose(), timeout=30)
+    reward = seen[-1]
+    assert reward.payload["score"] == 0.75
+    assert reward.payload["late"] is True
+    assert reward.payload["recordedBy"] == f"producer:{PRODUCER}"
+    assert [e.to_json() for e in seen] == [e.to_json() for e in fleet.store.read(eid)]
+    assert str(seen[0].type) == "EXECUTION_STARTED"  # the client's write, not a worker's
 
 
 # -- flower ---------------------------------------------------------------------------
@@ -515,3 +566,68 @@ def test_sigterm_hands_the_run_back_sooner_than_sigkill_loses_it(
     # The crash waits at least for the lease the victim renewed last (a third of
     # a lease before the kill at most).
     assert killed.takeover_s > lease_s * 2 / 3
+
+
+# -- the events stream is the log: every writer, every event, once ------------------------
+
+def test_the_events_stream_holds_every_event_every_writer_committed(fleet: Fleet) -> None:
+    """Last in the module, after every other writer ran: the dispatcher (start, resume,
+    send, cancel), the workers (including the ones SIGTERMed and SIGKILLed), the timer
+    service, the sweeper, the attacher; then the command line (``fleet outcome
+    attach``, ``fleet repair terminal-event``) and a migration (``resume_as``)."""
+    attach = fleet.cli("start", "proc-decide", "--input", "2").stdout.strip()
+    repaired = fleet.cli("start", "proc-decide", "--input", "3").stdout.strip()
+    migrated = fleet.cli("start", "proc-decide", "--input", "4").stdout.strip()
+    for eid in (attach, repaired, migrated):
+        fleet.store.until(eid, "completed")
+    done = fleet.cli("outcome", "attach", "--execution", attach, "--decision", "size",
+                     "--key", "ops:1", "--score", "1", "--json")
+    assert json.loads(done.stdout)["appended"] is True
+    # A log an older kernel compacted without its terminal event, repaired from the CLI.
+    original = fleet.store.read(repaired)
+
+    async def old_compaction() -> None:
+        snapshots = open_snapshot_store(fleet.settings.database_url)
+        try:
+            await snapshots.save(Snapshot(repaired, original[-1].sequence,
+                                          fold_log(original).to_dict()))
+        finally:
+            await snapshots.close()
+        await fleet.store.store.compact_through(repaired, original[-1].sequence)
+
+    fleet.store.loop.run_coroutine(old_compaction(), timeout=30)
+    fixed = fleet.cli("repair", "terminal-event", repaired, "--apply", "--json")
+    assert json.loads(fixed.stdout)["action"] == "written", fixed.stdout
+
+    async def migrate() -> None:
+        runtime = Runtime(fleet.store.store, flows=load_flows(ALL.split(",")))
+        handle = await runtime.resume_as(migrated, version=1)
+        await handle.result(timeout=30)
+
+    fleet.store.loop.run_coroutine(migrate(), timeout=60)
+    assert "EXECUTION_MIGRATED" in _types(fleet.store.read(migrated))
+
+    restored = fleet.store.read(repaired)[-1]
+    assert restored.metadata.get("restoredTerminal") is True
+
+    async def check() -> None:
+        client = aioredis.Redis.from_url(fleet.settings.broker)
+        stream = fleet.env["FLEET_EVENTS_STREAM"]
+        try:
+            await wait_published(client, stream, fleet.store.store, timeout=60)
+            # Compaction removed events from the repaired log after the relay had
+            # published them: the stream still has them, then the restored end.
+            published = await assert_stream_is_the_log(client, stream, fleet.store.store,
+                                                       ignore={repaired})
+            ours = [c.event for c in await stream_events(client, stream)
+                    if c.event.execution_id == repaired]
+            assert [e.to_json() for e in ours] == [e.to_json() for e in
+                                                    (*original, restored)]
+            writers = {str(c.event.type) for c in published}
+            assert {"EXECUTION_STARTED", "EXECUTION_RESUMED", "MESSAGE_RECEIVED",
+                    "EXECUTION_CANCELLED", "TIMER_FIRED", "RECOVERED", "OUTCOME_RECORDED",
+                    "EXECUTION_MIGRATED", "EXECUTION_COMPLETED"} <= writers
+        finally:
+            await client.aclose()
+
+    fleet.store.loop.run_coroutine(check(), timeout=120)
