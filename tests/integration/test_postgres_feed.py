@@ -19,7 +19,7 @@ from postgres_server import throwaway_database
 
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.conformance import make_event, started
-from fleet.kernel.store.conformance_feed import check_feed, read_feed
+from fleet.kernel.store.conformance_feed import check_feed, settled_feed
 from fleet.kernel.store.pg_queries import APPEND_SQL, Write
 from fleet.kernel.store.postgres import PostgresEventStore
 from fleet.kernel.store.spi import ORIGIN, CommittedEvent, Position
@@ -78,7 +78,7 @@ async def test_a_late_commit_is_lost_by_a_naive_tail_and_kept_by_the_feed(
         await slow_tx.commit()
 
         assert await naive_tail(tail, seen[-1][0]) == []  # the naive tail lost "late"
-        feed = await db.read_committed()
+        feed = await settled_feed(db, 2)
         assert [c.event.execution_id for c in feed] == ["late", "early"]
     finally:
         await slow.close()
@@ -96,7 +96,7 @@ async def test_a_rolled_back_append_never_reaches_the_feed(
         await tx.rollback()
     finally:
         await conn.close()
-    feed = await read_feed(db)
+    feed = await settled_feed(db, 1)
     assert [c.event.execution_id for c in feed] == ["real"]
 
 
@@ -120,7 +120,7 @@ async def test_an_older_transaction_cannot_append_after_a_newer_writer_of_its_lo
         await older.close()
         await newer.close()
     await db.append(make_event("x", 2))
-    feed = await read_feed(db)
+    feed = await settled_feed(db, 3)
     assert [c.event.sequence for c in feed] == [0, 1, 2]
     check_feed(feed)
 
@@ -187,6 +187,7 @@ async def test_many_writers_and_long_transactions_the_feed_misses_nothing(
         naive = asyncio.ensure_future(naive_reader(tail_conn))
         await asyncio.gather(*(store_writer(w) for w in range(4)),
                              *(slow_writer(w, c) for w, c in enumerate(slow_conns)))
+        await settled_feed(db, len(committed))  # another client's open transaction, if any
         stop.set()
         seen = await reading
         await naive

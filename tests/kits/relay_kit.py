@@ -71,19 +71,28 @@ async def assert_stream_is_the_log(redis: aioredis.Redis, stream: str, store: Ev
 
 async def wait_published(redis: aioredis.Redis, stream: str, store: EventStore,
                          timeout: float = 30.0) -> None:
-    """Until the stream holds the store's last committed event (then check it properly)."""
-    feed = await read_feed(store)
-    if not feed:
-        return
-    last = feed[-1].position
+    """Until the feed holds every event of every log and the stream its last position.
+
+    (Postgres's feed may lag a commit while an older transaction anywhere on the
+    server is open: waiting for the logs' events, not a count, rides that out.)
+    """
+    expected = {(e.execution_id, e.sequence) for x in await all_execution_ids(store)
+                for e in await store.read(x)}
     deadline = asyncio.get_running_loop().time() + timeout
+    last: Position | None = None
     while asyncio.get_running_loop().time() < deadline:
-        if await redis.exists(stream):
-            top = await redis.xrevrange(stream, count=1)
-            if top and Position.parse(as_text(top[0][0])) >= last:
+        feed = await read_feed(store)
+        if expected <= {(c.execution_id, c.sequence) for c in feed}:
+            last = feed[-1].position if feed else None
+            if last is None:
                 return
+            if await redis.exists(stream):
+                top = await redis.xrevrange(stream, count=1)
+                if top and Position.parse(as_text(top[0][0])) >= last:
+                    return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"the stream does not hold {last} after {timeout} s")
+    raise AssertionError(f"the stream does not hold every event (last {last}) after "
+                         f"{timeout} s")
 
 
 class Writers:

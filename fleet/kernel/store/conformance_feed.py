@@ -28,7 +28,7 @@ from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.store.conformance_events import make_event, started
 from fleet.kernel.store.spi import ORIGIN, CommittedEvent, EventStore, Position
 
-__all__ = ["FeedConformance", "read_feed"]
+__all__ = ["FeedConformance", "check_feed", "read_feed", "settled_feed"]
 
 E = EventType
 
@@ -43,6 +43,23 @@ async def read_feed(store: EventStore, *, after: Position = ORIGIN, page: int = 
         if not batch:
             return out
         after = batch[-1].position
+
+
+async def settled_feed(store: EventStore, count: int, *, timeout: float = 20.0,
+                       **kw: Any) -> list[CommittedEvent]:
+    """``read_feed`` once it holds ``count`` events (or the timeout passed).
+
+    The feed may lag the writes that returned: Postgres holds back rows while
+    any older transaction of the server is still open (decision 0020), and a
+    shared test server has other clients' transactions. Never a gap: later.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        feed = await read_feed(store, **kw)
+        if len(feed) >= count or loop.time() >= deadline:
+            return feed
+        await asyncio.sleep(0.02)
 
 
 def _wire(event: EventEnvelope) -> str:
@@ -92,7 +109,7 @@ class FeedConformance:
         await store.append_batch(batch)
         written += batch
 
-        feed = await read_feed(store)
+        feed = await settled_feed(store, len(written))
         check_feed(feed)
         assert sorted(_wire(c.event) for c in feed) == sorted(_wire(e) for e in written)
         # Commit order: these writes were sequential, so the feed keeps their order.
@@ -103,7 +120,7 @@ class FeedConformance:
     async def test_feed_pages_join_up(self, store: EventStore) -> None:
         for x in ("p1", "p2"):
             await store.append_batch([started(x)] + [make_event(x, s) for s in range(1, 6)])
-        whole = await store.read_committed(limit=1000)
+        whole = await settled_feed(store, 12)
         assert len(whole) == 12
         assert await read_feed(store, page=5) == whole
         assert await read_feed(store, page=1) == whole
@@ -129,7 +146,7 @@ class FeedConformance:
                                                       for s in range(1, 4)])
         await store.append_batch([started("kept")] + [make_event("kept", s)
                                                       for s in range(1, 5)])
-        before = await read_feed(store)
+        before = await settled_feed(store, 9)
         highest = before[-1].position
         assert await store.delete_execution("gone") is True
         assert await store.compact_through("kept", 2) == 2
@@ -141,7 +158,7 @@ class FeedConformance:
         # The same id again, and more of the kept log: new positions, above every old one.
         await store.append_batch([started("gone"), make_event("gone", 1)])
         await store.append(make_event("kept", 5))
-        fresh = await store.read_committed(after=highest)
+        fresh = await settled_feed(store, 3, after=highest)
         assert [(c.event.execution_id, c.event.sequence) for c in fresh] == [
             ("gone", 0), ("gone", 1), ("kept", 5)]
         assert all(c.position > highest for c in fresh)
@@ -151,6 +168,7 @@ class FeedConformance:
         await store.append_batch([make_event("big", s, payload={"output": "x" * 1000})
                                   for s in range(1, 7)])
         size = len(_wire((await store.read("big", after=1))[0]).encode())
+        await settled_feed(store, 7)
         first = await store.read_committed(limit=1)
         page = await store.read_committed(after=first[0].position, max_bytes=2 * size + 1)
         assert [c.event.sequence for c in page] == [1, 2, 3]  # the third crosses the bound
@@ -188,6 +206,7 @@ class FeedConformance:
 
         reading = asyncio.ensure_future(reader())
         await asyncio.gather(*(writer(x) for x in executions))
+        await settled_feed(store, len(executions) * per_execution)
         done.set()
         seen = await reading
         check_feed(seen)

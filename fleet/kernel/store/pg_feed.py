@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fleet.kernel.events import EventEnvelope
-from fleet.kernel.store.pg_queries import parse_event
 from fleet.kernel.store.spi import CommittedEvent, Position
 
 __all__ = ["PostgresCommitSignal", "channel_for", "committed", "feed_query"]
@@ -29,7 +28,7 @@ __all__ = ["PostgresCommitSignal", "channel_for", "committed", "feed_query"]
 _BIGINT_MAX = 2**63 - 1
 
 _FEED = """
-SELECT e.txid, e.pos, e.sequence, e.body, x.execution_id, x.tenant
+SELECT e.txid, e.pos, e.sequence, e.type, e.body, x.execution_id, x.tenant
 FROM events AS e LEFT JOIN executions AS x ON x.ekey = e.ekey
 WHERE (e.txid, e.pos) > ($1::bigint, $2::bigint)
   AND e.txid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint
@@ -41,7 +40,7 @@ LIMIT $3
 # the bound, plus the one that crosses it; at least one row. Sizes are the
 # stored text's (octet_length reads the TOAST header, not the value).
 _FEED_BYTES = f"""
-SELECT txid, pos, sequence, body, execution_id, tenant
+SELECT txid, pos, sequence, type, body, execution_id, tenant
 FROM (SELECT p.*, sum(octet_length(p.body)) OVER (ORDER BY p.txid, p.pos)
                   - octet_length(p.body) AS before
       FROM ({_FEED}) AS p) AS f
@@ -60,20 +59,17 @@ def feed_query(after: Position, limit: int, max_bytes: int | None) -> tuple[str,
 
 
 def committed(rows: Sequence[Any]) -> list[CommittedEvent]:
+    """The rows as committed events carrying the stored text (parsed only on demand)."""
     out: list[CommittedEvent] = []
     for row in rows:
         body = row["body"]
         execution_id = row["execution_id"]
-        if execution_id is None:  # deleted in the snapshot's future: trust the envelope
-            execution_id = body_execution_id(body)
+        if execution_id is None:  # no index row (deleted since): the envelope says whose
+            execution_id = EventEnvelope.from_json(body).execution_id
         out.append(CommittedEvent(Position(int(row["txid"]), int(row["pos"])),
-                                  parse_event(execution_id, int(row["sequence"]), body),
-                                  row["tenant"]))
+                                  tenant=row["tenant"], json=body, execution_id=execution_id,
+                                  sequence=int(row["sequence"]), type=row["type"]))
     return out
-
-
-def body_execution_id(body: str) -> str:
-    return EventEnvelope.from_json(body).execution_id
 
 
 def channel_for(schema: str | None) -> str:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from fleet.kernel.errors import SequenceGapError, ValidationError
+from fleet.kernel.errors import CorruptLogError, SequenceGapError, ValidationError
 from fleet.kernel.events import EventEnvelope, EventType
 
 Status = Literal["running", "parked", "completed", "failed", "cancelled", "continued"]
@@ -141,17 +141,71 @@ class Position:
 ORIGIN = Position(0, 0)
 
 
-@dataclass(frozen=True, slots=True)
 class CommittedEvent:
     """One event of the committed feed: where it sits, the event, its execution's tenant.
 
-    ``tenant`` comes from the execution index (None: no tenant, or the index
-    row is gone).
+    ``json`` is the envelope exactly as the store holds it (the canonical JSON
+    of ``EventEnvelope.to_json``); ``event`` parses it on first use (a reader
+    that only forwards the text, such as the relay, never pays for that), and
+    raises ``CorruptLogError`` for a row that is not the envelope it should be.
+    ``tenant`` comes from the execution index (None: no tenant, or the index row
+    is gone). Two are equal when position, text and tenant are.
     """
 
-    position: Position
-    event: EventEnvelope
-    tenant: str | None = None
+    __slots__ = ("_event", "_json", "execution_id", "position", "sequence", "tenant", "type")
+
+    def __init__(self, position: Position, event: EventEnvelope | None = None,
+                 tenant: str | None = None, *, json: str | None = None,
+                 execution_id: str | None = None, sequence: int | None = None,
+                 type: str | None = None) -> None:
+        if event is None and (json is None or execution_id is None or sequence is None
+                              or type is None):
+            raise ValidationError("a CommittedEvent needs the event, or its JSON with its "
+                                  "execution id, sequence and type")
+        self.position = position
+        self.tenant = tenant
+        self._event = event
+        self._json = json
+        self.execution_id: str = event.execution_id if event is not None else str(execution_id)
+        self.sequence: int = event.sequence if event is not None else int(sequence or 0)
+        self.type: str = event.type.value if event is not None else str(type)
+
+    @property
+    def event(self) -> EventEnvelope:
+        if self._event is None:
+            assert self._json is not None
+            try:
+                event = EventEnvelope.from_json(self._json)
+            except CorruptLogError as exc:
+                raise CorruptLogError(f"execution {self.execution_id!r} sequence "
+                                      f"{self.sequence} is corrupt: {exc.message}",
+                                      execution_id=self.execution_id,
+                                      sequence=self.sequence) from exc
+            if event.execution_id != self.execution_id or event.sequence != self.sequence:
+                raise CorruptLogError(f"execution {self.execution_id!r} sequence "
+                                      f"{self.sequence} holds the envelope of {event.id!r}",
+                                      execution_id=self.execution_id, sequence=self.sequence)
+            self._event = event
+        return self._event
+
+    @property
+    def json(self) -> str:
+        if self._json is None:
+            assert self._event is not None
+            self._json = self._event.to_json()
+        return self._json
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CommittedEvent):
+            return NotImplemented
+        return (self.position, self.json, self.tenant) == (other.position, other.json,
+                                                           other.tenant)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"CommittedEvent({self.position}, {self.execution_id!r}-{self.sequence} "
+                f"{self.type}, tenant={self.tenant!r})")
 
 
 @runtime_checkable

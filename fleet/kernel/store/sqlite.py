@@ -596,14 +596,16 @@ class SqliteEventStore:
         def job(conn: sqlite3.Connection) -> list[CommittedEvent]:
             out: list[CommittedEvent] = []
             size = 0
-            for position, execution_id, sequence, body, tenant in conn.execute(
+            for position, execution_id, sequence, type_, body, tenant in conn.execute(
                     FEED_SQL, (floor, limit)):
                 if max_bytes is not None:
                     if out and size >= max_bytes:
                         break  # the cursor stops here: the rest is never fetched
                     size += len(body.encode("utf-8", "surrogatepass"))
-                out.append(CommittedEvent(Position(position),
-                                          _parse(execution_id, sequence, body), tenant))
+                # The stored text as it is: parsed only if the reader asks for .event.
+                out.append(CommittedEvent(Position(position), tenant=tenant, json=body,
+                                          execution_id=execution_id, sequence=sequence,
+                                          type=type_))
             return out
 
         return await self._db.reader.call(job)

@@ -73,7 +73,7 @@ CREATE UNIQUE INDEX events_by_position ON events (position);
 """
 
 FEED_SQL = """
-SELECT e.position, e.execution_id, e.sequence, e.body, x.tenant
+SELECT e.position, e.execution_id, e.sequence, e.type, e.body, x.tenant
 FROM events AS e LEFT JOIN executions AS x ON x.execution_id = e.execution_id
 WHERE e.position > ? ORDER BY e.position LIMIT ?
 """
