@@ -251,7 +251,8 @@ def lag_row(label: str, data: dict[str, Any], arrivals: Arrivals) -> dict[str, A
     missing = sum(1 for eid, _ in acks if eid not in arrivals.seen)
     return {"load": label, "events": len(acks),
             "write_rate": round(len(acks) / data["elapsed"]),
-            "lag_p50_ms": round(_pct(lags, 0.50), 2), "lag_p99_ms": round(_pct(lags, 0.99), 2),
+            "lag_p50_ms": round(_pct(lags, 0.50), 2), "lag_p90_ms": round(_pct(lags, 0.90), 2),
+            "lag_p99_ms": round(_pct(lags, 0.99), 2),
             "lag_max_ms": round(max(lags), 2), "missing": missing,
             "duplicates": arrivals.duplicates}
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -69,6 +71,59 @@ def tail(start: str | None, execution_id: str | None, types: tuple[str, ...],
 
     with contextlib.suppress(BrokenPipeError):  # `fleet events tail | head` ends quietly
         run_async(lambda: _tail(settings, after, wanted, count, follow, db, emit))
+
+
+@events.command("status")
+@json_option
+@fleet_errors
+def status(as_json: bool) -> None:
+    """The events stream and the relay now: length, first and last position, what was
+    trimmed, the consumer groups' lag, the publishing relay's counters."""
+    settings = FleetSettings()
+    if not settings.redis_url:
+        raise ConfigurationError("fleet events status needs FLEET_REDIS_URL")
+    report = run_async(lambda: _status(settings))
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    relay = report["relay"]
+    click.echo(f"stream {report['stream']}: {report['length']} entries, first "
+               f"{report['first'] or '-'}, last {report['last']}, {report['removed']} trimmed")
+    for group in report["groups"]:
+        click.echo(f"  group {group['name']}: lag {group['lag']}, pending {group['pending']}, "
+                   f"last delivered {group['last_delivered']}")
+    if relay:
+        click.echo(f"relay {relay.get('holder') or '-'}: published {relay.get('published')}, "
+                   f"position {relay.get('position') or '-'}, lag {relay.get('lag_ms')} ms, "
+                   f"errors {relay.get('errors')} ({relay.get('age_s')} s ago)")
+    else:
+        click.echo("relay: no report in the last 10 s (none running, or none leading)")
+
+
+async def _status(settings: FleetSettings) -> dict[str, Any]:
+    client = aioredis.Redis.from_url(str(settings.redis_url), socket_connect_timeout=2.0,
+                                     socket_timeout=10.0)
+    stream = settings.events_stream
+    try:
+        bounds = await stream_bounds(client, stream)
+        length = await client.xlen(stream)
+        groups = []
+        if length or bounds.removed:
+            for group in await client.xinfo_groups(stream):
+                info = {as_text(k): v for k, v in group.items()}
+                groups.append({"name": as_text(info.get("name")),
+                               "lag": info.get("lag"), "pending": info.get("pending"),
+                               "last_delivered": as_text(info.get("last-delivered-id"))})
+        relay = {as_text(k): as_text(v)
+                 for k, v in (await client.hgetall(f"{stream}:relay")).items()}
+    finally:
+        await client.aclose()
+    if relay.get("at"):
+        relay["age_s"] = str(round(time.time() - float(relay["at"]), 1))
+    return {"stream": stream, "length": length,
+            "first": None if bounds.first is None else str(bounds.first),
+            "last": str(bounds.last), "removed": bounds.removed, "groups": groups,
+            "relay": relay}
 
 
 async def _tail(settings: FleetSettings, after: Position | None, wanted: EventFilter,

@@ -52,6 +52,7 @@ __all__ = ["LEASE_PREFIX", "EventRelay", "RelayConflictError", "RelayLease", "en
 
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
+_REPORT_EVERY_S = 1.0
 #: The fence id of a stream's relay lease (an id no log uses: no event is ever written).
 LEASE_PREFIX = "fleet:relay:"
 
@@ -187,7 +188,8 @@ class EventRelay:
     timestamp, the writer's clock, to its publication: how far behind the
     relay runs), ``leader``, ``peak_batch_bytes``.
     ``failed`` holds the error that stopped the relay for good (a stream
-    another writer uses); ``ended()`` returns then.
+    another writer uses); ``ended()`` returns then. The leader writes its stats
+    to the hash ``<stream>:relay`` every second (it expires 10 s after the last).
     """
 
     requires: tuple[str, ...] = ()
@@ -216,6 +218,7 @@ class EventRelay:
         self._script = redis.register_script(_PUBLISH)
         self._cursor: Position | None = None
         self._chase = 0.0
+        self._report_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._ended = asyncio.Event()
@@ -309,6 +312,23 @@ class EventRelay:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._stop.wait(), seconds)
 
+    async def _report(self) -> None:
+        """The leader's stats in ``<stream>:relay`` (a hash that expires with it), so
+        ``fleet events status`` and an operator's ``HGETALL`` see them from anywhere."""
+        now = time.monotonic()
+        if now < self._report_at:
+            return
+        self._report_at = now + _REPORT_EVERY_S
+        stats: dict[Any, Any] = {k: "" if v is None else str(v)
+                                 for k, v in self.stats().items()}
+        stats.update({"holder": self.lease.holder if self.lease is not None else "",
+                      "at": str(round(time.time(), 3))})
+        key = f"{self.stream}:relay"
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping=stats)
+        pipe.pexpire(key, int(_REPORT_EVERY_S * 10_000))
+        await pipe.execute()
+
     async def _step(self) -> None:
         if self.lease is not None:
             self.leader = await self.lease.hold()
@@ -318,6 +338,7 @@ class EventRelay:
                 return
         if self._cursor is None:
             self._cursor = await self._tip()
+        await self._report()
         batch = await self._read()
         if not batch:
             batch = await self._idle()

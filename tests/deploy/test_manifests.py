@@ -55,10 +55,10 @@ UID = 10001
 COMMANDS = {"worker": ["worker", "--queues", "$(FLEET_QUEUE)",
                        "--concurrency", "$(FLEET_WORKER_DRIVES)"],
             "timers": ["timers"], "recovery": ["recovery"], "attacher": ["attacher"],
-            "flower": ["flower"], "db-upgrade": ["db", "upgrade"]}
-HEALTH_CHECKED = ("worker", "timers", "recovery", "attacher")
-REDIS_CLIENTS = {"worker", "timers", "recovery", "attacher", "flower"}
-POSTGRES_CLIENTS = {"worker", "timers", "recovery", "attacher", "db-upgrade"}
+            "relay": ["relay"], "flower": ["flower"], "db-upgrade": ["db", "upgrade"]}
+HEALTH_CHECKED = ("worker", "timers", "recovery", "attacher", "relay")
+REDIS_CLIENTS = {"worker", "timers", "recovery", "attacher", "relay", "flower"}
+POSTGRES_CLIENTS = {"worker", "timers", "recovery", "attacher", "relay", "db-upgrade"}
 SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|KEY|AUTH|CREDENTIAL|_URL$", re.I)
 CREDENTIALS_IN_URL = re.compile(r"://[^/\s]*:[^/\s]*@")
 
@@ -402,6 +402,9 @@ def test_processes_run_their_command_and_their_own_health_check(overlay: str) ->
     assert seen == set(COMMANDS)
     assert one(objs, "Deployment", "fleet-timers")["spec"]["replicas"] == 2
     assert one(objs, "Deployment", "fleet-recovery")["spec"]["replicas"] == 2
+    # Two relays: one publishes (the lease), the other is ready to take over.
+    assert one(objs, "Deployment", "fleet-relay")["spec"]["replicas"] == 2
+    assert one(objs, "PodDisruptionBudget", "fleet-relay")["spec"]["maxUnavailable"] == 1
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

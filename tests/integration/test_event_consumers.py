@@ -258,3 +258,33 @@ async def test_events_tail_follows_new_events_and_refuses_a_bad_position(
                                   env=_env(setup), capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2
     assert "not a position" in bad.stderr
+
+
+async def test_events_status_shows_the_stream_the_groups_and_the_publishing_relay(
+        setup: Setup) -> None:
+    await Writers(setup.store, seed=6).run(writers=2, executions=2, events=4)
+    relay = await setup.publish()
+    seen, handle = recorder()
+    consumer = EventStreamConsumer(setup.redis, handle, stream=setup.stream, group="g1",
+                                   block_ms=50)
+    await consumer.start()
+    feed = await read_feed(setup.store)
+    await until(lambda: len(seen) == len(feed))
+    await consumer.stop()
+    await asyncio.sleep(1.2)  # the relay reports every second
+    done = await asyncio.to_thread(subprocess.run, [FLEET, "events", "status", "--json"],
+                                   env=_env(setup), capture_output=True, text=True,
+                                   timeout=30)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["length"] == len(feed) == relay.published
+    assert (report["first"], report["last"]) == (str(feed[0].position),
+                                                 str(feed[-1].position))
+    assert report["removed"] == 0
+    assert [(g["name"], g["lag"], g["pending"]) for g in report["groups"]] == [("g1", 0, 0)]
+    assert report["relay"]["published"] == str(len(feed))
+    assert report["relay"]["position"] == str(feed[-1].position)
+    assert float(report["relay"]["age_s"]) < 5
+    text = await asyncio.to_thread(subprocess.run, [FLEET, "events", "status"],
+                                   env=_env(setup), capture_output=True, text=True, timeout=30)
+    assert f"{len(feed)} entries" in text.stdout
