@@ -116,6 +116,12 @@ async def test_corrupt_row_raises_and_neighbours_still_read(
     assert [e.sequence for e in await db.read("a", after=1)] == [2]  # the rest is readable
     assert await db.read("b") == kept
     await db.append(make_event("b", 2))  # and writable
+    # The feed hands the stored text on as it is; parsing it says what is wrong.
+    (row,) = [c for c in await db.read_committed() if (c.execution_id, c.sequence) == ("a", 1)]
+    assert row.json == body
+    with pytest.raises(CorruptLogError) as feed_corrupt:
+        _ = row.event
+    assert feed_corrupt.value.details == {"execution_id": "a", "sequence": 1}
 
 
 async def test_corrupt_snapshot_raises(tmp_path: Path) -> None:

