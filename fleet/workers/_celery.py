@@ -12,12 +12,22 @@ from typing import Any
 import celery as _celery  # type: ignore[import-untyped]
 from celery import bootsteps as _bootsteps
 from celery import signals as _signals
+from celery.app.amqp import AMQP as _AMQP  # type: ignore[import-untyped]
 from celery.concurrency import get_implementation as _get_implementation  # type: ignore[import-untyped]
+from kombu.connection import Connection as _Connection
 
 Celery: Any = _celery.Celery
 Task: Any = _celery.Task
 StartStopStep: Any = _bootsteps.StartStopStep
 signals: Any = _signals
+AMQP: Any = _AMQP
+Connection: Any = _Connection
+
+
+def celery_version() -> tuple[int, int, int]:
+    """The installed Celery's (major, minor, micro)."""
+    major, minor, micro = _celery.VERSION[:3]
+    return int(major), int(minor), int(micro)
 
 
 def pool_class(pool: Any) -> type[Any]:
@@ -39,5 +49,5 @@ def current_app() -> Any:
     return _celery.current_app._get_current_object()
 
 
-__all__ = ["Celery", "StartStopStep", "Task", "current_app", "is_prefork", "pool_class",
-           "signals"]
+__all__ = ["AMQP", "Celery", "Connection", "StartStopStep", "Task", "celery_version",
+           "current_app", "is_prefork", "pool_class", "signals"]

@@ -31,12 +31,18 @@ from typing import Any
 from fleet.config import FleetSettings
 from fleet.dispatcher.routing import DriveRouter, check_routes
 from fleet.workers._celery import Celery, current_app, is_prefork, signals
+from fleet.workers.broker import broker_conf
 from fleet.workers.stats import FleetStatsStep
 
 
 class FleetCelery(Celery):  # type: ignore[misc]
-    """A Celery app that knows the ``FleetSettings`` it was made from."""
+    """A Celery app that knows the ``FleetSettings`` it was made from.
 
+    Its broker connections are ``fleet.workers.broker.FleetConnection``s: they
+    survive a broker restart and reconnect at the pace ``broker_conf`` sets.
+    """
+
+    amqp_cls = "fleet.workers.broker:FleetAMQP"
     fleet_settings: FleetSettings
 
 
@@ -69,7 +75,7 @@ def make_app(settings: FleetSettings, *, main: str = "fleet",
         task_default_queue=settings.queue,
         task_routes=(DriveRouter(routes, settings.queue),),
         task_ignore_result=result_backend is None,
-        broker_connection_retry_on_startup=True,
+        **broker_conf(settings),
         # A drive does not need the broker connection to finish (its lease and
         # log are in the store); cancelling it on a broker hiccup would only
         # leave an in-doubt step. Its message comes back and steps aside.
