@@ -77,7 +77,10 @@ def run_worker(settings: FleetSettings, *, queues: Sequence[str] = (),
     """Run a fleet worker in this process until it is shut down; its exit code.
 
     SIGTERM is a warm shutdown that hands running drives back
-    (``fleet.workers.shutdown``). ``extra`` goes to ``celery worker`` as it is.
+    (``fleet.workers.shutdown``): 0. A worker that stops on a fatal error (one
+    Celery calls unrecoverable: the broker gone past ``broker_max_retries``, a
+    failing bootstep) or cannot open its store returns non-zero. ``extra`` goes
+    to ``celery worker`` as it is.
     """
     from fleet.workers.app import make_app
 
@@ -85,12 +88,7 @@ def run_worker(settings: FleetSettings, *, queues: Sequence[str] = (),
     app = make_app(chosen)
     argv = worker_argv(chosen, queues=queues, concurrency=concurrency, loglevel=loglevel,
                        hostname=hostname, extra=extra)
-    try:
-        # app.worker_main() without dropping the worker's exit code.
-        code = app.start(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return int(code or 0)
+    return _run_celery(app, argv)
 
 
 # --------------------------------------------------------------------------
@@ -255,11 +253,18 @@ def run_flower(settings: FleetSettings, *, port: int | None = None,
         # Flower reads this itself: its API answers without credentials.
         os.environ["FLOWER_UNAUTHENTICATED_API"] = "true"
     app = make_app(settings, main="fleet-flower")
+    return _run_celery(app, argv)
+
+
+def _run_celery(app: Any, argv: list[str]) -> int:
+    """Run ``celery <argv>`` on ``app`` in this process; its exit code (non-zero after a
+    fatal error, so ``Restart=on-failure`` and its kin restart the process)."""
+    from fleet.workers._celery import run_command
+
     try:
-        code = app.start(argv)
+        return run_command(app, argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return int(code or 0)
 
 
 __all__ = ["COMPONENTS", "POOLS", "SERVICE_COMPONENTS", "Component", "flower_argv",

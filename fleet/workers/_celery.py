@@ -44,10 +44,32 @@ def is_prefork(pool: Any) -> bool:
     return isinstance(cls, type) and issubclass(cls, TaskPool)
 
 
+def run_command(app: Any, argv: list[str]) -> int:
+    """``app.start(argv)`` (``celery worker ...``, ``celery flower ...``) with its exit code.
+
+    Celery's ``app.start`` runs its click command with ``standalone_mode=False``,
+    where click returns the code ``ctx.exit(code)`` gave, and drops it: a worker
+    that stopped on an unrecoverable error ("Unrecoverable error: ...", exit
+    code 1 under ``celery worker``) would end ``fleet worker`` with status 0.
+    The same call, keeping the code.
+    """
+    from celery.bin.celery import celery as command  # type: ignore[import-untyped]
+    from click.exceptions import Exit
+
+    command.params[0].default = app  # what app.start does: the command's --app
+    try:
+        code = command.main(args=argv, standalone_mode=False)
+    except Exit as exc:  # should a click raise it rather than return the code
+        code = exc.exit_code
+    finally:
+        command.params[0].default = None
+    return code if isinstance(code, int) else 0
+
+
 def current_app() -> Any:
     """The Celery app current in this process (the worker's, inside a worker)."""
     return _celery.current_app._get_current_object()
 
 
 __all__ = ["AMQP", "Celery", "Connection", "StartStopStep", "Task", "celery_version",
-           "current_app", "is_prefork", "pool_class", "signals"]
+           "current_app", "is_prefork", "pool_class", "run_command", "signals"]

@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -346,3 +347,42 @@ async def test_workers_survive_broker_restarts_with_drives_in_flight_and_queued(
     for name, log in logs.items():
         assert log.count("Connection to broker lost") >= len(DOWNS), (name, log[-4000:])
         assert "Unrecoverable error" not in log, (name, log[-4000:])
+
+
+def test_a_worker_that_gives_up_on_the_broker_exits_non_zero(
+        valkey: ValkeyServer, database_url: str, tmp_path: Path) -> None:
+    """A fatal error ends ``fleet worker`` with a non-zero status (``Restart=on-failure``
+    restarts it); a worker left to retry waits the outage out; SIGTERM ends it with 0."""
+    broker_url = f"redis://127.0.0.1:{valkey.port}/0"
+    queue = f"broker-gives-up-{secrets.token_hex(3)}"
+    base = fleet_env(database_url=database_url, broker_url=broker_url, queue=queue, flows=ALL,
+                     lease_ms=LEASE_MS, worker_drives=2)
+    settings = FleetSettings(database_url=database_url, broker_url=broker_url, queue=queue,
+                             flows=ALL.split(","))
+    app = make_app(settings, main="fleet-gives-up-test")
+    quitter = WorkerProcess("quitter", {**base, "FLEET_BROKER_MAX_RETRIES": "3",
+                                        "FLEET_HEARTBEAT_DIR": str(tmp_path / "q")},
+                            [queue], tmp_path, fleet_cli=True)
+    stayer = WorkerProcess("stayer", {**base, "FLEET_HEARTBEAT_DIR": str(tmp_path / "s")},
+                           [queue], tmp_path, fleet_cli=True)
+    try:
+        for worker in (quitter, stayer):
+            worker.wait_ready(app, 60.0)
+        valkey.stop()
+        # Three attempts 0.2, 0.4 and 0.6 s apart, then Celery's "Unrecoverable error".
+        quitter.proc.wait(30)
+        assert quitter.proc.returncode == 1, quitter.log()[-4000:]
+        assert "Unrecoverable error: OperationalError" in quitter.log()
+        time.sleep(1.0)  # the other one keeps trying (no limit by default) ...
+        assert stayer.alive(), stayer.log()[-4000:]
+        valkey.start()
+        deadline = time.monotonic() + 30
+        while not answers(app, stayer):  # ... and is back with the broker
+            assert time.monotonic() < deadline, stayer.log()[-4000:]
+        stayer.signal(signal.SIGTERM)  # a clean stop is not a failure
+        stayer.proc.wait(30)
+        assert stayer.proc.returncode == 0, stayer.log()[-4000:]
+    finally:
+        for worker in (quitter, stayer):
+            worker.stop()
+        app.close()
