@@ -57,6 +57,7 @@ from fleet.dispatcher import Dispatcher
 from fleet.dispatcher.routing import DRIVE_TASK
 from fleet.kernel.runtime import Runtime
 from fleet.workers import make_app
+from fleet.workers.broker import CLOSES_AFTER_COLLECT
 
 LONG = os.environ.get("FLEET_LONG_TESTS") == "1"
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
@@ -386,3 +387,36 @@ def test_a_worker_that_gives_up_on_the_broker_exits_non_zero(
         for worker in (quitter, stayer):
             worker.stop()
         app.close()
+
+
+REPRO = ROOT / "tests" / "repro" / "celery_broker_restart.py"
+
+
+def _repro(tmp_path: Path, amqp: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "REPRO_"))}
+    if amqp:
+        env["REPRO_AMQP"] = amqp
+    return subprocess.run([sys.executable, str(REPRO), "--sleep", "3", "--down", "1",
+                           "--log", str(tmp_path / "worker.log")],
+                          env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+
+
+def test_the_upstream_defect_is_there_exactly_when_the_workaround_is_on(tmp_path: Path) -> None:
+    """The decision record's reproduction, no fleet code: a plain Celery worker with 20
+    tasks in flight on 32 threads, its Redis restarted. It dies where ``FleetConnection``
+    forgets the collected channel (``CLOSES_AFTER_COLLECT``: celery >= 5.7) and survives
+    elsewhere; with fleet's AMQP class it survives. When an upstream release fixes the
+    defect this fails, and the version guard (or the workaround) goes."""
+    plain = _repro(tmp_path, None)
+    log = (tmp_path / "worker.log").read_text(errors="replace")
+    if CLOSES_AFTER_COLLECT:
+        assert plain.returncode == 1, (plain.stdout, plain.stderr, log[-4000:])
+        assert "DIED" in plain.stdout
+        assert "'NoneType' object has no attribute 'hostname'" in log, log[-4000:]
+    else:
+        assert plain.returncode == 0, (plain.stdout, plain.stderr, log[-4000:])
+    fixed = _repro(tmp_path, "fleet.workers.broker:FleetAMQP")
+    log = (tmp_path / "worker.log").read_text(errors="replace")
+    assert fixed.returncode == 0, (fixed.stdout, fixed.stderr, log[-4000:])
+    assert "SURVIVED" in fixed.stdout
+    assert "Unrecoverable error" not in log
