@@ -259,7 +259,7 @@ async def restart_in_state(fleet: Fleet, pool: Pool, valkey: ValkeyServer, down_
     back = time.monotonic()
     answered = {}
     for name, worker in fleet.workers.items():
-        await until(lambda w=worker: answers(fleet.app, w) or not w.alive(),
+        await until(lambda w=worker: answers(fleet.app, w, 0.25) or not w.alive(),
                     f"{name} answers after the restart", 60.0)
         assert worker.alive(), f"{name} exited at the restart:\n{worker.log()[-4000:]}"
         answered[name] = round(time.monotonic() - back, 2)
