@@ -1,4 +1,4 @@
-"""How long a worker is off the broker when Redis restarts: fleet's broker layer beside Celery's defaults.
+"""How long a worker is off the broker when Redis restarts: fleet's broker layer vs Celery's.
 
 Run: ``python -m bench.reconnect [--down 0,2,5] [--rounds 3] [--json]``. Never run
 as a test. Prints a table and writes ``bench/results/reconnect.json`` with the
