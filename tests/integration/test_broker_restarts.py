@@ -236,17 +236,32 @@ async def until(check: Any, what: str, timeout: float = 20.0) -> Any:
 async def restart_in_state(fleet: Fleet, pool: Pool, valkey: ValkeyServer, down_s: float,
                            token: str) -> list[str]:
     """Dispatch a round, wait for "free" with drives in flight and free slots and for
-    drives queued behind "full", then restart the broker; every worker answers again."""
+    drives queued behind "full", then restart the broker; every worker answers again.
+
+    "free" may first be busy with drives the sweeper re-drove after the previous
+    restart and finish this round's meanwhile: whichever of the two states is
+    missing gets more drives (at most every 1.5 s) until both hold at once.
+    """
     ids = await dispatch(fleet, token, pool.free_drives, None)
     ids += await dispatch(fleet, token, pool.full_drives, "full")
     client = redis.Redis(port=valkey.port)
+    topped = {"free": time.monotonic(), "full": time.monotonic()}
+    deadline = time.monotonic() + 60
     try:
-        def ready() -> tuple[int, int] | None:
-            running = in_flight(fleet.app, fleet.workers["free"])
-            queued = int(client.llen(fleet.queues["full"]))
-            return (running, queued) if 0 < running < pool.free_slots and queued else None
-
-        running, _ = await until(ready, "free with drives in flight, full with a backlog")
+        while True:
+            running = await asyncio.to_thread(in_flight, fleet.app, fleet.workers["free"])
+            backlog = int(await asyncio.to_thread(client.llen, fleet.queues["full"]))
+            if 0 < running < pool.free_slots and backlog:
+                break
+            assert time.monotonic() < deadline, (
+                f"free never had drives in flight and free slots ({running}) while full "
+                f"had a backlog ({backlog})")
+            for name, missing, n, to in (("free", running == 0, pool.free_drives, None),
+                                         ("full", not backlog, pool.full_drives, "full")):
+                if missing and time.monotonic() - topped[name] > 1.5:
+                    topped[name] = time.monotonic()
+                    ids += await dispatch(fleet, f"{token}t{len(ids)}", n, to)
+            await asyncio.sleep(0.05)
         queued = int(client.llen(fleet.queues["full"])) + int(
             client.llen(fleet.settings.queue))
     finally:
