@@ -1,8 +1,13 @@
 """Redis streams for the fleet: durable events out, rewards in.
 
-* ``EventPublisher``: a ``Service`` whose ``on_durable_event`` a ``Runtime``
-  calls; it publishes every durable event of this process to
-  ``fleet:events`` (at most once, bounded buffer, never blocks a run).
+* ``EventRelay``: the store's committed events onto ``fleet:events``, each once,
+  in commit order, under ids equal to their store positions (``fleet relay``;
+  decision 0021). ``EventStreamConsumer``, ``backfill``, ``parse_entry``:
+  reading it (at least once, idempotent by position, the trimmed part from
+  the store).
+* ``EventPublisher``: ADR 0147's in-process hook onto a stream of your own (at
+  most once, a buffer bounded in events and bytes, never blocks a run); no
+  fleet role runs one.
 * ``StreamConsumer``: a consumer-group member as a ``Service`` (XREADGROUP,
   XACK, XAUTOCLAIM of a dead member's entries, dead letters after a bound).
 * ``RewardMessage`` / ``sign_reward`` / ``submit_reward`` (and
@@ -24,7 +29,15 @@ from fleet.streams.consumer import (
     StreamEntry,
     default_consumer_name,
 )
+from fleet.streams.events import (
+    EventFilter,
+    EventStreamConsumer,
+    RedisCheckpoint,
+    backfill,
+    parse_entry,
+)
 from fleet.streams.publisher import EventPublisher, event_fields
+from fleet.streams.relay import EventRelay, RelayLease
 from fleet.streams.rewards import (
     REJECT_REASONS,
     RewardMessage,
@@ -39,16 +52,23 @@ from fleet.streams.rewards import (
 __all__ = [
     "REJECT_REASONS",
     "Defer",
+    "EventFilter",
     "EventPublisher",
+    "EventRelay",
+    "EventStreamConsumer",
     "Handler",
+    "RedisCheckpoint",
     "Reject",
+    "RelayLease",
     "RewardAttacher",
     "RewardMessage",
     "StreamConsumer",
     "StreamEntry",
+    "backfill",
     "canonical_body",
     "default_consumer_name",
     "event_fields",
+    "parse_entry",
     "sign_reward",
     "submit_reward",
     "submit_reward_sync",

@@ -37,7 +37,7 @@ def in_process_settings(tmp_path_factory: pytest.TempPathFactory) -> FleetSettin
     data = tmp_path_factory.mktemp("celery-worker")
     return FleetSettings(
         database_url=f"sqlite:///{data / 'fleet.db'}", broker_url="memory://",
-        redis_url=None, publish_events=False, flows=FLOWS, lease_ms=60_000,
+        redis_url=None, flows=FLOWS, lease_ms=60_000,
         queue=QUEUES[0], routes={"flow:unit-double": QUEUES[1]}, worker_drives=4,
         heartbeat_dir=str(data / "beats"))
 
