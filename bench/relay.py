@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--redis", default=DEFAULT_REDIS)
     parser.add_argument("--seconds", type=float, default=10.0, help="each run's writing time")
     parser.add_argument("--rates", type=parse_rates, default=[1000, 5000])
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=2,
                         help="alone / with-relay pairs at full speed, interleaved")
     parser.add_argument("--backlog", type=int, default=40_000,
@@ -247,7 +247,7 @@ async def full_speed_pair(db: str, redis: str, tmp: Path, args: argparse.Namespa
 
 def lag_row(label: str, data: dict[str, Any], arrivals: Arrivals) -> dict[str, Any]:
     acks = data["acks"]
-    lags = [(arrivals.seen[eid] - t) * 1000 for eid, t in acks]
+    lags = [(arrivals.seen[eid] - t) * 1000 for eid, t in acks if eid in arrivals.seen]
     missing = sum(1 for eid, _ in acks if eid not in arrivals.seen)
     return {"load": label, "events": len(acks),
             "write_rate": round(len(acks) / data["elapsed"]),

@@ -525,7 +525,8 @@ async def _forget_demo_keys(settings: FleetSettings) -> None:
     try:
         await client.delete(queue, f"_kombu.binding.{queue}",
                             f"_kombu.binding_permanent.{queue}", settings.events_stream,
-                            settings.rewards_stream, settings.rewards_dead)
+                            f"{settings.events_stream}:relay", settings.rewards_stream,
+                            settings.rewards_dead)
         async for tag, raw in client.hscan_iter("unacked"):
             with contextlib.suppress(ValueError, TypeError, IndexError):
                 if json.loads(raw)[2] == queue:  # [message, exchange, routing key]

@@ -207,6 +207,7 @@ async def test_a_byte_bound_page_on_postgres_reads_only_what_it_returns(
     await db.append(started("b"))
     await db.append_batch([make_event("b", s, payload={"output": "y" * 200_000})
                            for s in range(1, 40)])
+    await settled_feed(db, 40)
     first = await db.read_committed(limit=1)
     page = await db.read_committed(after=first[0].position, max_bytes=500_000)
     assert [c.event.sequence for c in page] == [1, 2, 3]
