@@ -15,6 +15,10 @@ Real processes on the machine's Postgres and Redis, a database of its own:
 * **a consumer**: an ``EventStreamConsumer`` (consumer group, at least once,
   no checkpoint) in this process, recording when each event arrives.
 
+Last, the write path itself: one append's round trip (and a 32-append
+group-commit flush) with schema 2's functions and schema 3's (the feed's
+columns, the ordering guard, the doorbell), interleaved call by call.
+
 Rows: the writers alone as fast as they go, then with the relay and the
 consumer (the relay's cost to the writers: the ratio of the two, repeated and
 interleaved; the relay's throughput beside the store's write rate in the same
@@ -222,27 +226,71 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+async def entries_added(redis: str, stream: str) -> int:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis)
+    try:
+        info = await client.xinfo_stream(stream)
+        return int(info["entries-added"])
+    except Exception:  # noqa: BLE001 - no stream yet
+        return 0
+    finally:
+        await client.aclose()
+
+
 async def full_speed_pair(db: str, redis: str, tmp: Path, args: argparse.Namespace,
-                          i: int) -> tuple[float, dict[str, Any]]:
+                          i: int) -> tuple[float, float, dict[str, Any]]:
+    """The writers as fast as they go alone, then beside the relay (no consumer: only the
+    relay's cost); the relay's rate and its own CPU per event."""
+    import psutil  # type: ignore[import-untyped]
+
     alone = Run(db, redis, tmp, f"alone{i}")
     await alone.migrate()
     solo = await alone.writers(rate=0, seconds=args.seconds, concurrency=args.concurrency)
-    with_relay = Run(db, redis, tmp, f"with{i}")
-    await with_relay.migrate()
-    await with_relay.start_relay()
+    relayed = Run(db, redis, tmp, f"with{i}")
+    await relayed.migrate()
+    await relayed.start_relay()
     try:
-        async with Arrivals(redis, with_relay.stream) as arrivals:
-            began = time.time()
-            data = await with_relay.writers(rate=0, seconds=args.seconds,
-                                            concurrency=args.concurrency)
+        assert relayed.relay is not None
+        proc = psutil.Process(relayed.relay.pid)
+        cpu0 = sum(proc.cpu_times()[:2])
+        data = await relayed.writers(rate=0, seconds=args.seconds,
+                                     concurrency=args.concurrency)
+        total = len(data["acks"])
+        while await entries_added(redis, relayed.stream) < total:  # noqa: ASYNC110 - polls Redis
+            await asyncio.sleep(0.02)
+        # From the first commit to the last entry published (the writer's start-up,
+        # before its first commit, is no time the relay could have worked).
+        done = time.time() - min(t for _, t in data["acks"])
+        cpu = sum(proc.cpu_times()[:2]) - cpu0
+    finally:
+        await relayed.stop_relay()
+    rate = total / data["elapsed"]
+    return len(solo["acks"]) / solo["elapsed"], rate, {
+        "run": i + 1, "events": total, "writes_per_s": round(rate),
+        "relay_events_per_s": round(total / done),
+        "relay_cpu_us_per_event": round(cpu / total * 1e6, 1)}
+
+
+async def full_speed_lag(db: str, redis: str, tmp: Path,
+                         args: argparse.Namespace) -> dict[str, Any]:
+    run = Run(db, redis, tmp, "fullspeed")
+    await run.migrate()
+    await run.start_relay()
+    try:
+        async with Arrivals(redis, run.stream) as arrivals:
+            data = await run.writers(rate=0, seconds=args.seconds,
+                                     concurrency=args.concurrency)
             ids = [eid for eid, _ in data["acks"]]
             await arrivals.wait_for(ids)
-            last = max(arrivals.seen[i] for i in ids)
-            row = lag_row(f"as fast as they go (run {i + 1})", data, arrivals)
-            row["relay_events_per_s"] = round(len(ids) / (last - began))
+            row = lag_row("as fast as they go", data, arrivals)
+            first = min(t for _, t in data["acks"])
+            row["relay_events_per_s"] = round(len(ids) / (max(arrivals.seen.values())
+                                                           - first))
+            return row
     finally:
-        await with_relay.stop_relay()
-    return len(solo["acks"]) / solo["elapsed"], row
+        await run.stop_relay()
 
 
 def lag_row(label: str, data: dict[str, Any], arrivals: Arrivals) -> dict[str, Any]:
@@ -292,49 +340,110 @@ async def backlog(db: str, redis: str, tmp: Path, args: argparse.Namespace) -> d
             "duplicates": arrivals.duplicates}
 
 
+async def write_path_cost(db: str, calls: int = 400) -> dict[str, Any]:
+    """One append's server round trip with schema 2's functions (no feed) and schema 3's
+    (the feed's columns, the ordering guard, the doorbell), interleaved on one server."""
+    import asyncpg
+
+    from fleet.kernel.store.conformance import make_event, started
+    from fleet.kernel.store.pg_migrations import MIGRATIONS, VERSION_TABLE
+    from fleet.kernel.store.pg_queries import APPEND_MANY_SQL, APPEND_SQL, Write, many_columns
+
+    conns: dict[str, Any] = {}
+    for label, upto in (("schema 2 (no feed)", 2), ("schema 3 (feed)", 3)):
+        conn = await asyncpg.connect(db, server_settings={
+            "default_transaction_isolation": "read committed"})
+        name = f"cost_{secrets.token_hex(3)}"
+        await conn.execute(f'CREATE SCHEMA "{name}"; SET search_path = "{name}"')
+        await conn.execute(VERSION_TABLE)
+        for version, sql in MIGRATIONS:
+            if version <= upto:
+                await conn.execute(sql)
+        conns[label] = (conn, name)
+    single: dict[str, list[float]] = {k: [] for k in conns}
+    many: dict[str, list[float]] = {k: [] for k in conns}
+    try:
+        for r in range(calls):
+            for label, (conn, _) in conns.items():
+                x = f"s{r}"
+                for event in (started(x), make_event(x, 1)):
+                    write = Write.of(x, [event], None)
+                    began = time.perf_counter()
+                    await conn.fetchrow(APPEND_SQL, write.key, x, None, *write.args())
+                    single[label].append(time.perf_counter() - began)
+                if r % 4 == 0:
+                    items = [(i, Write.of(f"m{r}-{i}", [started(f"m{r}-{i}"), make_event(
+                        f"m{r}-{i}", 1)], None), None) for i in range(32)]
+                    columns = many_columns(items)
+                    began = time.perf_counter()
+                    await conn.fetchrow(APPEND_MANY_SQL, *columns)
+                    many[label].append(time.perf_counter() - began)
+    finally:
+        for conn, name in conns.values():
+            await conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+            await conn.close()
+    return {label: {"append_ms_p50": round(statistics.median(single[label]) * 1000, 3),
+                    "append_many_32x2_ms_p50": round(statistics.median(many[label]) * 1000,
+                                                     3)}
+            for label in conns}
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="bench-relay-"))
     redis = bench_redis_url(args.redis)
     async with own_database(args.db) as db:
         alone: list[float] = []
-        full: list[dict[str, Any]] = []
+        with_relay: list[float] = []
+        relay_rows: list[dict[str, Any]] = []
         for i in range(args.repeat):
-            rate, row = await full_speed_pair(db, redis, tmp, args, i)
-            alone.append(rate)
-            full.append(row)
-        rows = [await paced(db, redis, tmp, rate, args) for rate in args.rates]
+            solo, relayed, row = await full_speed_pair(db, redis, tmp, args, i)
+            alone.append(solo)
+            with_relay.append(relayed)
+            relay_rows.append(row)
+        rows = [await full_speed_lag(db, redis, tmp, args)]
+        rows += [await paced(db, redis, tmp, rate, args) for rate in args.rates]
         drained = await backlog(db, redis, tmp, args)
-    with_relay = [r["write_rate"] for r in full]
+        cost = await write_path_cost(db)
     result = {
         "command": "python -m bench.relay " + " ".join(sys.argv[1:]),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(), "seconds": args.seconds, "concurrency": args.concurrency,
         "writers_alone_events_per_s": [round(r) for r in alone],
-        "writers_with_relay_events_per_s": with_relay,
+        "writers_with_relay_events_per_s": [round(r) for r in with_relay],
         "writers_with_relay_ratio": round(statistics.median(with_relay)
                                           / statistics.median(alone), 3),
-        "full_speed": full, "paced": rows, "backlog": drained}
+        "relay_beside_writers": relay_rows, "lag": rows, "backlog": drained,
+        "write_path": cost}
     return result
 
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\nrelay bench: {result['cpus']} cpus, load {result['load_average_before']} -> "
-          f"{result['load_average_after']}, {result['concurrency']} executions writing")
-    print(f"{'load':<34}{'events':>8}{'writes/s':>10}{'relay/s':>9}{'p50 ms':>9}"
-          f"{'p99 ms':>9}{'max ms':>9}{'miss':>6}{'dup':>5}")
-    for row in [*result["full_speed"], *result["paced"]]:
-        print(f"{row['load']:<34}{row['events']:>8}{row['write_rate']:>10}"
-              f"{row.get('relay_events_per_s', ''):>9}{row['lag_p50_ms']:>9}"
-              f"{row['lag_p99_ms']:>9}{row['lag_max_ms']:>9}{row['missing']:>6}"
-              f"{row['duplicates']:>5}")
+          f"{result['load_average_after']}, {result['concurrency']} executions writing, "
+          f"{result['seconds']:g} s a run")
+    print("the writers alone and beside the relay (no consumer), interleaved:")
+    for alone, row in zip(result["writers_alone_events_per_s"],
+                          result["relay_beside_writers"], strict=True):
+        print(f"  run {row['run']}: alone {alone} events/s, with the relay "
+              f"{row['writes_per_s']} events/s; the relay {row['relay_events_per_s']} "
+              f"events/s, {row['relay_cpu_us_per_event']} us of its own CPU an event")
+    print(f"  ratio (medians): {result['writers_with_relay_ratio']}")
+    print("lag from the writer's ack to a consumer (an EventStreamConsumer, another process):")
+    print(f"  {'load':<22}{'events':>8}{'writes/s':>10}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
+          f"{'max ms':>9}{'miss':>6}{'dup':>5}")
+    for row in result["lag"]:
+        print(f"  {row['load']:<22}{row['events']:>8}{row['write_rate']:>10}"
+              f"{row['lag_p50_ms']:>9}{row['lag_p90_ms']:>9}{row['lag_p99_ms']:>9}"
+              f"{row['lag_max_ms']:>9}{row['missing']:>6}{row['duplicates']:>5}")
     b = result["backlog"]
-    print(f"{'backlog drained (no writers)':<34}{b['backlog']:>8}{b['write_rate']:>10}"
-          f"{b['relay_events_per_s']:>9}{'':>27}{b['missing']:>6}{b['duplicates']:>5}")
-    print(f"writers alone {result['writers_alone_events_per_s']} events/s, with the relay "
-          f"{result['writers_with_relay_events_per_s']}: ratio "
-          f"{result['writers_with_relay_ratio']}")
+    print(f"backlog: {b['backlog']} events written at {b['write_rate']}/s with no relay, "
+          f"then drained by it at {b['relay_events_per_s']}/s (missing {b['missing']}, "
+          f"duplicates {b['duplicates']})")
+    for label, row in result["write_path"].items():
+        print(f"one append, {label}: {row['append_ms_p50']} ms p50; a flush of 32 appends: "
+              f"{row['append_many_32x2_ms_p50']} ms p50")
 
 
 def writer_main(argv: list[str]) -> None:

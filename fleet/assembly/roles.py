@@ -239,6 +239,7 @@ async def open_relay(settings: FleetSettings, *, heartbeat: bool = True) -> Role
     relay = EventRelay(store, client, stream=settings.events_stream,
                        maxlen=settings.events_maxlen, batch_size=settings.relay_batch_size,
                        batch_bytes=settings.relay_batch_bytes, poll_s=settings.relay_poll_s,
+                       linger_s=settings.relay_linger_ms / 1000,
                        signal=signal,
                        lease=RelayLease(store, settings.events_stream,
                                         lease_ms=settings.relay_lease_ms,
