@@ -77,7 +77,7 @@ async def test_the_relay_role_reads_the_store_and_publishes_under_a_lease(
         tmp_path: Path) -> None:
     settings = _settings(tmp_path, events_stream="ev:x", events_maxlen=777,
                          relay_batch_size=33, relay_batch_bytes=4096, relay_lease_ms=4000,
-                         relay_poll_s=0.5, group_commit=True)
+                         relay_poll_s=0.5, relay_linger_ms=7, group_commit=True)
     role = await open_role(settings, "relay")
     try:
         assert role.runtime is None
@@ -87,7 +87,7 @@ async def test_the_relay_role_reads_the_store_and_publishes_under_a_lease(
         relay = role.service
         assert isinstance(relay, EventRelay)
         assert (relay.stream, relay.maxlen, relay.batch_size, relay.batch_bytes,
-                relay.poll_s) == ("ev:x", 777, 33, 4096, 0.5)
+                relay.poll_s, relay.linger_s) == ("ev:x", 777, 33, 4096, 0.5, 0.007)
         assert relay.lease is not None
         assert relay.lease.lease_ms == 4000
         assert relay.lease.holder.startswith("relay:")
