@@ -5,13 +5,7 @@ written to an append-only log per execution, so it survives crashes, deploys
 and weeks-long waits, and every decision can later be joined to its reward.
 """
 
-from fleet.kernel.context import (
-    Context,
-    Decision,
-    Policy,
-    RetryPolicy,
-    StepFailure,
-)
+from fleet.kernel.context import Context, Decision, Policy, RetryPolicy
 from fleet.kernel.errors import (
     AccessDeniedError,
     BrokerUnavailableError,
@@ -49,6 +43,7 @@ from fleet.kernel.errors import (
     SequenceGapError,
     StaleFenceError,
     StepFailedError,
+    StepFailure,
     StoreError,
     StoreUnavailableError,
     ValidationError,

@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fleet.kernel.errors import (
+    ContinueAsNew,
     DuplicateStepError,
     ExecutionParked,
     InvalidPropensityError,
     ReservedNameError,
     RunInterrupt,
     StepFailedError,
+    StepFailure,
     ValidationError,
 )
 from fleet.kernel.events import EventType, ensure_json
@@ -75,21 +77,6 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
-
-
-class StepFailure(Exception):  # noqa: N818 - users raise it; the name reads as an outcome
-    """Raise from a step to fail it for good (a typed failure: no retry)."""
-
-
-class Cancelled(RunInterrupt):
-    """Unwinds a run that is being cancelled."""
-
-
-class _ContinueAsNew(RunInterrupt):
-    def __init__(self, next_execution_id: str, input: Any) -> None:
-        super().__init__(next_execution_id)
-        self.next_execution_id = next_execution_id
-        self.input = input
 
 
 @dataclass(slots=True)
@@ -419,7 +406,7 @@ class Context:
             raise ValidationError("continue_as_new is not allowed inside a parallel scope")
         data = ensure_json(input, "the continue_as_new input")
         await run.before_new_work(EventType.EXECUTION_CONTINUED, None)
-        raise _ContinueAsNew(run.successor_id(), data)
+        raise ContinueAsNew(run.successor_id(), data)
 
     # -- recorded values -------------------------------------------------------
     def now(self) -> float:

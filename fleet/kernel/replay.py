@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet.kernel.context import Context, _ContinueAsNew
+from fleet.kernel.context import Context
 from fleet.kernel.errors import (
     ConfigurationError,
+    ContinueAsNew,
     ExecutionNotFoundError,
     ExecutionParked,
     FleetError,
@@ -102,7 +103,7 @@ async def replay_check(events: Sequence[EventEnvelope], flows: Sequence[FlowDefi
             await run.before_new_work(EventType.EXECUTION_COMPLETED, None)
         except ExecutionParked:
             await run.before_new_work(EventType.EXECUTION_SUSPENDED, None)
-        except _ContinueAsNew:
+        except ContinueAsNew:
             pass
     except ReplayFrontier as frontier:
         return ReplayVerdict(eid, state.flow_id, "ok", frontier=str(frontier))

@@ -12,21 +12,17 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.kernel.context import (
-    RESERVED_PREFIX,
-    Context,
-    _ContinueAsNew,
-)
+from fleet.kernel.context import RESERVED_PREFIX, Context
 from fleet.kernel.divergence import skipped_key
 from fleet.kernel.errors import (
     AccessDeniedError,
     ConfigurationError,
+    ContinueAsNew,
     ExecutionBusyError,
     ExecutionCancelledError,
     ExecutionFailedError,
@@ -43,7 +39,7 @@ from fleet.kernel.errors import (
     RunAborted,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope, EventType, ensure_json
+from fleet.kernel.events import EventEnvelope, EventType, ensure_json, wall_clock_ms
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import (
     DIVERGED_GATE,
@@ -76,10 +72,6 @@ _WAKE_EVENTS = frozenset({EventType.EXECUTION_STARTED, EventType.EXECUTION_RESUM
 # The divergence mode of a runtime built without ``divergence=`` and not strict
 # (ADR 0113 D3: warn first). Tests can force it (FLEET_TEST_DIVERGENCE=fail).
 DEFAULT_DIVERGENCE = "warn"
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +353,7 @@ class Runtime:
             except FlowReplayDivergenceError as diverged:
                 await self._park_diverged(run, diverged)
                 return
-            except _ContinueAsNew as cont:
+            except ContinueAsNew as cont:
                 # The successor exists before the CONTINUED that names it: a crash in
                 # between re-drives this run, which finds the successor and only
                 # writes CONTINUED; a reader following the chain never finds a gap.
@@ -494,7 +486,7 @@ class Runtime:
                 run_handle[0].cancel()
         return _Cancel()  # type: ignore[return-value]
 
-    async def _start_successor(self, run: Run, cont: _ContinueAsNew) -> None:
+    async def _start_successor(self, run: Run, cont: ContinueAsNew) -> None:
         definition = self.flows.latest(run.definition.flow_id) or run.definition
         grant = await self.store.acquire_fence_if(cont.next_execution_id, holder=self.holder,
                                                   lease_ms=self.lease_ms)
