@@ -11,7 +11,9 @@
 - **Repair** (``restore_terminal_event``): a log compacted by an older kernel
   lost its terminal event; the repair writes one (empty payload, the folded
   ``updatedAt``, ``metadata.restoredTerminal``) above the checkpoint, under a
-  freshly acquired fence. Dry by default, idempotent; run it quiesced.
+  freshly acquired fence. Dry by default, idempotent; run it quiesced. It
+  writes through ``LogWriter`` with no observers: ADR 0147 does not report
+  maintenance paths.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from fleet.kernel.events import (
     wall_clock_ms,
 )
 from fleet.kernel.fold import ExecutionState, fold_log
+from fleet.kernel.lease import Lease
+from fleet.kernel.observers import Warner
 from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
+from fleet.kernel.writes import LogWriter
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,16 +179,13 @@ class LogLifecycle:
             head = await self.store.head(execution_id)
             return RepairReport(execution_id, "would-write",
                                 None if head is None else head + 1, type_.value)
-        grant = await self.store.acquire_fence(execution_id, holder=self.holder,
-                                               lease_ms=30_000)
-        try:
+        async with await Lease.take(self.store, execution_id, holder=self.holder,
+                                    lease_ms=30_000, warner=Warner(None)) as lease:
             head = await self.store.head(execution_id)
             if head is None:
                 raise ExecutionNotFoundError(f"no execution {execution_id!r}")
             event = EventEnvelope.make(execution_id, head + 1, type_,
                                        state.updated_at or self.clock(), {},
                                        metadata={"restoredTerminal": True})
-            await self.store.append(event, fence=grant.token)
-        finally:
-            await self.store.release_fence(execution_id, grant.token)
+            await LogWriter(self.store, None).write(lease, [event])
         return RepairReport(execution_id, "written", event.sequence, type_.value)
