@@ -51,11 +51,15 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EVENT_SCHEMA, EventEnvelope, EventType
 from fleet.kernel.flows import Features, FlowDefinition, flow
 from fleet.kernel.fold import ExecutionState, fold, fold_log
+from fleet.kernel.options import RuntimeOptions, RuntimeStats
 from fleet.kernel.outcomes import OutcomeResult
-from fleet.kernel.runtime import ExecutionHandle, RecoveryReport, Runtime
+from fleet.kernel.recovery import RecoveryReport
+from fleet.kernel.run_outcome import RunOutcome
+from fleet.kernel.runtime import ExecutionHandle, Runtime
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+from fleet.kernel.timers import FiredTimer
 
 __all__ = [
     "EVENT_SCHEMA",
@@ -82,6 +86,7 @@ __all__ = [
     "ExecutionState",
     "ExecutionStateError",
     "Features",
+    "FiredTimer",
     "FleetError",
     "FlowCodeMismatchError",
     "FlowDefinition",
@@ -108,7 +113,10 @@ __all__ = [
     "ReplayError",
     "ReservedNameError",
     "RetryPolicy",
+    "RunOutcome",
     "Runtime",
+    "RuntimeOptions",
+    "RuntimeStats",
     "SchemaVersionError",
     "SequenceGapError",
     "SqliteEventStore",
