@@ -151,12 +151,16 @@ class Runtime:
         self.timers = Timers(self.engine, local=options.local_timers)
         self.stats: RuntimeStats = self.engine.stats
         self.clock = self.engine.clock
-        # Read by the fleet and by tests; set once here (change options instead).
+        # The settings in force, as attributes (as before RuntimeOptions): set once
+        # here, read by the fleet and by tests; ``options`` holds them all.
         self.divergence: DivergenceMode = self.engine.divergence
         self.strict = options.strict
         self.features = options.features
         self.access_policy = options.access_policy
         self.lease_ms = options.lease_ms
+        self.local_timers = options.local_timers
+        self.inline_sleep_max = options.inline_sleep_max
+        self.allow_flow_code_mismatch = options.allow_flow_code_mismatch
         # The engine's runs in flight and background tasks (tests wait on them).
         self._runs = self.engine.runs
         self._background = self.engine.background
