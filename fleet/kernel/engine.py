@@ -25,7 +25,7 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope, EventType, wall_clock_ms
 from fleet.kernel.flows import FlowDefinition, FlowRegistry
-from fleet.kernel.fold import ExecutionState, fold_log
+from fleet.kernel.fold import ExecutionState, apply, fold_log
 from fleet.kernel.handback import HandBack
 from fleet.kernel.journal import Journal
 from fleet.kernel.lease import Lease
@@ -238,7 +238,8 @@ class Engine:
                 return None  # a concurrent start wrote it
             if not drive:
                 return None
-            state = fold_log([started], ExecutionState(execution_id=execution_id))
+            state = ExecutionState(execution_id=execution_id)
+            apply(state, started)  # in place: fold_log would copy the state first
             return self.launch(Run(self, definition, self.journal(state, lease),
                                    lease.pass_on()))
 
