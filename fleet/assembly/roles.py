@@ -62,8 +62,6 @@ log = logging.getLogger("fleet.assembly")
 ROLES: tuple[str, ...] = ("worker", "timers", "recovery", "attacher", "relay", "flower")
 #: The roles ``serve`` runs (the worker runs inside Celery, Flower is Flower).
 SERVICE_ROLES: tuple[str, ...] = ("timers", "recovery", "attacher", "relay")
-#: A store seen through a wrapper before the runtime is built on it (the worker's).
-StoreView = Callable[[EventStore], EventStore]
 
 
 @dataclass
@@ -118,8 +116,7 @@ def _report(role: str) -> Callable[[BaseException], None]:
 
 async def _open(settings: FleetSettings, name: str, *,
                 on_durable_event: EventObserver | None = None,
-                access_policy: AccessPolicy | None = None,
-                store_view: StoreView | None = None) -> Role:
+                access_policy: AccessPolicy | None = None) -> Role:
     """The store (opened and probed) and the runtime every writing role has."""
     store = open_store(settings)
     try:
@@ -127,8 +124,8 @@ async def _open(settings: FleetSettings, name: str, *,
         # start, not at its first piece of work.
         await store.head("fleet:health-probe")
         runtime = build_runtime(
-            settings, store_view(store) if store_view is not None else store, role=name,
-            on_durable_event=on_durable_event, access_policy=access_policy)
+            settings, store, role=name, on_durable_event=on_durable_event,
+            access_policy=access_policy)
     except BaseException:
         await store.close()
         raise
@@ -141,8 +138,7 @@ def _heartbeat(settings: FleetSettings, role: Role, **options: Any) -> None:
 
 async def open_worker(settings: FleetSettings, *, slot: int | None = None,
                       on_durable_event: EventObserver | None = None,
-                      on_beat: Callable[[], Any] | None = None,
-                      store_view: StoreView | None = None) -> Role:
+                      on_beat: Callable[[], Any] | None = None) -> Role:
     """A worker process's parts: its store, its Runtime, its heartbeat.
 
     Args:
@@ -150,11 +146,8 @@ async def open_worker(settings: FleetSettings, *, slot: int | None = None,
         slot: A prefork child's pool index (its own heartbeat file).
         on_durable_event: The ``WorkerProcess``'s observer.
         on_beat: Called on the loop after each heartbeat (the drain poll).
-        store_view: Wraps the store the runtime writes through (the worker's
-            write watch); the role keeps (and closes) the store itself.
     """
-    role = await _open(settings, "worker", on_durable_event=on_durable_event,
-                       store_view=store_view)
+    role = await _open(settings, "worker", on_durable_event=on_durable_event)
     _heartbeat(settings, role, slot=slot, on_beat=on_beat)
     return role
 
@@ -243,7 +236,8 @@ async def open_relay(settings: FleetSettings, *, heartbeat: bool = True) -> Role
                        signal=signal,
                        lease=RelayLease(store, settings.events_stream,
                                         lease_ms=settings.relay_lease_ms,
-                                        holder=holder_name("relay")),
+                                        holder=holder_name("relay"),
+                                        on_warn=log.warning),
                        on_warn=log.warning, close_client=True)
     role = Role("relay", store, None, services=[relay], service=relay)
     if heartbeat:
@@ -369,6 +363,6 @@ def run_flower(settings: FleetSettings, *, port: int | None = None,
     return run_command(flower_app(settings), argv)
 
 
-__all__ = ["OPENERS", "ROLES", "SERVICE_ROLES", "Role", "StoreView", "flower_app",
+__all__ = ["OPENERS", "ROLES", "SERVICE_ROLES", "Role", "flower_app",
            "flower_argv", "open_attacher", "open_recovery", "open_relay", "open_role",
            "open_timers", "open_worker", "run_flower", "serve"]

@@ -44,7 +44,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleet.kernel.errors import ConfigurationError, FleetError, StoreError
-from fleet.kernel.journal import Warner, WarnSink
+from fleet.kernel.lease import Lease
+from fleet.kernel.observers import Warner, WarnSink
 from fleet.kernel.store.spi import ORIGIN, CommitSignal, CommittedEvent, EventStore, Position
 from fleet.streams.redis_client import TRANSIENT, ResponseError, aioredis, as_text
 
@@ -112,25 +113,30 @@ def entry_fields(committed: CommittedEvent) -> dict[str, str]:
 class RelayLease:
     """Which relay replica publishes: a lease on a fence row of the store.
 
-    ``acquire_fence_if`` takes it when no live lease is held; the holder
-    renews it every third of ``lease_ms``; a holder that fails to renew (the
-    store refused it: someone took over) stops publishing before its lease
-    could have expired. ``release`` on a clean stop lets a standby take over
-    at its next try instead of after the lease.
+    The kernel's ``Lease`` (``take_if_free``: only when no live lease is held);
+    the holder renews it every third of ``lease_ms``; a holder whose renewal is
+    refused (someone took over) stops publishing before its lease could have
+    expired. ``release`` on a clean stop lets a standby take over at its next
+    try instead of after the lease.
     """
 
     def __init__(self, store: EventStore, stream: str, *, lease_ms: int = 10_000,
-                 holder: str | None = None) -> None:
+                 holder: str | None = None, on_warn: WarnSink | None = None) -> None:
         if lease_ms < 300:
             raise ConfigurationError(f"the relay lease must be >= 300 ms, got {lease_ms}")
         self.store = store
         self.key = LEASE_PREFIX + stream
         self.lease_ms = lease_ms
         self.holder = holder or f"relay:{socket.gethostname()}:{os.getpid()}"
-        self.token: int | None = None
+        self.warner = Warner(on_warn)
+        self.lease: Lease | None = None
         self._renew_at = 0.0
         self.acquired = 0
         self.lost = 0
+
+    @property
+    def token(self) -> int | None:
+        return None if self.lease is None else self.lease.token
 
     @property
     def retry_s(self) -> float:
@@ -140,29 +146,29 @@ class RelayLease:
     async def hold(self) -> bool:
         """Take or renew the lease when due; whether this replica leads now."""
         now = time.monotonic()
-        if self.token is not None:
+        if self.lease is not None:
             if now < self._renew_at:
                 return True
-            if await self.store.renew_lease(self.key, self.token, lease_ms=self.lease_ms):
+            if await self.store.renew_lease(self.key, self.lease.token,
+                                            lease_ms=self.lease_ms):
                 self._renew_at = now + self.retry_s
                 return True
-            self.token = None
+            self.lease.pass_on()  # not ours any more: nothing to release
+            self.lease = None
             self.lost += 1
             return False
-        grant = await self.store.acquire_fence_if(self.key, holder=self.holder,
-                                                  lease_ms=self.lease_ms)
-        if grant is None:
+        self.lease = await Lease.take_if_free(self.store, self.key, holder=self.holder,
+                                              lease_ms=self.lease_ms, warner=self.warner)
+        if self.lease is None:
             return False
-        self.token = grant.token
         self._renew_at = now + self.retry_s
         self.acquired += 1
         return True
 
     async def release(self) -> None:
-        token, self.token = self.token, None
-        if token is not None:
-            with contextlib.suppress(FleetError):
-                await self.store.release_fence(self.key, token)
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await lease.release()  # a failed release is warned; the lease then expires
 
 
 class EventRelay:

@@ -16,7 +16,6 @@ import pytest
 from fleet.assembly.roles import OPENERS, SERVICE_ROLES, Role, open_role, open_worker
 from fleet.config import FleetSettings
 from fleet.kernel.errors import ConfigurationError
-from fleet.kernel.store.spi import EventStore
 from fleet.streams.relay import EventRelay
 
 FLOWS = ["worker_unit_flows:double"]
@@ -99,20 +98,13 @@ async def test_the_relay_role_reads_the_store_and_publishes_under_a_lease(
         await open_role(_settings(tmp_path, redis_url=None), "relay")
 
 
-async def test_the_worker_role_writes_through_a_view_and_keeps_the_store(
-        tmp_path: Path) -> None:
+async def test_the_worker_role_has_its_heartbeat_and_no_publisher(tmp_path: Path) -> None:
     settings = _settings(tmp_path)
-    seen: list[EventStore] = []
-
-    def view(store: EventStore) -> EventStore:
-        seen.append(store)
-        return store
-
-    role = await open_worker(settings, slot=3, store_view=view)
+    role = await open_worker(settings, slot=3)
     try:
         _assert_configured(role, settings)
-        assert seen == [role.store]
-        assert [s.name for s in role.services] == ["heartbeat"]
+        assert role.require_runtime().store is role.store
+        assert [s.name for s in role.services] == ["heartbeat"]  # no publisher: the relay's job
         assert str(role.services[-1].stats()["path"]).endswith("fleet-worker-3.heartbeat")
     finally:
         await role.aclose()

@@ -45,8 +45,7 @@ from fleet.kernel.errors import (
     StoreUnavailableError,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope, dumps
-from fleet.kernel.store.memory import wall_clock_ms
+from fleet.kernel.events import EventEnvelope, Status, dumps, wall_clock_ms
 from fleet.kernel.store.spi import (
     ORIGIN,
     CommittedEvent,
@@ -56,7 +55,6 @@ from fleet.kernel.store.spi import (
     FenceGrant,
     Position,
     Snapshot,
-    Status,
     TipObservation,
     check_batch,
     check_feed_read,
