@@ -1,9 +1,9 @@
 """deploy/k8s renders and validates offline, for Kubernetes 1.30 to 1.35.
 
-- **Render.** Each overlay is built by ``kustomize_lite`` (this folder: the
-  kustomize features the manifests use, nothing more), and the result is
-  compared object for object with ``kubectl kustomize`` (kustomize 5 inside
-  kubectl), so the renderer cannot drift from the real thing unnoticed.
+- **Render.** Each overlay is built by ``kubectl kustomize`` (kustomize 5
+  inside kubectl, on every machine that runs this suite): what ``kubectl apply
+  -k`` would apply, not a re-implementation of it. No kubectl fails the run,
+  with what to install; it never skips.
 - **Schemas.** Every object is checked by ``kubernetes_validate.validate(obj,
   version, strict=True)``: the library behind ``kubernetes-validate --strict``,
   which ships the JSON schemas of each Kubernetes minor it supports inside its
@@ -38,7 +38,6 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError, all_versions
-from kustomize_lite import build
 
 from fleet.config import FleetSettings
 
@@ -61,6 +60,24 @@ REDIS_CLIENTS = {"worker", "timers", "recovery", "attacher", "flower"}
 POSTGRES_CLIENTS = {"worker", "timers", "recovery", "attacher", "db-upgrade"}
 SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|KEY|AUTH|CREDENTIAL|_URL$", re.I)
 CREDENTIALS_IN_URL = re.compile(r"://[^/\s]*:[^/\s]*@")
+
+
+def kubectl() -> str:
+    """kubectl's path; a missing one fails the test (kustomize is the renderer)."""
+    found = shutil.which("kubectl")
+    if found is None:
+        pytest.fail("kubectl (with its built-in kustomize >= 5) renders deploy/k8s: install "
+                    "it (Debian/Ubuntu: the kubectl package, or https://dl.k8s.io)")
+    return found
+
+
+def build(directory: Path) -> list[Obj]:
+    """``kubectl kustomize directory``: the objects ``kubectl apply -k`` would apply."""
+    done = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True,
+                          text=True, timeout=60)
+    if done.returncode != 0:
+        pytest.fail(f"kubectl kustomize {directory} failed:\n{done.stderr}")
+    return [o for o in yaml.safe_load_all(done.stdout) if o]
 
 
 @functools.cache
@@ -277,24 +294,13 @@ def test_the_validator_ships_every_schema_offline() -> None:
         assert (strict / "deployment-apps-v1.json").is_file(), strict
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_renderer_matches_kubectl_kustomize(overlay: str) -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail("kubectl (with its built-in kustomize) is needed to check the renderer: "
-                    "install it (Debian: kubectl; it is on every machine image here)")
-    out = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-
-    def key(o: Obj) -> tuple[str, str, str, str]:
-        return (o["apiVersion"], o["kind"], o["metadata"].get("namespace", ""),
-                o["metadata"]["name"])
-
-    theirs = {key(o): o for o in yaml.safe_load_all(out) if o}
-    ours = {key(o): o for o in render(overlay)}
-    assert sorted(ours) == sorted(theirs)
-    for k, obj in ours.items():
-        assert obj == theirs[k], k
+def test_kubectl_kustomize_is_version_5_or_later() -> None:
+    """The manifests use kustomize 5 features (``labels``, components, ``patches``)."""
+    done = subprocess.run([kubectl(), "version", "--client", "--output=json"],
+                          capture_output=True, text=True, check=True, timeout=60)
+    version = json.loads(done.stdout)["kustomizeVersion"]
+    assert re.fullmatch(r"v(\d+)\.\d+\.\d+.*", version), version
+    assert int(version[1:].split(".")[0]) >= 5, version
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
