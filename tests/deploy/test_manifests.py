@@ -14,130 +14,56 @@
 - **Policy.** What a schema cannot say: requests and limits, probes and the
   security context on every container; no secret value in a manifest, and
   every Secret reference present in ``secret.example.yaml``; selectors that
-  select their pods; the autoscaler on the worker Deployment; NetworkPolicies
-  that let exactly the fleet processes that use Redis and Postgres reach them;
-  the schema gate before pods start; a grace period longer than the lease.
+  select their pods; the autoscaler on the worker Deployment; the schema gate
+  before pods start; a grace period longer than the lease. (NetworkPolicies:
+  ``test_network_policies.py``.)
 - **A broken manifest fails**: ``test_a_broken_manifest_fails`` breaks a copy
   of the tree and watches the same checks refuse it.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
+from k8s_kit import (
+    COMMANDS,
+    CRD_KINDS,
+    CREDENTIALS_IN_URL,
+    HEALTH_CHECKED,
+    K8S,
+    K8S_VERSIONS,
+    OVERLAYS,
+    POSTGRES_CLIENTS,
+    REDIS_CLIENTS,
+    ROOT,
+    SECRET_NAME,
+    UID,
+    WORKLOADS,
+    Obj,
+    build,
+    component,
+    configmap_data,
+    containers,
+    kinds,
+    kubectl,
+    one,
+    pod_template,
+    render,
+    secret_example,
+    selects,
+    store_clients,
+)
 from kubernetes_validate.utils import SchemaNotFoundError, all_versions
 
 from fleet.config import FleetSettings
-
-Obj = dict[str, Any]
-
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("dev", "prod", "prod-keda")
-K8S_VERSIONS = ("1.30", "1.31", "1.32", "1.33", "1.34", "1.35")
-CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}
-WORKLOADS = ("Deployment", "StatefulSet", "Job")
-UID = 10001
-# The command each component runs (after the image's `fleet` entrypoint).
-COMMANDS = {"worker": ["worker", "--queues", "$(FLEET_QUEUE)",
-                       "--concurrency", "$(FLEET_WORKER_DRIVES)"],
-            "timers": ["timers"], "recovery": ["recovery"], "attacher": ["attacher"],
-            "flower": ["flower"], "db-upgrade": ["db", "upgrade"]}
-HEALTH_CHECKED = ("worker", "timers", "recovery", "attacher")
-REDIS_CLIENTS = {"worker", "timers", "recovery", "attacher", "flower"}
-POSTGRES_CLIENTS = {"worker", "timers", "recovery", "attacher", "db-upgrade"}
-SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|KEY|AUTH|CREDENTIAL|_URL$", re.I)
-CREDENTIALS_IN_URL = re.compile(r"://[^/\s]*:[^/\s]*@")
-
-
-def kubectl() -> str:
-    """kubectl's path; a missing one fails the test (kustomize is the renderer)."""
-    found = shutil.which("kubectl")
-    if found is None:
-        pytest.fail("kubectl (with its built-in kustomize >= 5) renders deploy/k8s: install "
-                    "it (Debian/Ubuntu: the kubectl package, or https://dl.k8s.io)")
-    return found
-
-
-def build(directory: Path) -> list[Obj]:
-    """``kubectl kustomize directory``: the objects ``kubectl apply -k`` would apply."""
-    done = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True,
-                          text=True, timeout=60)
-    if done.returncode != 0:
-        pytest.fail(f"kubectl kustomize {directory} failed:\n{done.stderr}")
-    return [o for o in yaml.safe_load_all(done.stdout) if o]
-
-
-@functools.cache
-def _render(overlay: str) -> tuple[Obj, ...]:
-    return tuple(build(K8S / "overlays" / overlay))
-
-
-def render(overlay: str) -> list[Obj]:
-    """The overlay's objects (a copy: a test may change them)."""
-    return copy.deepcopy(list(_render(overlay)))
-
-
-def kinds(objs: list[Obj], kind: str) -> list[Obj]:
-    return [o for o in objs if o["kind"] == kind]
-
-
-def one(objs: list[Obj], kind: str, name: str) -> Obj:
-    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
-    assert len(found) == 1, f"{kind}/{name}: {len(found)} objects"
-    return found[0]
-
-
-def component(obj: Obj) -> str:
-    return str(pod_template(obj)["metadata"]["labels"].get("app.kubernetes.io/component"))
-
-
-def pod_template(obj: Obj) -> Obj:
-    return obj["spec"]["template"]  # type: ignore[no-any-return]
-
-
-def containers(pod_spec: Obj) -> Iterator[Obj]:
-    yield from pod_spec.get("initContainers", [])
-    yield from pod_spec.get("containers", [])
-
-
-def configmap_data(objs: list[Obj]) -> dict[str, str]:
-    (config,) = (o for o in kinds(objs, "ConfigMap")
-                 if o["metadata"]["name"].startswith("fleet-config-"))
-    return config["data"]  # type: ignore[no-any-return]
-
-
-def selects(selector: Obj, labels: dict[str, str]) -> bool:
-    """A Kubernetes label selector (matchLabels and matchExpressions) against labels."""
-    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    for expr in selector.get("matchExpressions", []):
-        value, op = labels.get(expr["key"]), expr["operator"]
-        if ((op == "In" and value not in expr["values"])
-                or (op == "NotIn" and value in expr["values"])
-                or (op == "Exists" and value is None)
-                or (op == "DoesNotExist" and value is not None)):
-            return False
-    return True
-
-
-@functools.cache
-def secret_example() -> dict[str, dict[str, str]]:
-    docs = yaml.safe_load_all((K8S / "secret.example.yaml").read_text())
-    return {d["metadata"]["name"]: d["stringData"] for d in docs if d}
-
 
 # -- the checks (each returns what is wrong, so a test can also feed it a broken object) ---
 
@@ -252,34 +178,6 @@ def selector_errors(objs: list[Obj]) -> list[str]:
                    for _, labels in pods):
             errors.append(f"Service/{svc['metadata']['name']} selects no pod")
     return errors
-
-
-def store_clients(objs: list[Obj], store_labels: dict[str, str], port: int) -> set[str]:
-    """Who the NetworkPolicies let reach a pod labelled ``store_labels`` on ``port``.
-
-    Fleet components by name; another namespace as ``namespace:<name>``; a rule
-    with no ``from`` (anyone) as ``*``.
-    """
-    admitted: set[str] = set()
-    for policy in kinds(objs, "NetworkPolicy"):
-        if not selects(policy["spec"]["podSelector"], store_labels):
-            continue
-        for rule in policy["spec"].get("ingress", []):
-            if not any(p.get("port") == port for p in rule.get("ports", [{"port": port}])):
-                continue
-            if "from" not in rule:
-                admitted.add("*")
-            for peer in rule.get("from", []):
-                if "namespaceSelector" in peer:
-                    ns = peer["namespaceSelector"].get("matchLabels", {})
-                    admitted.add(f"namespace:{ns.get('kubernetes.io/metadata.name', '*')}")
-                elif "podSelector" in peer:
-                    admitted |= {component(o) for o in objs if o["kind"] in WORKLOADS
-                                 and selects(peer["podSelector"],
-                                             pod_template(o)["metadata"]["labels"])}
-                else:
-                    admitted.add("*")
-    return admitted
 
 
 # -- the validator and the renderer ---------------------------------------------------
@@ -477,16 +375,6 @@ def test_images_are_pinned_and_one_version_per_rollout(overlay: str) -> None:
     fleet = {i for i in images if i.split(":")[0].endswith("fleet")}
     assert len(fleet) == 1, fleet
     assert fleet == ({"fleet:dev"} if overlay == "dev" else {"registry.example.com/fleet:0.1.0"})
-
-
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_network_policies_let_only_the_fleet_reach_redis_and_postgres(overlay: str) -> None:
-    objs = render(overlay)
-    keda = {"namespace:keda"} if overlay == "prod-keda" else set()
-    assert store_clients(objs, {"app.kubernetes.io/name": "redis"}, 6379) == REDIS_CLIENTS | keda
-    assert store_clients(objs, {"app.kubernetes.io/name": "postgres"}, 5432) == POSTGRES_CLIENTS
-    deny = one(objs, "NetworkPolicy", "fleet-default-deny-ingress")["spec"]
-    assert deny == {"podSelector": {}, "policyTypes": ["Ingress"]}
 
 
 def test_dev_runs_its_own_stores_and_the_policies_select_them() -> None:
