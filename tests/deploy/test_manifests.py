@@ -364,17 +364,60 @@ def test_pods_wait_for_the_schema_the_job_applies(overlay: str) -> None:
     assert "configMap" not in json.dumps(job)
 
 
+DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+
+
+def image_errors(objs: list[Obj], *, by_digest: bool) -> list[str]:
+    """Every image pinned (a tag that is not ``latest``, or a digest); with
+    ``by_digest``, every image must name its digest."""
+    errors = []
+    for obj in (o for o in objs if o["kind"] in WORKLOADS):
+        for c in containers(pod_template(obj)["spec"]):
+            image, at = c["image"], f"{obj['metadata']['name']}/{c['name']}"
+            if "@" in image:
+                if not DIGEST.search(image):
+                    errors.append(f"{at}: {image}: not a sha256 digest")
+                continue
+            if by_digest:
+                errors.append(f"{at}: {image}: a tag, not a digest")
+            name, _, tag = image.rpartition(":")
+            if not name or "/" in tag or tag == "latest":
+                errors.append(f"{at}: {image}: not pinned")
+    return errors
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_images_are_pinned_and_one_version_per_rollout(overlay: str) -> None:
     objs = render(overlay)
+    assert image_errors(objs, by_digest=overlay != "dev") == []
     images = {c["image"] for o in objs if o["kind"] in WORKLOADS
               for c in containers(pod_template(o)["spec"])}
-    for image in images:
-        name, _, tag = image.rpartition(":")
-        assert "@" in image or (name and "/" not in tag and tag != "latest"), image
     fleet = {i for i in images if i.split(":")[0].endswith("fleet")}
     assert len(fleet) == 1, fleet
-    assert fleet == ({"fleet:dev"} if overlay == "dev" else {"registry.example.com/fleet:0.1.0"})
+    if overlay == "dev":
+        assert fleet == {"fleet:dev"}
+    else:
+        (image,) = fleet
+        assert image.startswith("registry.example.com/fleet:0.1.0@sha256:"), image
+
+
+def test_prod_refuses_an_image_by_tag_alone(tmp_path: Path) -> None:
+    """The digest check fails on a prod overlay whose image lost its digest."""
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    kustomization = tree / "overlays" / "prod" / "kustomization.yaml"
+    text = kustomization.read_text()
+    assert text.count("    digest: sha256:") == 1
+    kustomization.write_text(re.sub(r"\n    digest: sha256:[0-9a-f]+", "", text))
+    errors = image_errors(build(tree / "overlays" / "prod"), by_digest=True)
+    assert errors, "a tag-only prod image passed"
+    assert all(e.endswith("registry.example.com/fleet:0.1.0: a tag, not a digest")
+               for e in errors), errors
+    assert len(errors) == 10  # 6 containers and 4 schema gates
+    moved = image_errors([{"kind": "Job", "metadata": {"name": "j"}, "spec": {"template": {
+        "spec": {"containers": [{"name": "c", "image": "fleet@sha256:abc"},
+                                {"name": "d", "image": "fleet:latest"}]}}}}], by_digest=False)
+    assert moved == ["j/c: fleet@sha256:abc: not a sha256 digest", "j/d: fleet:latest: not pinned"]
 
 
 def test_dev_runs_its_own_stores_and_the_policies_select_them() -> None:
