@@ -254,7 +254,7 @@ def run_flower(settings: FleetSettings, *, port: int | None = None,
     if unauthenticated:
         # Flower reads this itself: its API answers without credentials.
         os.environ["FLOWER_UNAUTHENTICATED_API"] = "true"
-    app = make_app(settings, main="fleet-flower")
+    app = make_app(settings, main="fleet-flower", consumes_tasks=False)
     try:
         code = app.start(argv)
     except SystemExit as exc:

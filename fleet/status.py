@@ -137,7 +137,7 @@ class StatusReader:
             if self._app is None:
                 from fleet.workers.app import make_app
 
-                self._app = make_app(self.settings, main="fleet-status")
+                self._app = make_app(self.settings, main="fleet-status", consumes_tasks=False)
             workers = worker_statuses(self._app, timeout=self.inspect_timeout)
         except Exception as exc:  # noqa: BLE001 - shown, and the rest still reported
             problems.append(f"broker: {type(exc).__name__}: {exc}")

@@ -21,6 +21,14 @@ configures: it is also the option's default.)
 
 No result backend is needed: a drive's result is in the log. Give
 ``result_backend=`` to read ``fleet.dispatch`` answers from non-Python clients.
+
+Only a worker consumes the task queues, so only a worker takes part in kombu's
+Redis ack emulation (the ``unacked`` hash of taken messages, and the periodic
+restore of those a dead consumer left). Flower and ``fleet status`` consume
+reply queues too, and kombu would have them restore other consumers' messages
+onto the task queues; ``make_app(..., consumes_tasks=False)`` turns that off,
+so their Redis users need neither the ``unacked*`` keys nor the right to push
+onto a queue (decision 0017).
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ from fleet.dispatcher.routing import DriveRouter, check_routes
 from fleet.workers._celery import Celery, current_app, is_prefork, signals
 from fleet.workers.stats import FleetStatsStep
 
+# The broker URL schemes kombu serves with its Redis transport.
+_REDIS_SCHEMES = ("redis", "rediss", "sentinel")
+
 
 class FleetCelery(Celery):  # type: ignore[misc]
     """A Celery app that knows the ``FleetSettings`` it was made from."""
@@ -41,7 +52,8 @@ class FleetCelery(Celery):  # type: ignore[misc]
 
 
 def make_app(settings: FleetSettings, *, main: str = "fleet",
-             result_backend: str | None = None, **conf: Any) -> Any:
+             result_backend: str | None = None, consumes_tasks: bool = True,
+             **conf: Any) -> Any:
     """The Celery app of a fleet: ``fleet.drive`` and ``fleet.dispatch``, routes, the bootstep.
 
     Args:
@@ -49,6 +61,10 @@ def make_app(settings: FleetSettings, *, main: str = "fleet",
             store, flows, default queue, routes, ``worker_drives``, lease.
         main: The app's name.
         result_backend: Where ``fleet.dispatch`` answers go (None: nowhere).
+        consumes_tasks: False for a process that never consumes a task queue
+            (Flower, ``fleet status``): on Redis its connections skip kombu's
+            ack emulation, so they never restore another consumer's messages.
+            A worker must keep the default.
         **conf: Further Celery settings, applied last (for example
             ``broker_transport_options``).
 
@@ -76,6 +92,9 @@ def make_app(settings: FleetSettings, *, main: str = "fleet",
         worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_hijack_root_logger=False,
     )
+    if not consumes_tasks and settings.broker.split("://", 1)[0].lower() in _REDIS_SCHEMES:
+        app.conf.broker_transport_options = {**(app.conf.broker_transport_options or {}),
+                                             "ack_emulation": False}
     app.conf.update(conf)
     app.steps["worker"].add(FleetStatsStep)
     from fleet.workers.tasks import register_tasks

@@ -148,6 +148,10 @@ def secret_errors(objs: list[Obj]) -> list[str]:
                     refs.append((at, ref["name"], ref["key"]))
             errors += [f"{at}: envFrom a whole Secret ({s['secretRef']['name']}): name keys"
                        for s in c.get("envFrom", []) if "secretRef" in s]
+        for volume in pod_template(obj)["spec"].get("volumes", []):
+            if "secret" in volume and volume["secret"]["secretName"] not in example:
+                errors.append(f"{obj['metadata']['name']}: volume {volume['name']}: Secret "
+                              f"{volume['secret']['secretName']} is not in secret.example.yaml")
     for auth in kinds(objs, "TriggerAuthentication"):
         refs += [(auth["metadata"]["name"], r["name"], r["key"])
                  for r in auth["spec"]["secretTargetRef"]]
@@ -269,10 +273,10 @@ def test_no_secret_is_inlined_and_every_reference_is_documented(overlay: str) ->
 
 def test_the_secret_example_holds_only_placeholders() -> None:
     example = secret_example()
-    assert set(example) == {"fleet-secrets", "fleet-keda-redis"}
+    assert set(example) == {"fleet-secrets", "fleet-redis-acl", "fleet-keda-redis"}
     for name, data in example.items():
         for key, value in data.items():
-            if key != "address":
+            if key not in ("address", "username"):
                 assert "CHANGE_ME" in value, (name, key)
     for kustomization in K8S.rglob("kustomization.yaml"):
         text = yaml.safe_load(kustomization.read_text())
@@ -478,7 +482,8 @@ def test_keda_replaces_the_hpa_with_the_queue_length() -> None:
     assert set(redis["metadata"]) <= {"listName", "listLength", "activationListLength",
                                       "databaseIndex", "enableTLS"}
     auth = one(objs, "TriggerAuthentication", redis["authenticationRef"]["name"])
-    assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} == {"address", "password"}
+    assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} == {"address", "username",
+                                                                 "password"}
     assert scaled["spec"]["minReplicaCount"] == 4
     assert all(o["metadata"]["namespace"] == "fleet" for o in objs)
 
