@@ -13,7 +13,9 @@
   tests below instead.
 - **Policy.** What a schema cannot say: requests and limits, probes and the
   security context on every container; no secret value in a manifest, and
-  every Secret reference present in ``secret.example.yaml``; selectors that
+  every Secret reference present in ``secret.example.yaml``; no secret on any
+  process's command line (container argv, probes, hooks); images by digest in
+  prod; selectors that
   select their pods; the autoscaler on the worker Deployment; the schema gate
   before pods start; a grace period longer than the lease. (NetworkPolicies:
   ``test_network_policies.py``.)
@@ -27,6 +29,7 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -161,6 +164,52 @@ def secret_errors(objs: list[Obj]) -> list[str]:
     return errors
 
 
+# A flag whose next word (or =value) is a secret, as tools spell it.
+SECRET_FLAGS = re.compile(r"(^|\s)(--requirepass|--masterauth|--pass|--password|-a|--auth|"
+                          r"--basic-auth|--broker|--url|--dsn)(=|\s+)\S", re.I)
+SECRET_ASSIGNMENT = re.compile(r"\b\w*(PASSWORD|SECRET|TOKEN|_AUTH)\w*=\S", re.I)
+
+
+def command_lines(pod_spec: Obj) -> Iterator[tuple[str, list[str]]]:
+    """Every argv a pod's containers run: command + args, exec probes, lifecycle hooks."""
+    for c in containers(pod_spec):
+        yield c["name"], [*c.get("command", []), *c.get("args", [])]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            if "exec" in c.get(probe, {}):
+                yield f"{c['name']} {probe}", c[probe]["exec"]["command"]
+        for hook in ("postStart", "preStop"):
+            handler = c.get("lifecycle", {}).get(hook, {})
+            if "exec" in handler:
+                yield f"{c['name']} {hook}", handler["exec"]["command"]
+
+
+def argv_secret_errors(objs: list[Obj]) -> list[str]:
+    """No secret on a process command line (``ps`` and /proc show every argv to
+    anyone on the node, and it outlives the process in shell history and audit logs).
+
+    A secret-sourced environment variable must not be expanded into an argv
+    (Kubernetes' ``$(VAR)``) nor named in a shell script's text (``$VAR`` ends up
+    in a child's argv); no credentials in a URL; no password flag with a value.
+    """
+    errors = []
+    for obj in (o for o in objs if o["kind"] in WORKLOADS):
+        pod = pod_template(obj)["spec"]
+        for c in containers(pod):
+            secret_vars = {e["name"] for e in c.get("env", [])
+                           if "secretKeyRef" in e.get("valueFrom", {})}
+            for where, argv in command_lines({"containers": [c]}):
+                at = f"{obj['metadata']['name']}/{where}"
+                text = " ".join(argv)
+                for var in sorted(secret_vars):
+                    if re.search(rf"\$\(?{{?{var}\b", text):
+                        errors.append(f"{at}: puts the secret ${var} on a command line")
+                if CREDENTIALS_IN_URL.search(text):
+                    errors.append(f"{at}: credentials in a URL on a command line")
+                if SECRET_FLAGS.search(text) or SECRET_ASSIGNMENT.search(text):
+                    errors.append(f"{at}: a password flag or assignment on a command line")
+    return errors
+
+
 def selector_errors(objs: list[Obj]) -> list[str]:
     errors = []
     pods = [(o, pod_template(o)["metadata"].get("labels", {}))
@@ -269,6 +318,40 @@ def test_containers_have_resources_probes_and_a_locked_down_context(overlay: str
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_no_secret_is_inlined_and_every_reference_is_documented(overlay: str) -> None:
     assert secret_errors(render(overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_secret_is_on_a_process_command_line(overlay: str) -> None:
+    objs = render(overlay)
+    assert argv_secret_errors(objs) == []
+    argvs = [argv for o in objs if o["kind"] in WORKLOADS
+             for _, argv in command_lines(pod_template(o)["spec"])]
+    assert len(argvs) >= 20  # every container, probe and gate was looked at
+
+
+def test_the_command_line_check_catches_a_password_in_argv() -> None:
+    """What the dev Redis did before (``--requirepass $(REDIS_PASSWORD)``), and its kin."""
+    objs = render("dev")
+    pod = pod_template(one(objs, "StatefulSet", "fleet-redis"))["spec"]
+    redis = pod["containers"][0]
+    redis["args"] = ["--appendonly", "yes", "--requirepass", "$(REDIS_PASSWORD)"]
+    redis["env"] = [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+        "name": "fleet-secrets", "key": "redis-password"}}}]
+    redis["readinessProbe"]["exec"]["command"] = ["sh", "-c", "redis-cli -a hunter2 ping"]
+    worker = pod_template(one(objs, "Deployment", "fleet-worker"))["spec"]
+    worker["containers"][0]["args"] += ["--broker=redis://worker:hunter2@fleet-redis:6379/0"]
+    gate = worker["initContainers"][0]
+    gate["args"] = [gate["args"][0] + 'psql "$FLEET_DATABASE_URL" -c "select 1"\n']
+    job = pod_template(one(objs, "Job", "fleet-db-upgrade"))["spec"]["containers"][0]
+    job["command"] = ["sh", "-c", "PGPASSWORD=hunter2 fleet db upgrade"]
+    errors = argv_secret_errors(objs)
+    for expected in ("fleet-redis/redis: puts the secret $REDIS_PASSWORD on a command line",
+                     "fleet-redis/redis: a password flag",
+                     "fleet-redis/redis readinessProbe: a password flag",
+                     "fleet-worker/worker: credentials in a URL",
+                     "fleet-worker/wait-for-schema: puts the secret $FLEET_DATABASE_URL",
+                     "fleet-db-upgrade/db-upgrade: a password flag or assignment"):
+        assert any(e.startswith(expected) for e in errors), (expected, errors)
 
 
 def test_the_secret_example_holds_only_placeholders() -> None:
