@@ -428,6 +428,42 @@ def test_flower_cannot_put_a_task_on_a_queue(fleet: Fleet, endpoint: tuple[str, 
         assert "fleet.dispatch[" not in fleet.procs[name].log()
 
 
+def test_flower_cannot_get_a_task_onto_a_queue_through_a_worker_either(fleet: Fleet) -> None:
+    """A confused deputy: kombu routes a control reply through a routing table
+    every control client may write (_kombu.binding.reply.celery.pidbox), and the
+    worker may push onto the task queues. Flower binds its reply ticket to
+    fleet.drive as well and pings: the worker's reply lands on the task queue.
+    It is a reply, not a task: the worker that takes it drops it as an unknown
+    message, and nothing runs or starts (decision 0017 records the path)."""
+    admin = fleet.redis.admin
+    executions = fleet.store.count()
+    ticket = f"deputy-{fleet.token}"
+    flower = fleet.redis.client("flower")
+    try:
+        flower.sadd("_kombu.binding.reply.celery.pidbox", f"{ticket}\x06\x16\x06\x16{QUEUE}")
+    finally:
+        flower.close()
+    app = make_app(FleetSettings(database_url=fleet.database_url,
+                                 redis_url=fleet.redis.url("flower"), queue=QUEUE),
+                   consumes_tasks=False)
+    try:
+        mailbox = app.control.mailbox  # an attacker's client: replies to the chosen ticket
+        mailbox.__class__ = type("Deputy", (type(mailbox),), {"oid": property(lambda _: ticket)})
+        node = fleet.procs["a"].nodename
+        assert app.control.ping(destination=[node], timeout=2) == [{node: {"ok": "pong"}}]
+    finally:
+        app.close()
+    deadline = time.monotonic() + 15
+    logs = ""
+    while "unknown message" not in logs:
+        assert time.monotonic() < deadline, (admin.llen(QUEUE), logs[-2000:])
+        time.sleep(0.2)
+        logs = "".join(fleet.procs[n].log() for n in ("a", "b"))
+    assert admin.llen(QUEUE) == 0
+    time.sleep(1.0)
+    assert fleet.store.count() == executions
+
+
 # -- a worker hands back on its user ------------------------------------------------------------
 
 
