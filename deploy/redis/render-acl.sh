@@ -31,7 +31,7 @@ for name in $(printf '%s\n' "$joined" | grep -o '#{password:[A-Za-z0-9_-]*}' \
     var=REDIS_PASSWORD_$(printf '%s' "$name" | tr 'a-z-' 'A-Z_')
     eval "value=\${$var:-}"
     if [ -z "$value" ]; then
-        echo "render-acl.sh: $var is not set (the password of the Redis user '$name')" >&2
+        echo "render-acl.sh: $var is not set (the template's #{password:$name})" >&2
         exit 1
     fi
     hash=$(printf '%s' "$value" | sha256sum | cut -d ' ' -f 1)

@@ -57,7 +57,8 @@ def template_users(text: str | None = None) -> list[str]:
 
 
 def password_env(passwords: dict[str, str]) -> dict[str, str]:
-    return {f"REDIS_PASSWORD_{name.upper()}": pw for name, pw in passwords.items()}
+    return {f"REDIS_PASSWORD_{name.upper().replace('-', '_')}": pw
+            for name, pw in passwords.items()}
 
 
 def run_render(passwords: dict[str, str], template: Path = TEMPLATE

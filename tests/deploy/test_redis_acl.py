@@ -91,7 +91,7 @@ def test_render_names_a_missing_password_and_prints_nothing(tmp_path: Path) -> N
     del passwords["flower"]
     done = run_render(passwords)
     assert done.returncode == 1
-    assert "REDIS_PASSWORD_FLOWER is not set (the password of the Redis user 'flower')" in (
+    assert "REDIS_PASSWORD_FLOWER is not set (the template's #{password:flower})" in (
         done.stderr)
     assert done.stdout == ""
     missing = run_render(fresh_passwords(), template=tmp_path / "nope.acl")
@@ -164,6 +164,40 @@ def test_the_dev_redis_reads_its_users_from_a_secret_and_no_password_from_anywhe
         assert redis_container[probe]["exec"]["command"][-1] == (
             "redis-cli -h 127.0.0.1 ping | grep -q PONG")
     assert (K8S / "overlays" / "dev" / "redis" / "redis.conf").is_file()
+
+
+def test_a_password_rotates_through_two_hashes_and_acl_load(server: PrivateRedis,
+                                                             tmp_path: Path) -> None:
+    """docs/operations.md's rotation: a second placeholder beside the first, ACL
+    LOAD (both passwords work while pods roll), then the new one alone."""
+    new = fresh_passwords()["worker"]
+    both = tmp_path / "users.acl"
+    both.write_text(TEMPLATE.read_text().replace(
+        "user worker on #{password:worker} ", "user worker on #{password:worker} "
+        "#{password:worker-next} "))
+    old = server.passwords["worker"]
+    try:
+        rendered = run_render({**server.passwords, "worker-next": new}, template=both)
+        assert rendered.returncode == 0, rendered.stderr
+        server.acl_path.write_text(rendered.stdout)
+        assert server.admin.execute_command("ACL", "LOAD") in (b"OK", "OK", True)
+        for password in (old, new):
+            client = redis.Redis(port=server.port, username="worker", password=password)
+            assert client.ping()
+            client.close()
+        rendered = run_render({**server.passwords, "worker": new})
+        server.acl_path.write_text(rendered.stdout)
+        server.admin.execute_command("ACL", "LOAD")
+        client = redis.Redis(port=server.port, username="worker", password=new)
+        assert client.ping()
+        client.close()
+        stale = redis.Redis(port=server.port, username="worker", password=old)
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            stale.ping()
+        stale.close()
+    finally:
+        server.acl_path.write_text(server.acl_text)
+        server.admin.execute_command("ACL", "LOAD")
 
 
 # -- the matrix -------------------------------------------------------------------------
