@@ -335,6 +335,47 @@ def test_running_the_script_again_changes_nothing(roles: Roles) -> None:
     assert run_async(lambda: _catalog(roles)) == before
 
 
+def test_the_runtime_role_rotates_to_a_second_role_without_downtime() -> None:
+    """docs/operations.md's rotation: roles.sql for a second runtime role, which
+    works at once on the existing schema; the first is then dropped cleanly."""
+    token = secrets.token_hex(4)
+    migrator, first, second = (f"fleet_mig_{token}", f"fleet_rt_{token}",
+                               f"fleet_rt2_{token}")
+    password = secrets.token_urlsafe(16)
+
+    def set_password(admin: str, role: str) -> None:
+        run_async(lambda: _admin(admin, f"ALTER ROLE \"{role}\" PASSWORD '{password}'"))
+
+    try:
+        with throwaway_database() as admin:
+            assert run_script(admin, migrator, first).returncode == 0
+            set_password(admin, migrator)
+            set_password(admin, first)
+            upgrade = fleet_cli(as_role(admin, migrator, password), "db", "upgrade")
+            assert upgrade.returncode == 0, upgrade.stderr
+
+            async def append_and_read(role: str) -> int:
+                store = PostgresEventStore(as_role(admin, role, password), migrate=False,
+                                           pool_max=1)
+                eid = f"rot-{secrets.token_hex(3)}"
+                try:
+                    await store.append_batch([started(eid), make_event(eid, 1)])
+                    return len(await store.read(eid))
+                finally:
+                    await store.close()
+
+            assert run_async(lambda: append_and_read(first)) == 2
+            done = run_script(admin, migrator, second)
+            assert done.returncode == 0, done.stderr
+            set_password(admin, second)
+            assert run_async(lambda: append_and_read(second)) == 2
+            run_async(lambda: _admin(admin, f'DROP OWNED BY "{first}"',
+                                     f'DROP ROLE "{first}"'))
+            assert run_async(lambda: append_and_read(second)) == 2
+    finally:
+        _drop_roles(migrator, first, second)
+
+
 # -- what deploy/ ships -----------------------------------------------------------------------
 
 
