@@ -1,6 +1,9 @@
 """One typed settings object, read from ``FLEET_*`` environment variables.
 
-Read when a program starts (``FleetSettings()``), never at import time.
+Read when a program starts (``FleetSettings()``), never at import time, and
+turned here into the options objects the parts take (``store_options()``): the
+kernel and the stores never see this object. ``fleet.assembly.roles`` builds
+every fleet process's parts from it; ``fleet.host.kernel`` its store and Runtime.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from fleet.kernel.errors import ConfigurationError
+from fleet.kernel.store.factory import GroupCommit, StoreOptions
 
 
 class FleetSettings(BaseSettings):
@@ -27,8 +31,8 @@ class FleetSettings(BaseSettings):
     sha256_flow_hash: bool = False
 
     # -- the store (issue 3): Postgres pool and limits, group commit ---------------
-    # Read by ``fleet.kernel.store.factory.open_event_store_from_settings``. Unset
-    # pool sizes leave the URL's ``?pool_min=&pool_max=`` or the store's defaults.
+    # Turned into ``StoreOptions`` by ``store_options``. Unset pool sizes leave the
+    # URL's ``?pool_min=&pool_max=`` or the store's defaults.
     pg_pool_min: int | None = Field(None, ge=0, description="Postgres connections kept open")
     pg_pool_max: int | None = Field(None, ge=1, description="most Postgres connections")
     max_event_bytes: int | None = Field(
@@ -72,7 +76,8 @@ class FleetSettings(BaseSettings):
     recovery_grace_ms: int = Field(
         5_000, ge=0, description="a running execution with no lease is lost after this")
     publish_events: bool = Field(
-        True, description="workers XADD every durable event to events_stream (needs redis_url)")
+        True, description="every fleet process (worker, timers, recovery, attacher) XADDs "
+        "each durable event its runtime writes to events_stream (needs redis_url)")
     events_stream: str = "fleet:events"
     events_maxlen: int = Field(100_000, ge=1, description="MAXLEN ~ of the events stream")
     rewards_stream: str = "fleet:rewards"
@@ -87,6 +92,15 @@ class FleetSettings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    def store_options(self) -> StoreOptions:
+        """What ``open_event_store(database_url, ...)`` takes beside the URL."""
+        group = (GroupCommit(max_batch=self.group_commit_max_batch,
+                             max_wait_ms=self.group_commit_max_wait_ms,
+                             max_inflight=self.group_commit_max_inflight)
+                 if self.group_commit else None)
+        return StoreOptions(pool_min=self.pg_pool_min, pool_max=self.pg_pool_max,
+                            max_event_bytes=self.max_event_bytes, group_commit=group)
 
     @property
     def broker(self) -> str:

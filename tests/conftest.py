@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The helper kits, flow modules and server helpers every test folder imports by name
+# (``from kernel_kit import ...``): tests/kits, on the path before any test is collected.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "kits"))
 
 from fleet.kernel import runtime as _runtime
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore

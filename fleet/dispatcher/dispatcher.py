@@ -29,7 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.config import FleetSettings
+from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.routing import DRIVE_TASK, check_routes, route_queue
+from fleet.host.kernel import build_runtime, open_store
+from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel.errors import (
     BrokerUnavailableError,
     ConfigurationError,
@@ -39,9 +42,9 @@ from fleet.kernel.errors import (
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import Principal
 from fleet.kernel.store.spi import EventStore
-from fleet.workers.loop import EventLoopThread, refuse_inside_loop
 
 log = logging.getLogger("fleet.dispatcher")
+
 
 @dataclass(frozen=True, slots=True)
 class DriveOrder:
@@ -63,16 +66,19 @@ def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
 class Dispatcher:
     """Start, resume, send and cancel executions a worker fleet drives.
 
-    Build it from settings (it opens its own store and Celery app, and closes
-    them in ``close``/``aclose``), or hand it a ``runtime`` and an ``app``
-    (what the worker's ``fleet.dispatch`` task does). It registers
+    Build it from settings (it opens its own store and Runtime, built as every
+    fleet process builds them (``fleet.host.kernel``), and its own Celery app
+    (``fleet.dispatcher.broker``), and closes them in ``close``/``aclose``), or
+    hand it a ``runtime`` and an ``app`` (what the worker's ``fleet.dispatch``
+    task, the timer service and the sweeper do). It registers
     ``settings.flows``: a start records the flow's version and hash, so the
     flow's module must import here too (or start through ``fleet.dispatch``).
 
     Args:
         settings: Store, flows, broker, queue, routes, lease.
         runtime: A Runtime to write through (its store is used as it is).
-        app: The fleet's Celery app (``fleet.workers.make_app``).
+        app: A Celery app of the fleet (``producer_app``, or the workers'
+            ``fleet.workers.make_app``).
         busy_timeout: How long ``resume``/``send`` retry while a live lease
             elsewhere holds the execution, in seconds.
     """
@@ -104,10 +110,8 @@ class Dispatcher:
     @property
     def app(self) -> Any:
         if self._app is None:
-            from fleet.workers.app import make_app
-
             assert self.settings is not None
-            self._app = make_app(self.settings, main="fleet-dispatcher")
+            self._app = producer_app(self.settings)
         return self._app
 
     async def runtime(self) -> Runtime:
@@ -125,8 +129,6 @@ class Dispatcher:
                 self._open_lock = asyncio.Lock()
             async with self._open_lock:
                 if self._runtime is None:
-                    from fleet.workers.process import build_runtime, open_store
-
                     assert self.settings is not None
                     store = open_store(self.settings)
                     self._store = store
@@ -155,7 +157,7 @@ class Dispatcher:
                 f"{type(exc).__name__}: {exc}") from exc
         self.enqueued += 1
 
-    def _hand_on(self, order: DriveOrder) -> None:
+    def _enqueue_after_write(self, order: DriveOrder) -> None:
         """Enqueue after a durable write; a broker fault is counted, not raised.
 
         The write stands, so the execution is running with no lease: the
@@ -167,7 +169,7 @@ class Dispatcher:
             self.enqueue_failed += 1
             log.warning("%s; the recovery sweeper will drive it", exc)
 
-    async def _hand_on_async(self, order: DriveOrder) -> None:
+    async def _enqueue_after_write_async(self, order: DriveOrder) -> None:
         try:
             await self.enqueue_async(order)
         except BrokerUnavailableError as exc:
@@ -250,21 +252,21 @@ class Dispatcher:
         order = await self.write_start(flow_id, input, principal=principal,
                                        execution_id=execution_id,
                                        idempotency_key=idempotency_key)
-        await self._hand_on_async(order)
+        await self._enqueue_after_write_async(order)
         return order.execution_id
 
     async def resume(self, execution_id: str, gate: str, payload: Any = None, *,
                      principal: Principal | None = None) -> None:
         """Answer the gate a parked execution waits on; a worker drives it on."""
         order = await self.write_resume(execution_id, gate, payload, principal=principal)
-        await self._hand_on_async(order)
+        await self._enqueue_after_write_async(order)
 
     async def send(self, execution_id: str, key: str, payload: Any = None, *,
                    principal: Principal | None = None) -> bool:
         """Deliver a message to ``ctx.receive(key)``; True when it woke the execution."""
         order = await self.write_send(execution_id, key, payload, principal=principal)
         if order is not None:
-            await self._hand_on_async(order)
+            await self._enqueue_after_write_async(order)
         return order is not None
 
     async def cancel(self, execution_id: str, *, principal: Principal | None = None,
@@ -301,7 +303,7 @@ class Dispatcher:
         order = self._loop_thread("start_sync").run_coroutine(self.write_start(
             flow_id, input, principal=principal, execution_id=execution_id,
             idempotency_key=idempotency_key))
-        self._hand_on(order)
+        self._enqueue_after_write(order)
         return order.execution_id
 
     def resume_sync(self, execution_id: str, gate: str, payload: Any = None, *,
@@ -309,7 +311,7 @@ class Dispatcher:
         """``resume`` for code without an event loop (refused inside one)."""
         order = self._loop_thread("resume_sync").run_coroutine(self.write_resume(
             execution_id, gate, payload, principal=principal))
-        self._hand_on(order)
+        self._enqueue_after_write(order)
 
     def send_sync(self, execution_id: str, key: str, payload: Any = None, *,
                   principal: Principal | None = None) -> bool:
@@ -317,7 +319,7 @@ class Dispatcher:
         order = self._loop_thread("send_sync").run_coroutine(self.write_send(
             execution_id, key, payload, principal=principal))
         if order is not None:
-            self._hand_on(order)
+            self._enqueue_after_write(order)
         return order is not None
 
     def cancel_sync(self, execution_id: str, *, principal: Principal | None = None,

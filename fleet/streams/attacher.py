@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 from fleet.kernel.errors import ConfigurationError, ExecutionNotTerminalError, FleetError
 from fleet.kernel.journal import WarnSink
 from fleet.kernel.security import Principal
-from fleet.streams._redis import aioredis
 from fleet.streams.consumer import Defer, Reject, StreamConsumer, StreamEntry, default_consumer_name
+from fleet.streams.redis_client import aioredis
 from fleet.streams.rewards import MESSAGE_FIELD, verify_reward
 
 if TYPE_CHECKING:

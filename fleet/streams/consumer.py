@@ -27,7 +27,7 @@ from typing import Any
 
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.journal import Warner, WarnSink
-from fleet.streams._redis import TRANSIENT, ResponseError, aioredis, as_text, read_entries
+from fleet.streams.redis_client import TRANSIENT, ResponseError, aioredis, as_text, read_entries
 
 __all__ = ["Defer", "Handler", "Reject", "StreamConsumer", "StreamEntry",
            "default_consumer_name"]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.journal import Warner, WarnSink
-from fleet.streams._redis import TRANSIENT, aioredis
+from fleet.streams.redis_client import TRANSIENT, aioredis
 
 if TYPE_CHECKING:
     from fleet.config import FleetSettings

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
 from fleet.kernel.errors import ConfigurationError, ValidationError
-from fleet.streams._redis import aioredis, sync_redis
+from fleet.streams.redis_client import aioredis, sync_redis
 
 if TYPE_CHECKING:
     from fleet.config import FleetSettings

@@ -21,14 +21,6 @@ configures: it is also the option's default.)
 
 No result backend is needed: a drive's result is in the log. Give
 ``result_backend=`` to read ``fleet.dispatch`` answers from non-Python clients.
-
-Only a worker consumes the task queues, so only a worker takes part in kombu's
-Redis ack emulation (the ``unacked`` hash of taken messages, and the periodic
-restore of those a dead consumer left). Flower and ``fleet status`` consume
-reply queues too, and kombu would have them restore other consumers' messages
-onto the task queues; ``make_app(..., consumes_tasks=False)`` turns that off,
-so their Redis users need neither the ``unacked*`` keys nor the right to push
-onto a queue (decision 0017).
 """
 
 from __future__ import annotations
@@ -37,23 +29,16 @@ import weakref
 from typing import Any
 
 from fleet.config import FleetSettings
-from fleet.dispatcher.routing import DriveRouter, check_routes
-from fleet.workers._celery import Celery, current_app, is_prefork, signals
-from fleet.workers.stats import FleetStatsStep
-
-# The broker URL schemes kombu serves with its Redis transport.
-_REDIS_SCHEMES = ("redis", "rediss", "sentinel")
-
-
-class FleetCelery(Celery):  # type: ignore[misc]
-    """A Celery app that knows the ``FleetSettings`` it was made from."""
-
-    fleet_settings: FleetSettings
+from fleet.dispatcher.broker import FleetCelery, producer_app
+from fleet.host.celery_api import current_app, is_prefork, process_index, signals
+from fleet.workers import shutdown
+from fleet.workers.bootstep import FleetStatsStep
+from fleet.workers.process import close_process, local_process, log, open_process
+from fleet.workers.tasks import register_tasks
 
 
 def make_app(settings: FleetSettings, *, main: str = "fleet",
-             result_backend: str | None = None, consumes_tasks: bool = True,
-             **conf: Any) -> Any:
+             result_backend: str | None = None, **conf: Any) -> Any:
     """The Celery app of a fleet: ``fleet.drive`` and ``fleet.dispatch``, routes, the bootstep.
 
     Args:
@@ -61,44 +46,28 @@ def make_app(settings: FleetSettings, *, main: str = "fleet",
             store, flows, default queue, routes, ``worker_drives``, lease.
         main: The app's name.
         result_backend: Where ``fleet.dispatch`` answers go (None: nowhere).
-        consumes_tasks: False for a process that never consumes a task queue
-            (Flower, ``fleet status``): on Redis its connections skip kombu's
-            ack emulation, so they never restore another consumer's messages.
-            A worker must keep the default.
         **conf: Further Celery settings, applied last (for example
             ``broker_transport_options``).
 
     Returns:
         A ``FleetCelery`` (a ``celery.Celery``); ``app.fleet_settings`` is ``settings``.
+        It is the dispatcher's ``producer_app`` (broker, wire format, routes)
+        with what a worker adds.
     """
-    routes = check_routes(settings.routes)
-    app = FleetCelery(main, broker=settings.broker, backend=result_backend)
-    app.fleet_settings = settings
+    app = producer_app(settings, main=main, result_backend=result_backend, consumes_tasks=True)
     app.conf.update(
-        task_serializer="json", result_serializer="json", accept_content=["json"],
-        result_accept_content=["json"],
         task_acks_late=True, task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         worker_pool=settings.worker_pool,
         # With prefork, give the number of children with `-c` (each drives one at a time).
         worker_concurrency=settings.worker_drives if settings.worker_pool == "threads" else None,
-        task_default_queue=settings.queue,
-        task_routes=(DriveRouter(routes, settings.queue),),
-        task_ignore_result=result_backend is None,
-        broker_connection_retry_on_startup=True,
         # A drive does not need the broker connection to finish (its lease and
         # log are in the store); cancelling it on a broker hiccup would only
         # leave an in-doubt step. Its message comes back and steps aside.
         worker_cancel_long_running_tasks_on_connection_loss=False,
-        worker_hijack_root_logger=False,
     )
-    if not consumes_tasks and settings.broker.split("://", 1)[0].lower() in _REDIS_SCHEMES:
-        app.conf.broker_transport_options = {**(app.conf.broker_transport_options or {}),
-                                             "ack_emulation": False}
     app.conf.update(conf)
     app.steps["worker"].add(FleetStatsStep)
-    from fleet.workers.tasks import register_tasks
-
     register_tasks(app)
     _connect_process_hooks(app)
     return app
@@ -125,9 +94,6 @@ def _connect_process_hooks(app: Any) -> None:
 
 
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
-    from fleet.workers import shutdown
-    from fleet.workers.process import log, open_process
-
     if sender is None or sender.app not in _apps:
         return
     shutdown.install()  # before a prefork pool forks: its children inherit the flag
@@ -143,19 +109,13 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
 
 
 def _on_process_init(**_: Any) -> None:  # a prefork child, or the solo pool
-    from billiard.process import current_process  # type: ignore[import-untyped]
-
-    from fleet.workers.process import open_process
-
     app = current_app()
     if app not in _apps:
         return
-    open_process(app.fleet_settings, slot=getattr(current_process(), "index", None))
+    open_process(app.fleet_settings, slot=process_index())
 
 
 def _on_process_shutdown(**_: Any) -> None:
-    from fleet.workers.process import close_process, local_process
-
     if local_process() is not None:
         close_process()
 
@@ -164,9 +124,6 @@ def _on_worker_shutting_down(**_: Any) -> None:
     # Sent from Celery's SIGTERM/SIGINT/SIGQUIT handler in the worker's main
     # process (sender: its hostname): start handing the drives back
     # (fleet.workers.shutdown). Only memory stores and a loop wake-up here.
-    from fleet.workers import shutdown
-    from fleet.workers.process import local_process
-
     shutdown.request_drain()
     process = local_process()
     if process is not None:
@@ -174,8 +131,6 @@ def _on_worker_shutting_down(**_: Any) -> None:
 
 
 def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
-    from fleet.workers.process import close_process
-
     if sender is not None and sender.app in _apps:
         close_process()
 

@@ -23,12 +23,13 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
+from fleet.assembly.roles import Role, open_worker
 from fleet.config import FleetSettings
-from fleet.health import Heartbeat
+from fleet.host.loop import EventLoopThread
 from fleet.kernel.errors import (
     ExecutionNotFoundError,
     FleetError,
@@ -36,17 +37,13 @@ from fleet.kernel.errors import (
     StoreUnavailableError,
 )
 from fleet.kernel.events import EventEnvelope, EventType
-from fleet.kernel.flows import Features, load_flows
 from fleet.kernel.fold import DIVERGED_GATE
 from fleet.kernel.journal import EventObserver
 from fleet.kernel.runtime import Runtime
-from fleet.kernel.security import AccessPolicy
 from fleet.kernel.store.spi import EventStore
+from fleet.services.base import Service, start_order
 from fleet.workers import shutdown, stats
-from fleet.workers.loop import EventLoopThread
 
-if TYPE_CHECKING:
-    from fleet.streams.publisher import EventPublisher
 log = logging.getLogger("fleet.workers")
 
 # How a drive ended, as the ``fleet.drive`` task returns it.
@@ -61,42 +58,6 @@ _ENDS: dict[EventType, str] = {
     EventType.EXECUTION_COMPLETED: COMPLETED, EventType.EXECUTION_FAILED: FAILED,
     EventType.EXECUTION_SUSPENDED: PARKED, EventType.EXECUTION_CANCELLED: CANCELLED,
     EventType.EXECUTION_CONTINUED: CONTINUED}
-
-
-def open_store(settings: FleetSettings) -> EventStore:
-    """The event store ``settings`` names (pool sizes, group commit included)."""
-    from fleet.kernel.store import factory
-
-    from_settings: Callable[[FleetSettings], EventStore] | None = getattr(
-        factory, "open_event_store_from_settings", None)
-    if from_settings is not None:
-        return from_settings(settings)
-    return factory.open_event_store(settings.database_url)
-
-
-def build_runtime(settings: FleetSettings, store: EventStore, *, role: str,
-                  on_durable_event: EventObserver | None = None,
-                  on_warn: Callable[[str], Any] | None = None,
-                  access_policy: AccessPolicy | None = None) -> Runtime:
-    """A Runtime configured by ``settings`` with its flows loaded.
-
-    Fleet runtimes never arm in-process timers: the timer service fires them
-    (a worker that parks on a sleep lets go of it). ``access_policy``: the
-    reward attacher's (a producer may ``annotate``); default the kernel's.
-    """
-    return Runtime(store, flows=load_flows(settings.flows), strict=settings.strict,
-                   access_policy=access_policy or AccessPolicy(),
-                   divergence=settings.divergence,
-                   features=Features(sha256_flow_hash=settings.sha256_flow_hash),
-                   lease_ms=settings.lease_ms, local_timers=False,
-                   holder=f"{role}:{_host()}:{os.getpid()}:{os.urandom(4).hex()}",
-                   on_durable_event=on_durable_event, on_warn=on_warn or log.warning)
-
-
-def _host() -> str:
-    import socket
-
-    return socket.gethostname()
 
 
 class _WriteWatch:
@@ -161,17 +122,16 @@ class WorkerProcess:
         self.slot = slot
         self.loop = EventLoopThread(f"fleet-loop-{os.getpid()}")
         self.counters = WorkerCounters()
-        # Forwarded every durable event: the hook for the stream publisher when
-        # it runs in the worker process (fleet.streams sets it).
+        # Forwarded every durable event this process writes (after the events
+        # stream's publisher, which the role wires in).
         self.event_observer: EventObserver | None = None
-        self._publisher: EventPublisher | None = None
+        self._role: Role | None = None
         self._runtime: Runtime | None = None
         self._store: EventStore | None = None
         # The last durable event of each run driven here, to say how it stopped.
         self._watch: dict[str, EventEnvelope | None] = {}
         self._base: dict[str, stats.Number] = {}
         self._writes = _WriteWatch(self._watch)
-        self._heartbeat: Heartbeat | None = None
         self._draining = False
 
     @property
@@ -192,30 +152,32 @@ class WorkerProcess:
         if board is not None and self.slot is not None:
             self._base = board.read_row(self.slot)
 
-    async def _open(self) -> None:
-        store = open_store(self.settings)
-        try:
-            # Connect now (and apply the schema): a wrong URL fails the worker
-            # at start, not at its first task.
-            await store.head("fleet:worker-probe")
-        except BaseException:
-            await store.close()
-            raise
-        self._store = store
+    def _writes_through(self, store: EventStore) -> EventStore:
+        # The runtime writes through the watch; the role keeps (and closes) the store.
         self._writes.inner = store
-        self._runtime = build_runtime(self.settings, cast(EventStore, self._writes),
-                                      role="worker", on_durable_event=self._observe)
-        self._heartbeat = Heartbeat.for_component(self.settings, "worker", slot=self.slot,
-                                                  on_beat=self._poll_drain)
-        await self._heartbeat.start()
-        if self.settings.publish_events and self.settings.redis_url:
-            # Every durable event this process writes goes out on the events
-            # stream (ADR 0147: at most once, in order per writer).
-            from fleet.streams.publisher import EventPublisher
+        return cast(EventStore, self._writes)
 
-            publisher = EventPublisher.from_settings(self.settings)
-            await publisher.start()
-            self._publisher = publisher
+    async def _open(self) -> None:
+        # The store, the runtime, the event publisher and the heartbeat: built as
+        # every role's are (fleet.assembly.roles), started here on the loop.
+        role = await open_worker(self.settings, slot=self.slot,
+                                 on_durable_event=self._observe, on_beat=self._poll_drain,
+                                 store_view=self._writes_through)
+        started: list[Service] = []
+        try:
+            for service in start_order(role.services):
+                await service.start()
+                started.append(service)
+        except BaseException:
+            for service in reversed(started):
+                await service.stop()
+            await role.aclose()
+            raise
+        self._role = role
+        self._store = role.store
+        self._runtime = role.runtime
+        publisher = role.publisher
+        if publisher is not None:
             stats.register_stats_source(
                 "events", lambda: {"stream_lag_ms": int(publisher.stats()["lag_ms"])})
 
@@ -231,13 +193,19 @@ class WorkerProcess:
     async def _close(self) -> None:
         if self._runtime is not None:
             await self._runtime.close()
-        if self._publisher is not None:
+        role, self._role = self._role, None
+        if role is None:
+            return
+        if role.publisher is not None:
             stats.unregister_stats_source("events")
-            await self._publisher.stop()  # sends what is buffered, within its timeout
-        if self._heartbeat is not None:
-            await self._heartbeat.stop()
-        if self._store is not None:
-            await self._store.close()
+        # The heartbeat stops (its file removed), then the publisher sends what is
+        # buffered (within its timeout), then the store closes.
+        for service in reversed(start_order(role.services)):
+            try:
+                await service.stop()
+            except Exception as exc:  # noqa: BLE001 - stopping the rest regardless
+                log.warning("stopping %s: %s: %s", service.name, type(exc).__name__, exc)
+        await role.aclose()
 
     # -------------------------------------------------------------- shutdown
     @property
@@ -285,7 +253,7 @@ class WorkerProcess:
         try:
             return self.loop.run_coroutine(self.drive_async(execution_id))
         finally:
-            self.publish()
+            self.write_stats_row()
 
     async def drive_async(self, execution_id: str) -> str:
         runtime = self.runtime
@@ -356,8 +324,6 @@ class WorkerProcess:
     def _observe(self, event: EventEnvelope) -> Any:
         if event.execution_id in self._watch:
             self._watch[event.execution_id] = event
-        if self._publisher is not None:
-            self._publisher.on_durable_event(event)
         observer = self.event_observer
         if observer is not None:
             return observer(event)
@@ -380,8 +346,8 @@ class WorkerProcess:
         values.update(stats.source_values())
         return values
 
-    def publish(self) -> None:
-        """Write this child's totals to its row of the prefork table (if any)."""
+    def write_stats_row(self) -> None:
+        """Write this child's totals to its row of the prefork stats table (if any)."""
         board = stats.shared_board()
         if board is None or self.slot is None:
             return

@@ -1,4 +1,4 @@
-"""The counters a worker reports, and the bootstep that shows them to Flower.
+"""The counters a worker reports (the bootstep that shows them is ``fleet.workers.bootstep``).
 
 ``celery inspect stats`` (and so Flower's worker page, tab "Other", and its
 ``/api/workers``) merges the ``info()`` of every worker bootstep into the
@@ -42,8 +42,6 @@ import multiprocessing
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
-
-from fleet.workers._celery import StartStopStep
 
 Number = int | float
 StatsSource = Callable[[], Mapping[str, Number]]
@@ -142,30 +140,6 @@ def install_board(board: SharedBoard | None) -> None:
     _board = board
 
 
-class FleetStatsStep(StartStopStep):  # type: ignore[misc]
-    """A worker bootstep: ``stats()["fleet"]`` in ``inspect stats`` and Flower."""
-
-    label = "fleet"
-    requires = ("celery.worker.components:Pool",)
-
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        super().__init__(worker, **kwargs)
-        from fleet.workers._celery import is_prefork
-
-        if is_prefork(worker.pool_cls):
-            slots = max(int(worker.concurrency or 1), int(getattr(worker, "max_concurrency",
-                                                                  0) or 0))
-            install_board(SharedBoard(slots))
-
-    def info(self, worker: Any) -> dict[str, Any]:
-        from fleet.workers.process import local_process
-
-        process = local_process()
-        if process is not None:
-            values = process.snapshot()
-        elif _board is not None:
-            values = _board.total()
-            values.update(source_values())
-        else:
-            values = empty()
-        return {"fleet": values}
+__all__ = ["COUNTERS", "FIELDS", "GAUGES", "Number", "SharedBoard", "StatsSource", "empty",
+           "install_board", "register_stats_source", "shared_board", "source_values",
+           "unregister_stats_source"]

@@ -6,8 +6,9 @@ message is acknowledged (``acks_late``) only once the run stopped; it returns
 how the run stopped (``completed``, ``parked``, ``stepped_aside``,
 ``fenced_out``, ...). ``flow_id`` and ``tenant`` only route the message.
 A drive the worker handed back because it is shutting down (``handed_back``)
-publishes a new drive of the execution, on the same route, before it returns:
-another worker takes it over at once (``fleet.workers.shutdown``).
+publishes a new drive of the execution, on the same route, before it returns
+(``requeue_handed_back``): another worker takes it over at once
+(``fleet.workers.shutdown``).
 
 ``fleet.dispatch(**request)`` is the dispatcher for producers that are not
 Python (``fleet.dispatcher.remote``).
@@ -18,8 +19,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from fleet.dispatcher.dispatcher import Dispatcher
+from fleet.dispatcher.remote import handle_dispatch
 from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK
 from fleet.kernel.errors import StoreUnavailableError
+from fleet.workers.process import HANDED_BACK, open_process
 
 log = logging.getLogger("fleet.workers")
 
@@ -29,32 +33,31 @@ def register_tasks(app: Any) -> None:
 
     def drive(execution_id: str, flow_id: str | None = None,
               tenant: str | None = None) -> str:
-        from fleet.workers.process import HANDED_BACK, open_process
-
         outcome = open_process(app.fleet_settings).drive(execution_id)
         if outcome == HANDED_BACK:
-            hand_on(app, execution_id, flow_id, tenant)
+            requeue_handed_back(app, execution_id, flow_id, tenant)
         return outcome
 
     def dispatch(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        from fleet.dispatcher.dispatcher import Dispatcher
-        from fleet.dispatcher.remote import handle_dispatch
-        from fleet.workers.process import open_process
-
         process = open_process(app.fleet_settings)
         dispatcher = Dispatcher(runtime=process.runtime, app=app)
         return handle_dispatch(dispatcher, process.loop.run_coroutine, args, kwargs)
 
     # A store outage is retried a few times (short countdowns, far below the
     # Redis visibility timeout); after that the recovery sweeper re-drives it.
+    # shared=False: the tasks belong to this app only, not to every Celery app the
+    # process makes (a producer app, or the user's own, must not run drives).
     app.task(name=DRIVE_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
              autoretry_for=(StoreUnavailableError,), retry_backoff=True, retry_backoff_max=30,
-             max_retries=5)(drive)
-    app.task(name=DISPATCH_TASK, acks_late=True, reject_on_worker_lost=True)(dispatch)
+             max_retries=5, shared=False)(drive)
+    app.task(name=DISPATCH_TASK, acks_late=True, reject_on_worker_lost=True,
+             shared=False)(dispatch)
 
 
-def hand_on(app: Any, execution_id: str, flow_id: str | None, tenant: str | None) -> None:
-    """Publish a new drive of an execution this worker let go (it is shutting down)."""
+def requeue_handed_back(app: Any, execution_id: str, flow_id: str | None,
+                        tenant: str | None) -> None:
+    """Publish a new drive of an execution this worker let go (it is shutting down), on
+    its route, so another worker takes it over at once rather than after the lease."""
     try:
         app.send_task(DRIVE_TASK, args=[execution_id],
                       kwargs={"flow_id": flow_id, "tenant": tenant})
@@ -64,4 +67,4 @@ def hand_on(app: Any, execution_id: str, flow_id: str | None, tenant: str | None
                     exc)
 
 
-__all__ = ["hand_on", "register_tasks"]
+__all__ = ["register_tasks", "requeue_handed_back"]

@@ -47,8 +47,10 @@ from redis_acl_kit import (
     template_users,
 )
 
+from fleet.assembly.roles import flower_app
 from fleet.config import FleetSettings
-from fleet.workers.app import make_app
+from fleet.dispatcher.broker import producer_app
+from fleet.host.celery_api import broker_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -225,15 +227,16 @@ ALLOWED: dict[str, list[Command]] = {
         ("BRPOP", "t2.reply.celery.pidbox", "t2.reply.celery.pidbox\x06\x163", "0.01"),
         ("DEL", "t2.reply.celery.pidbox"), ("SADD", "_kombu.binding.reply.celery.pidbox", "b")],
     "timers": [("LPUSH", Q, "m"), ("LLEN", Q), ("SADD", "_kombu.binding.fleet.drive", "b"),
-               ("SMEMBERS", "_kombu.binding.fleet.drive")],
-    "recovery": [("LPUSH", QP, "m"), ("LLEN", QP), ("SADD", "_kombu.binding.fleet.x", "b")],
+               ("SMEMBERS", "_kombu.binding.fleet.drive"), ("XADD", "fleet:events", "*", "f", "v")],
+    "recovery": [("LPUSH", QP, "m"), ("LLEN", QP), ("SADD", "_kombu.binding.fleet.x", "b"),
+                 ("XADD", "fleet:events", "MAXLEN", "~", "100", "*", "f", "v")],
     "attacher": [
         ("XGROUP", "CREATE", "fleet:rewards", "g", "$", "MKSTREAM"),
         ("XREADGROUP", "GROUP", "g", "c", "COUNT", "1", "STREAMS", "fleet:rewards", ">"),
         ("XPENDING", "fleet:rewards", "g"), ("XPENDING", "fleet:rewards", "g", "-", "+", "1"),
         ("XAUTOCLAIM", "fleet:rewards", "g", "c", "0", "0-0"),
         ("XACK", "fleet:rewards", "g", "1-1"),
-        ("XADD", "fleet:rewards:dead", "*", "f", "v")],
+        ("XADD", "fleet:rewards:dead", "*", "f", "v"), ("XADD", "fleet:events", "*", "f", "v")],
     "producer": [("XADD", "fleet:rewards", "*", "f", "v")],
     "flower": [
         ("LLEN", Q), ("LLEN", QP), ("PUBLISH", "/0.celery.pidbox", "c"),
@@ -256,8 +259,11 @@ UNACKED = [("HGETALL", "unacked"), ("HGET", "unacked", "t"), ("ZRANGE", "unacked
            ("SET", "unacked_mutex", "x", "NX", "PX", "1000"), ("DEL", "unacked")]
 DISPATCH = [("LPUSH", Q, "m"), ("RPUSH", QP, "m"), ("LPUSH", "celery", "m"),
             ("SADD", "_kombu.binding.fleet.drive", "evil"), ("LINSERT", Q, "BEFORE", "a", "m")]
-EVENTS = [("XADD", "fleet:events", "*", "f", "v"), ("XRANGE", "fleet:events", "-", "+"),
-          ("XTRIM", "fleet:events", "MAXLEN", "0"), ("DEL", "fleet:events")]
+# Publishing a durable event (XADD) is every role's today (decision 0016); reading,
+# trimming or deleting the stream is nobody's.
+EVENTS_READ = [("XRANGE", "fleet:events", "-", "+"), ("XREAD", "STREAMS", "fleet:events", "0"),
+               ("XTRIM", "fleet:events", "MAXLEN", "0"), ("DEL", "fleet:events")]
+EVENTS = [("XADD", "fleet:events", "*", "f", "v"), *EVENTS_READ]
 REWARDS = [("XADD", "fleet:rewards", "*", "f", "v"), ("XRANGE", "fleet:rewards", "-", "+"),
            ("XDEL", "fleet:rewards", "1-1"), ("XGROUP", "DESTROY", "fleet:rewards", "g"),
            ("XADD", "fleet:rewards:dead", "*", "f", "v"), ("DEL", "fleet:rewards")]
@@ -272,11 +278,11 @@ DENIED: dict[str, list[Command]] = {
                ("PUBLISH", "/1.celery.pidbox", "c")],
     "client": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *FORGE_REPLY,
                ("LPUSH", "celery", "m")],
-    "timers": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *COMMAND_WORKERS,
+    "timers": [*STEAL, *UNACKED, *EVENTS_READ, *REWARDS, *FORGE_EVENT, *COMMAND_WORKERS,
                *FORGE_REPLY],
-    "recovery": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *COMMAND_WORKERS,
+    "recovery": [*STEAL, *UNACKED, *EVENTS_READ, *REWARDS, *FORGE_EVENT, *COMMAND_WORKERS,
                  *FORGE_REPLY],
-    "attacher": [("LLEN", Q), *DISPATCH, *STEAL, *UNACKED, *EVENTS, *COMMAND_WORKERS,
+    "attacher": [("LLEN", Q), *DISPATCH, *STEAL, *UNACKED, *EVENTS_READ, *COMMAND_WORKERS,
                  ("XADD", "fleet:rewards", "*", "f", "v"),
                  ("XRANGE", "fleet:rewards:dead", "-", "+"), ("DEL", "fleet:rewards"),
                  ("XGROUP", "DESTROY", "fleet:rewards", "g"),
@@ -409,8 +415,7 @@ def _settings(url: str, queue: str = Q) -> FleetSettings:
 @pytest.mark.parametrize("user", ["attacher", "flower", "producer", "keda", "default"])
 def test_celery_cannot_send_a_task_on_a_user_that_does_not_dispatch(
         server: PrivateRedis, user: str) -> None:
-    app = make_app(_settings(server.url(user)), broker_connection_retry=False,
-                   broker_transport_options={"max_retries": 0})
+    app = producer_app(_settings(server.url(user)), broker_connection_retry=False)
     before = server.admin.llen(Q)
     try:
         for task in ("fleet.drive", "fleet.dispatch"):
@@ -427,7 +432,7 @@ def test_celery_cannot_send_a_task_on_a_user_that_does_not_dispatch(
 @pytest.mark.parametrize("user", ["client", "timers", "recovery", "worker"])
 def test_celery_sends_a_task_on_a_user_that_dispatches(server: PrivateRedis, user: str) -> None:
     queue = f"fleet.sent-{user}"
-    app = make_app(_settings(server.url(user), queue=queue))
+    app = producer_app(_settings(server.url(user), queue=queue))
     try:
         app.send_task("fleet.drive", kwargs={"execution_id": f"e-{user}"}, retry=False)
     finally:
@@ -477,12 +482,14 @@ def test_a_monitor_inspects_without_touching_unacked_messages(server: PrivateRed
                                                              user: str) -> None:
     """Flower and ``fleet status`` consume reply queues; kombu's ack emulation
     would have them take the restore lock and move other consumers' abandoned
-    messages. Their apps (``consumes_tasks=False``) skip it, so their users need
-    no access to ``unacked*``; an app that does not, fails on that user."""
+    messages. Their apps (Flower's ``flower_app``, the status reader's
+    ``broker_app``) leave it to the workers, so their users need no access to
+    ``unacked*``; an app that takes part in it fails on that user."""
     server.admin.hset("unacked", "abandoned", '[{"body": "x"}, "fleet.drive", "fleet.drive"]')
     server.admin.zadd("unacked_index", {"abandoned": 1.0})  # long past any visibility timeout
     before = server.admin.llen(Q)
-    monitor = make_app(_settings(server.url(user)), consumes_tasks=False)
+    monitor = (flower_app(_settings(server.url(user))) if user == "flower"
+               else broker_app("fleet-status", server.url(user)))
     try:
         assert monitor.control.inspect(timeout=0.5).stats() is None  # no worker answers
     finally:
@@ -490,7 +497,7 @@ def test_a_monitor_inspects_without_touching_unacked_messages(server: PrivateRed
     assert server.admin.hexists("unacked", "abandoned")
     assert server.admin.llen(Q) == before
     server.reset_denials()
-    consumer = make_app(_settings(server.url(user)))  # the default: takes part in restores
+    consumer = broker_app("a-consumer", server.url(user), consumes_tasks=True)
     try:
         with pytest.raises(redis.exceptions.NoPermissionError):
             consumer.control.inspect(timeout=0.5).stats()

@@ -14,8 +14,9 @@ other finishes it, ``fleet status`` and Flower's dashboard and API show the
 workers, their counters, the queues and the task events: and Redis refused
 none of them anything (ACL LOG stays empty). Flower's
 ``POST /api/task/async-apply/fleet.dispatch`` (and the other publishing
-endpoints) is refused by Redis with NOPERM: the ACL LOG names the flower user,
-nothing reaches a queue and no execution starts.
+endpoints) is refused by Redis with NOPERM, even in a Flower whose app knows
+the fleet's tasks: the ACL LOG names the flower user, nothing reaches a queue
+and no execution starts.
 
 Issue 10 item 13.
 """
@@ -44,13 +45,14 @@ from k8s_kit import ROOT
 from postgres_server import throwaway_database
 from redis_acl_kit import PrivateRedis, free_port
 
+from fleet.assembly.roles import flower_app
 from fleet.config import FleetSettings
+from fleet.host.celery_api import broker_app
+from fleet.host.kernel import open_store
+from fleet.host.loop import EventLoopThread
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.spi import EventStore
-from fleet.workers.app import make_app
-from fleet.workers.loop import EventLoopThread
-from fleet.workers.process import open_store
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -229,9 +231,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 "FLEET_REWARD_KEYS": json.dumps({PRODUCER: REWARD_KEY}),
                 "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")]),
                 "C_FORCE_ROOT": "1"})
-            control = make_app(FleetSettings(database_url=database_url,
-                                             redis_url=server.url("client"), queue=QUEUE),
-                               consumes_tasks=False)
+            control = broker_app("acl-test-control", server.url("client"))
             store = Store(database_url)
             built = Fleet(server, database_url, env, log_dir, store, control)
             try:
@@ -406,26 +406,89 @@ PUBLISHING = {
 }
 
 
-@pytest.mark.parametrize("endpoint", PUBLISHING.values(), ids=list(PUBLISHING))
-def test_flower_cannot_put_a_task_on_a_queue(fleet: Fleet, endpoint: tuple[str, Any]) -> None:
-    path, payload = endpoint
-    admin = fleet.redis.admin
-    before = (admin.llen(QUEUE), admin.llen(SLOW), fleet.store.count())
-    fleet.redis.reset_denials()
-    status, body = http(f"{fleet.flower_url}{path}", data=json.dumps(payload).encode())
-    assert status >= 500, (status, body)
-    assert b"task-id" not in body
-    denials = fleet.denials()
-    assert denials, "Redis recorded no refusal"
-    assert {d["username"] for d in denials} == {"flower"}, denials
-    # kombu declares the queue's routing table first (SADD), then pushes (LPUSH):
-    # Redis refuses the first, so the push is never even tried.
-    assert {d["object"] for d in denials} <= {"_kombu.binding.fleet.drive",
-                                              "_kombu.binding_permanent.fleet.drive", "lpush"}
+@pytest.fixture(scope="module")
+def tasks_flower(fleet: Fleet) -> Iterator[str]:
+    """A second Flower, as the same flower user, on the workers' own Celery app
+    (``celery -A fleet.workers.main flower``): it knows fleet.drive and
+    fleet.dispatch, so its async-apply goes as far as the broker. The deployed
+    ``fleet flower`` runs on the dispatcher's app, which registers no task."""
+    port = free_port()
+    env = fleet.env_for("flower-tasks", "flower", FLOWER_UNAUTHENTICATED_API="true")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("celery")), "-A",
+                             "fleet.workers.main", "flower", f"--port={port}",
+                             "--address=127.0.0.1"], env=env, cwd=str(ROOT),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "the second Flower exited"
+            with contextlib.suppress(OSError):
+                if http(f"{url}/healthcheck")[0] == 200:
+                    break
+            assert time.monotonic() < deadline, "the second Flower did not start"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _nothing_queued_or_started(fleet: Fleet, before: tuple[int, int, int]) -> None:
     time.sleep(1.0)
+    admin = fleet.redis.admin
     assert (admin.llen(QUEUE), admin.llen(SLOW), fleet.store.count()) == before
     for name in ("a", "b"):
         assert "fleet.dispatch[" not in fleet.procs[name].log()
+
+
+def _counts(fleet: Fleet) -> tuple[int, int, int]:
+    return (fleet.redis.admin.llen(QUEUE), fleet.redis.admin.llen(SLOW), fleet.store.count())
+
+
+@pytest.mark.parametrize("endpoint", PUBLISHING.values(), ids=list(PUBLISHING))
+def test_a_flower_that_knows_the_tasks_is_refused_by_redis(
+        fleet: Fleet, tasks_flower: str, endpoint: tuple[str, Any]) -> None:
+    """The flower user's password, in a Flower that can name the tasks: Redis
+    refuses the publish (NOPERM), and nothing is queued or started."""
+    path, payload = endpoint
+    before = _counts(fleet)
+    fleet.redis.reset_denials()
+    status, body = http(f"{tasks_flower}{path}", data=json.dumps(payload).encode())
+    assert status >= 500, (status, body)
+    assert b"task-id" not in body
+    denials = fleet.denials()
+    assert {d["username"] for d in denials} == {"flower"}, denials
+    # kombu declares the queue's routing table (SADD, in a MULTI) before it
+    # pushes: Redis refuses that, so the LPUSH is never even sent.
+    assert any(d["object"] == "_kombu.binding.fleet.drive" for d in denials), denials
+    _nothing_queued_or_started(fleet, before)
+
+
+@pytest.mark.parametrize("endpoint", PUBLISHING.values(), ids=list(PUBLISHING))
+def test_the_deployed_flower_cannot_put_a_task_on_a_queue(fleet: Fleet,
+                                                          endpoint: tuple[str, Any]) -> None:
+    """``fleet flower`` (the manifests' command): async-apply is refused by Flower
+    itself (its app registers no task), send-task by Redis."""
+    path, payload = endpoint
+    before = _counts(fleet)
+    fleet.redis.reset_denials()
+    status, body = http(f"{fleet.flower_url}{path}", data=json.dumps(payload).encode())
+    assert b"task-id" not in body
+    if "/async-apply/" in path:
+        assert (status, body) == (404, f"Unknown task '{path.rsplit('/', 1)[1]}'".encode())
+        assert fleet.denials() == []
+    else:
+        assert status >= 500, (status, body)
+        denials = fleet.denials()
+        assert {d["username"] for d in denials} == {"flower"}, denials
+        assert {d["object"] for d in denials} <= {"_kombu.binding.fleet.drive",
+                                                  "_kombu.binding_permanent.fleet.drive"}
+    _nothing_queued_or_started(fleet, before)
 
 
 def test_flower_cannot_get_a_task_onto_a_queue_through_a_worker_either(fleet: Fleet) -> None:
@@ -443,9 +506,8 @@ def test_flower_cannot_get_a_task_onto_a_queue_through_a_worker_either(fleet: Fl
         flower.sadd("_kombu.binding.reply.celery.pidbox", f"{ticket}\x06\x16\x06\x16{QUEUE}")
     finally:
         flower.close()
-    app = make_app(FleetSettings(database_url=fleet.database_url,
-                                 redis_url=fleet.redis.url("flower"), queue=QUEUE),
-                   consumes_tasks=False)
+    app = flower_app(FleetSettings(database_url=fleet.database_url,
+                                   redis_url=fleet.redis.url("flower"), queue=QUEUE))
     try:
         mailbox = app.control.mailbox  # an attacker's client: replies to the chosen ticket
         mailbox.__class__ = type("Deputy", (type(mailbox),), {"oid": property(lambda _: ticket)})

@@ -46,7 +46,7 @@ from fleet.kernel.store.sqlite import SqliteEventStore
 
 pytestmark = pytest.mark.integration
 
-CHILD = Path(__file__).with_name("_observer_child.py")
+CHILD = Path(__file__).resolve().parents[1] / "kits" / "_observer_child.py"
 LINE_TIMEOUT = 30.0  # generous: a line the child owes us, on a loaded 2-core machine
 
 Pair = tuple[int, str]

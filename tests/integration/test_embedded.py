@@ -110,7 +110,11 @@ def test_up_and_down_leaves_no_process_and_removes_its_temporary_directory() -> 
                           _Missing).status == "completed")
         stats = fleet.stats()
         assert stats["worker_totals"]["completed"] == 1
-        assert set(stats["services"]) == {"timers", "recovery", "attacher", "publisher"}
+        assert set(stats["services"]) == {"timers", "recovery", "attacher"}
+        # Each role runs what its own pod runs: its publisher and its heartbeat too.
+        for role in ("timers", "recovery", "attacher"):
+            assert set(stats["roles"][role]) >= {"event-publisher", "heartbeat"}
+            assert (fleet.data_dir / "heartbeats" / f"fleet-{role}.heartbeat").exists()
         data_dir = fleet.data_dir
         assert (data_dir / "fleet.db").exists()
     assert not fleet.running

@@ -36,16 +36,16 @@ from postgres_server import throwaway_database
 from redis_server import url_with_db
 
 from fleet.config import FleetSettings
+from fleet.host.kernel import open_store
+from fleet.host.loop import EventLoopThread
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.spi import EventStore, ExecutionSummary
 from fleet.workers import make_app
-from fleet.workers.loop import EventLoopThread
-from fleet.workers.process import open_store
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+HERE = ROOT / "tests" / "kits"  # the flows the processes import
 FLEET = str(Path(sys.executable).with_name("fleet"))
 REDIS_DB = 11
 LEASE_MS = 5000          # the lease a SIGKILLed worker leaves behind

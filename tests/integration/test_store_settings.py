@@ -20,11 +20,11 @@ from postgres_server import throwaway_database
 
 from fleet import Context, Runtime, flow
 from fleet.config import FleetSettings
+from fleet.host.kernel import open_store
 from fleet.kernel.errors import ConfigurationError, PayloadTooLargeError
 from fleet.kernel.events import EventType
 from fleet.kernel.store.coalescing import CoalescingEventStore
 from fleet.kernel.store.conformance import make_event, started
-from fleet.kernel.store.factory import open_event_store_from_settings
 from fleet.kernel.store.memory import MemoryEventStore
 from fleet.kernel.store.postgres import PostgresEventStore
 from fleet.kernel.store.sqlite import SqliteEventStore
@@ -83,7 +83,7 @@ async def test_postgres_with_group_commit_from_env(database_url: str,
     env.setenv("FLEET_GROUP_COMMIT_MAX_WAIT_MS", "2.5")
     env.setenv("FLEET_GROUP_COMMIT_MAX_INFLIGHT", "2")
 
-    store = open_event_store_from_settings(FleetSettings())
+    store = open_store(FleetSettings())
     assert isinstance(store, CoalescingEventStore)
     assert (store.max_batch, store.max_wait) == (8, 0.0025)
     inner = store.inner
@@ -120,7 +120,7 @@ async def test_postgres_defaults_leave_the_url_options(database_url: str,
                                                        env: pytest.MonkeyPatch) -> None:
     schema = f"env_{secrets.token_hex(4)}"
     env.setenv("FLEET_DATABASE_URL", f"{database_url}?schema={schema}&pool_min=1&pool_max=5")
-    store = open_event_store_from_settings(FleetSettings())
+    store = open_store(FleetSettings())
     assert isinstance(store, PostgresEventStore)  # group commit is off by default
     try:
         await store.open()
@@ -137,7 +137,7 @@ async def test_pool_sizes_from_env_win_over_the_url(database_url: str,
                                                     env: pytest.MonkeyPatch) -> None:
     env.setenv("FLEET_DATABASE_URL", f"{database_url}?schema=env_w&pool_min=1&pool_max=5")
     env.setenv("FLEET_PG_POOL_MAX", "2")
-    store = open_event_store_from_settings(FleetSettings())
+    store = open_store(FleetSettings())
     assert isinstance(store, PostgresEventStore)
     try:
         await store.open()
@@ -148,13 +148,13 @@ async def test_pool_sizes_from_env_win_over_the_url(database_url: str,
 
 async def test_embedded_backends_from_env(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     env.setenv("FLEET_DATABASE_URL", f"sqlite:///{tmp_path / 'fleet.db'}")
-    sqlite = open_event_store_from_settings(FleetSettings())
+    sqlite = open_store(FleetSettings())
     assert isinstance(sqlite, SqliteEventStore)
     await sqlite.close()
 
     env.setenv("FLEET_DATABASE_URL", "memory:")
     env.setenv("FLEET_GROUP_COMMIT", "1")
-    coalesced = open_event_store_from_settings(FleetSettings())
+    coalesced = open_store(FleetSettings())
     assert isinstance(coalesced, CoalescingEventStore)
     assert isinstance(coalesced.inner, MemoryEventStore)
     assert (coalesced.max_batch, coalesced.max_wait) == (256, 0.0)
@@ -179,4 +179,4 @@ def test_inconsistent_pool_sizes_are_a_configuration_error(database_url: str,
     env.setenv("FLEET_PG_POOL_MIN", "5")
     env.setenv("FLEET_PG_POOL_MAX", "2")
     with pytest.raises(ConfigurationError, match="pool sizes"):
-        open_event_store_from_settings(FleetSettings())
+        open_store(FleetSettings())

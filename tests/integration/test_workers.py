@@ -39,12 +39,12 @@ from redis_server import url_with_db
 
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher, DriveOrder
+from fleet.host.kernel import open_store
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.flows import load_flows
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import Principal
 from fleet.workers import make_app
-from fleet.workers.process import open_store
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -14,9 +14,10 @@ connection, and two connections cannot share one in-memory database; use
 The Postgres backend is imported only when a ``postgresql://`` URL asks for
 it, so asyncpg stays an optional extra.
 
-``open_event_store_from_settings`` opens the store a ``FleetSettings`` names,
-with its Postgres pool sizes and event size limit, wrapped in
-``CoalescingEventStore`` when group commit is on.
+``open_event_store(url, options)`` takes a ``StoreOptions`` for what a URL does not
+say: the Postgres pool sizes and event size limit, and group commit (the store
+wrapped in ``CoalescingEventStore``). The kernel reads no application settings:
+``fleet.config.FleetSettings.store_options()`` turns ``FLEET_*`` into these.
 """
 
 from __future__ import annotations
@@ -24,18 +25,20 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 from fleet.kernel.errors import ConfigurationError, MissingDependencyError
+from fleet.kernel.store.coalescing import CoalescingEventStore
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.spi import EventStore, SnapshotStore
+from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
 
 if TYPE_CHECKING:
-    from fleet.config import FleetSettings
     from fleet.kernel.store.postgres import PostgresEventStore
 
-__all__ = ["ACCEPTED_FORMS", "open_event_store", "open_event_store_from_settings",
+__all__ = ["ACCEPTED_FORMS", "GroupCommit", "StoreOptions", "open_event_store",
            "open_postgres_event_store", "open_snapshot_store", "postgres_event_store_class"]
 
 ACCEPTED_FORMS = ("memory:", "sqlite:///relative/path.db", "sqlite:////absolute/path.db",
@@ -44,56 +47,70 @@ ACCEPTED_FORMS = ("memory:", "sqlite:///relative/path.db", "sqlite:////absolute/
 _POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 
-def open_event_store(url: str, *, clock: Callable[[], int] | None = None) -> EventStore:
+@dataclass(frozen=True, slots=True)
+class GroupCommit:
+    """Batch appends of many executions into one transaction per flush
+    (``CoalescingEventStore``): at most ``max_batch`` appends, each waiting at most
+    ``max_wait_ms`` for others to join, ``max_inflight`` flushes at once."""
+
+    max_batch: int = 256
+    max_wait_ms: float = 0.0
+    max_inflight: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOptions:
+    """What a store URL does not say.
+
+    Attributes:
+        pool_min: Postgres connections kept open (None: the URL's
+            ``?pool_min=`` or the store's default).
+        pool_max: Most Postgres connections (None: the URL's ``?pool_max=`` or
+            the store's default).
+        max_event_bytes: The largest event (JSON bytes) the Postgres store
+            takes (None: 16 MiB).
+        group_commit: Wrap the store (any backend) in ``CoalescingEventStore``
+            with these bounds; None: every append is its own transaction.
+    """
+
+    pool_min: int | None = None
+    pool_max: int | None = None
+    max_event_bytes: int | None = None
+    group_commit: GroupCommit | None = None
+
+
+def open_event_store(url: str, options: StoreOptions | None = None, *,
+                     clock: Callable[[], int] | None = None) -> EventStore:
     """Open the event store ``url`` names.
 
     Args:
         url: One of the forms in this module's docstring.
+        options: Pool sizes and the event size limit (Postgres only; set pool
+            sizes win over the URL's), group commit (any backend).
         clock: Milliseconds since the epoch for leases.
 
     Raises:
         ConfigurationError: the URL has an unknown scheme or an unusable path.
         MissingDependencyError: Postgres was asked for and asyncpg is missing.
     """
+    options = options or StoreOptions()
     kind, target = _parse(url)
+    store: EventStore
     if kind == "memory":
-        return MemoryEventStore(clock=clock)
-    if kind == "sqlite":
-        from fleet.kernel.store.sqlite import SqliteEventStore
-
-        return SqliteEventStore(target, clock=clock)
-    return cast(EventStore, _postgres().PostgresEventStore(target, clock=clock))
-
-
-def open_event_store_from_settings(settings: FleetSettings, *,
-                                   clock: Callable[[], int] | None = None) -> EventStore:
-    """Open the event store ``settings.database_url`` names, configured by ``settings``.
-
-    On Postgres, ``pg_pool_min`` / ``pg_pool_max`` (when set, they win over the
-    URL's ``?pool_min=&pool_max=``) and ``max_event_bytes`` (unset: the store's
-    16 MiB) apply. With ``group_commit`` on, the store (of any backend) is
-    wrapped in ``CoalescingEventStore`` with the ``group_commit_*`` bounds.
-
-    Raises:
-        ConfigurationError: the URL is not accepted (see ``open_event_store``).
-        MissingDependencyError: Postgres was asked for and asyncpg is missing.
-    """
-    kind, target = _parse(settings.database_url)
-    if kind == "postgres":
-        options: dict[str, Any] = {"pool_min": settings.pg_pool_min,
-                                   "pool_max": settings.pg_pool_max}
-        if settings.max_event_bytes is not None:
-            options["max_event_bytes"] = settings.max_event_bytes
-        store = cast(EventStore, _postgres().PostgresEventStore(target, clock=clock, **options))
+        store = MemoryEventStore(clock=clock)
+    elif kind == "sqlite":
+        store = SqliteEventStore(target, clock=clock)
     else:
-        store = open_event_store(settings.database_url, clock=clock)
-    if not settings.group_commit:
+        pg: dict[str, Any] = {"pool_min": options.pool_min, "pool_max": options.pool_max}
+        if options.max_event_bytes is not None:
+            pg["max_event_bytes"] = options.max_event_bytes
+        store = cast(EventStore, _postgres().PostgresEventStore(target, clock=clock, **pg))
+    batching = options.group_commit
+    if batching is None:
         return store
-    from fleet.kernel.store.coalescing import CoalescingEventStore
-
-    return CoalescingEventStore(store, max_batch=settings.group_commit_max_batch,
-                                max_wait_ms=settings.group_commit_max_wait_ms,
-                                max_inflight=settings.group_commit_max_inflight)
+    return CoalescingEventStore(store, max_batch=batching.max_batch,
+                                max_wait_ms=batching.max_wait_ms,
+                                max_inflight=batching.max_inflight)
 
 
 def open_postgres_event_store(url: str, **options: Any) -> PostgresEventStore:
@@ -118,8 +135,6 @@ def open_snapshot_store(url: str) -> SnapshotStore:
     if kind == "memory":
         return MemorySnapshotStore()
     if kind == "sqlite":
-        from fleet.kernel.store.sqlite import SqliteSnapshotStore
-
         return SqliteSnapshotStore(target)
     return cast(SnapshotStore, _postgres().PostgresSnapshotStore(target))
 

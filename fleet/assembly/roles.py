@@ -1,0 +1,339 @@
+"""The one assembly: what each fleet role runs, built from the settings in one place.
+
+=========  ======================================  ==================================
+role       its Runtime (``fleet.host.kernel``)     its services, in start order
+=========  ======================================  ==================================
+worker     the fleet's flows; every durable event  event publisher*, heartbeat
+           also to the ``WorkerProcess``           (``WorkerProcess`` runs them on its
+                                                   loop; its Celery app is
+                                                   ``fleet.workers.make_app``)
+timers     the fleet's flows                       event publisher*, ``TimerService``
+                                                   (drives enqueued through a
+                                                   ``Dispatcher``), heartbeat
+recovery   the fleet's flows                       event publisher*, ``RecoverySweeper``
+                                                   (the same), heartbeat
+attacher   ``annotate: any`` (decision 0011)       event publisher*, ``RewardAttacher``,
+                                                   heartbeat
+flower     (none)                                  Flower on the dispatcher's app
+=========  ======================================  ==================================
+
+\\* with ``FLEET_PUBLISH_EVENTS`` (the default) and ``FLEET_REDIS_URL``: every
+durable event the role's runtime writes goes to the events stream (ADR 0147's
+observer; issue 12 replaces it with a relay that tails the store).
+
+Both ways of running a fleet use these functions: the process entry points
+(``fleet worker`` through the Celery app, ``fleet timers|recovery|attacher``
+through ``serve``, ``fleet flower`` through ``run_flower``) and the embedded
+fleet (``fleet up``, ``fleet demo``: ``fleet.embedded``), so what the demo runs
+is what Kubernetes runs. A new role (the relay) is one more ``open_*``
+function and one entry in ``OPENERS``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet.config import FleetSettings
+from fleet.dispatcher.broker import producer_app
+from fleet.dispatcher.dispatcher import Dispatcher
+from fleet.host.kernel import build_runtime, open_store
+from fleet.kernel.errors import ConfigurationError
+from fleet.kernel.journal import EventObserver
+from fleet.kernel.runtime import Runtime
+from fleet.kernel.security import AccessPolicy
+from fleet.kernel.store.spi import EventStore
+from fleet.recovery.sweeper import RecoverySweeper
+from fleet.services.base import Service, run_services
+from fleet.services.health import Heartbeat
+from fleet.streams.attacher import RewardAttacher
+from fleet.streams.publisher import EventPublisher
+from fleet.timers.service import TimerService
+
+log = logging.getLogger("fleet.assembly")
+
+#: The roles a fleet process can have.
+ROLES: tuple[str, ...] = ("worker", "timers", "recovery", "attacher", "flower")
+#: The roles ``serve`` runs (the worker runs inside Celery, Flower is Flower).
+SERVICE_ROLES: tuple[str, ...] = ("timers", "recovery", "attacher")
+#: A store seen through a wrapper before the runtime is built on it (the worker's).
+StoreView = Callable[[EventStore], EventStore]
+
+
+@dataclass
+class Role:
+    """What one role of a fleet process runs, and what it holds open.
+
+    Attributes:
+        name: The role.
+        store: Its event store (opened, and read once: a wrong URL failed already).
+        runtime: Its Runtime on ``store``.
+        services: Its services in the order they start (stop in reverse).
+        service: The role's own service among them (the timer service, the
+            sweeper, the attacher); None for the worker.
+        dispatcher: What the timer service and the sweeper enqueue drives through.
+        publisher: The event publisher, when the events stream is on.
+        closers: Called (and awaited) by ``aclose`` after the services stopped.
+    """
+
+    name: str
+    store: EventStore
+    runtime: Runtime
+    services: list[Service] = field(default_factory=list)
+    service: Service | None = None
+    dispatcher: Dispatcher | None = None
+    publisher: EventPublisher | None = None
+    closers: list[Callable[[], Any]] = field(default_factory=list)
+
+    def stats(self) -> dict[str, Any]:
+        """Every service's ``stats()`` by name."""
+        return {service.name: service.stats() for service in self.services}
+
+    async def aclose(self) -> None:
+        """Close what the opener opened (after the services stopped); the store last."""
+        for close in reversed(self.closers):
+            try:
+                result = close()
+                if isinstance(result, Awaitable):
+                    await result
+            except Exception as exc:  # noqa: BLE001 - closing regardless
+                log.warning("closing %s: %s: %s", self.name, type(exc).__name__, exc)
+        await self.store.close()
+
+
+def _report(role: str) -> Callable[[BaseException], None]:
+    def report(exc: BaseException) -> None:
+        log.warning("%s: %s: %s", role, type(exc).__name__, exc)
+    return report
+
+
+def _publisher(settings: FleetSettings) -> EventPublisher | None:
+    if not (settings.publish_events and settings.redis_url):
+        return None
+    return EventPublisher.from_settings(settings, on_warn=log.warning)
+
+
+def _observers(*observers: EventObserver | None) -> EventObserver | None:
+    """One ``on_durable_event`` calling each given observer in turn."""
+    chosen = [o for o in observers if o is not None]
+    if len(chosen) <= 1:
+        return chosen[0] if chosen else None
+
+    def observe(event: Any) -> Any:
+        result = None
+        for observer in chosen:
+            result = observer(event)
+        return result
+    return observe
+
+
+async def _open(settings: FleetSettings, name: str, *,
+                on_durable_event: EventObserver | None = None,
+                access_policy: AccessPolicy | None = None,
+                store_view: StoreView | None = None) -> Role:
+    """The store (opened and probed), the publisher and the runtime every role has."""
+    store = open_store(settings)
+    try:
+        # Connect now (and apply the schema): a wrong URL fails the process at
+        # start, not at its first piece of work.
+        await store.head("fleet:health-probe")
+        publisher = _publisher(settings)
+        runtime = build_runtime(
+            settings, store_view(store) if store_view is not None else store, role=name,
+            on_durable_event=_observers(
+                publisher.on_durable_event if publisher is not None else None,
+                on_durable_event),
+            access_policy=access_policy)
+    except BaseException:
+        await store.close()
+        raise
+    role = Role(name, store, runtime, publisher=publisher)
+    if publisher is not None:
+        role.services.append(publisher)
+    return role
+
+
+def _heartbeat(settings: FleetSettings, role: Role, **options: Any) -> None:
+    role.services.append(Heartbeat.for_component(settings, role.name, **options))
+
+
+async def open_worker(settings: FleetSettings, *, slot: int | None = None,
+                      on_durable_event: EventObserver | None = None,
+                      on_beat: Callable[[], Any] | None = None,
+                      store_view: StoreView | None = None) -> Role:
+    """A worker process's parts: its store, its Runtime, the publisher, its heartbeat.
+
+    Args:
+        settings: The worker's settings.
+        slot: A prefork child's pool index (its own heartbeat file).
+        on_durable_event: The ``WorkerProcess``'s observer, after the publisher.
+        on_beat: Called on the loop after each heartbeat (the drain poll).
+        store_view: Wraps the store the runtime writes through (the worker's
+            write watch); the role keeps (and closes) the store itself.
+    """
+    role = await _open(settings, "worker", on_durable_event=on_durable_event,
+                       store_view=store_view)
+    _heartbeat(settings, role, slot=slot, on_beat=on_beat)
+    return role
+
+
+async def _open_enqueuing(settings: FleetSettings, name: str,
+                          make: Callable[[Runtime, Dispatcher], Service],
+                          heartbeat: bool) -> Role:
+    role = await _open(settings, name)
+    try:
+        app = producer_app(settings, main=f"fleet-{name}")
+        dispatcher = Dispatcher(settings, runtime=role.runtime, app=app)
+        role.dispatcher = dispatcher
+        role.closers += [app.close, dispatcher.aclose]
+        role.service = make(role.runtime, dispatcher)
+        role.services.append(role.service)
+        if heartbeat:
+            _heartbeat(settings, role)
+    except BaseException:
+        await role.aclose()
+        raise
+    return role
+
+
+async def open_timers(settings: FleetSettings, *, heartbeat: bool = True) -> Role:
+    """The timer service: fires due timers, enqueues their drives (routed as every drive)."""
+    return await _open_enqueuing(settings, "timers", lambda runtime, dispatcher: TimerService(
+        runtime, enqueue=dispatcher.enqueue_drive, interval_s=settings.timer_interval_s,
+        on_error=_report("timers")), heartbeat)
+
+
+async def open_recovery(settings: FleetSettings, *, heartbeat: bool = True) -> Role:
+    """The recovery sweeper: re-drives running executions nobody holds."""
+    return await _open_enqueuing(settings, "recovery", lambda runtime, dispatcher: RecoverySweeper(
+        runtime, enqueue=dispatcher.enqueue_drive, interval_s=settings.recovery_interval_s,
+        grace_ms=settings.recovery_grace_ms, on_error=_report("recovery")), heartbeat)
+
+
+async def open_attacher(settings: FleetSettings, *, heartbeat: bool = True) -> Role:
+    """The reward attacher: signed rewards from the stream -> late outcomes.
+
+    A producer is never an execution's owner: only the attacher's runtime lets
+    one ``annotate`` (decision 0011); nobody else's does.
+    """
+    role = await _open(settings, "attacher",
+                       access_policy=AccessPolicy(rules={"annotate": "any"}))
+    try:
+        role.service = RewardAttacher.from_settings(settings, role.runtime, on_warn=log.warning)
+        role.services.append(role.service)
+        if heartbeat:
+            _heartbeat(settings, role)
+    except BaseException:
+        await role.aclose()
+        raise
+    return role
+
+
+#: The opener of each role ``serve`` runs.
+OPENERS: dict[str, Callable[..., Awaitable[Role]]] = {
+    "timers": open_timers, "recovery": open_recovery, "attacher": open_attacher}
+
+
+async def open_role(settings: FleetSettings, name: str, *, heartbeat: bool = True) -> Role:
+    """Build (without starting) the services of ``timers``, ``recovery`` or ``attacher``.
+
+    The store is opened and read once, so a wrong URL fails here. With
+    ``heartbeat``, a ``Heartbeat`` for ``fleet health`` is the last service.
+    """
+    opener = OPENERS.get(name)
+    if opener is None:
+        raise ConfigurationError(f"unknown service role {name!r}; one of {SERVICE_ROLES}")
+    return await opener(settings, heartbeat=heartbeat)
+
+
+async def serve(settings: FleetSettings, name: str, *,
+                until: Awaitable[Any] | None = None) -> dict[str, Any]:
+    """Run role ``name`` until SIGTERM/SIGINT (or ``until``); its services' stats.
+
+    Stops cleanly: services in reverse order (in-flight ticks finish, the
+    attacher acknowledges what it handled, the publisher drains), then the
+    heartbeat file is removed and the store and broker connections close.
+    """
+    role = await open_role(settings, name)
+    log.info("fleet %s (pid %d) running: %s", name, os.getpid(),
+             ", ".join(s.name for s in role.services))
+    try:
+        await run_services(role.services, until=until)
+    finally:
+        await role.aclose()
+    stats = role.stats()
+    log.info("fleet %s stopped: %s", name, stats)
+    return stats
+
+
+# --------------------------------------------------------------------------
+# Flower.
+# --------------------------------------------------------------------------
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def flower_argv(*, port: int | None = None, address: str | None = None,
+                basic_auth: str | None = None, unauthenticated: bool = False,
+                environ: dict[str, str] | None = None,
+                extra: Sequence[str] = ()) -> list[str]:
+    """The ``celery flower`` arguments ``run_flower`` passes, once authentication is settled.
+
+    Basic auth comes from ``basic_auth`` or ``FLOWER_BASIC_AUTH``
+    (``user:password[,user:password]``); OAuth from ``FLOWER_AUTH``. With
+    neither, Flower's pages and its API (which can shut workers down) would be
+    open to anyone who reaches the port: refused unless ``unauthenticated`` or
+    ``FLOWER_UNAUTHENTICATED_API=true`` says that is intended.
+
+    Raises:
+        ConfigurationError: no authentication, and none was waived.
+    """
+    env = os.environ if environ is None else environ
+    has_auth = bool(basic_auth or env.get("FLOWER_BASIC_AUTH") or env.get("FLOWER_AUTH"))
+    waived = unauthenticated or _truthy(env.get("FLOWER_UNAUTHENTICATED_API"))
+    if not has_auth and not waived:
+        raise ConfigurationError(
+            "fleet flower refuses to serve without authentication: set FLOWER_BASIC_AUTH="
+            "user:password (or --basic-auth), or FLOWER_AUTH for OAuth; to serve it open "
+            "(a trusted network only), pass --unauthenticated or set "
+            "FLOWER_UNAUTHENTICATED_API=true")
+    argv = ["flower"]
+    if port is not None:
+        argv.append(f"--port={port}")
+    if address is not None:
+        argv.append(f"--address={address}")
+    if basic_auth:
+        argv.append(f"--basic-auth={basic_auth}")
+    return [*argv, *extra]
+
+
+def flower_app(settings: FleetSettings) -> Any:
+    """The app Flower runs on: the dispatcher's (broker and routes; Flower needs no tasks)."""
+    return producer_app(settings, main="fleet-flower")
+
+
+def run_flower(settings: FleetSettings, *, port: int | None = None,
+               address: str | None = None, basic_auth: str | None = None,
+               unauthenticated: bool = False, extra: Sequence[str] = ()) -> int:
+    """Serve Flower on the fleet's broker (workers' ``stats["fleet"]``) until SIGTERM."""
+    argv = flower_argv(port=port, address=address, basic_auth=basic_auth,
+                       unauthenticated=unauthenticated, extra=extra)
+    if unauthenticated:
+        # Flower reads this itself: its API answers without credentials.
+        os.environ["FLOWER_UNAUTHENTICATED_API"] = "true"
+    app = flower_app(settings)
+    try:
+        code = app.start(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return int(code or 0)
+
+
+__all__ = ["OPENERS", "ROLES", "SERVICE_ROLES", "Role", "StoreView", "flower_app",
+           "flower_argv", "open_attacher", "open_recovery", "open_role", "open_timers",
+           "open_worker", "run_flower", "serve"]

@@ -1,0 +1,107 @@
+"""``fleet start``, ``resume``, ``send``, ``cancel``: through the dispatcher (write first,
+then enqueue a drive)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from fleet.cli.common import (
+    fleet_errors,
+    json_arg,
+    json_option,
+    principal_from,
+    principal_options,
+    with_options,
+)
+from fleet.config import FleetSettings
+from fleet.dispatcher import Dispatcher
+
+
+def dispatch(call: Callable[[Any], Any]) -> Any:
+    """Call ``call(dispatcher)`` on a Dispatcher built from the settings, then close it."""
+    with Dispatcher(FleetSettings()) as dispatcher:
+        return call(dispatcher)
+
+
+@click.command()
+@click.argument("flow_id")
+@click.option("--input", "input_json", default=None, help="the flow input, as JSON")
+@click.option("--execution-id", default=None, help="idempotent: the same id starts once")
+@click.option("--idempotency-key", default=None,
+              help="idempotent: names an execution id (per tenant and flow)")
+@with_options(principal_options)
+@json_option
+@fleet_errors
+def start(flow_id: str, input_json: str | None, execution_id: str | None,
+          idempotency_key: str | None, actor: str | None, tenant: str | None,
+          as_json: bool) -> None:
+    """Start an execution of FLOW_ID on the fleet; prints its id.
+
+    The flow's module must be importable here (FLEET_FLOWS): the start records
+    its version and hash.
+    """
+    data = json_arg(input_json, "--input")
+    who = principal_from(actor, tenant)
+    eid = dispatch(lambda d: d.start_sync(flow_id, data, principal=who,
+                                           execution_id=execution_id,
+                                           idempotency_key=idempotency_key))
+    click.echo(json.dumps({"executionId": eid}) if as_json else eid)
+
+
+@click.command()
+@click.argument("execution_id")
+@click.argument("gate")
+@click.option("--payload", default=None, help="the answer, as JSON")
+@with_options(principal_options)
+@json_option
+@fleet_errors
+def resume(execution_id: str, gate: str, payload: str | None, actor: str | None,
+           tenant: str | None, as_json: bool) -> None:
+    """Answer the GATE a parked execution waits on; a worker drives it on."""
+    data = json_arg(payload, "--payload")
+    who = principal_from(actor, tenant)
+    dispatch(lambda d: d.resume_sync(execution_id, gate, data, principal=who))
+    click.echo(json.dumps({"executionId": execution_id, "resumed": gate}) if as_json
+               else f"resumed {execution_id} at {gate}")
+
+
+@click.command()
+@click.argument("execution_id")
+@click.argument("key")
+@click.option("--payload", default=None, help="the message, as JSON")
+@with_options(principal_options)
+@json_option
+@fleet_errors
+def send(execution_id: str, key: str, payload: str | None, actor: str | None,
+         tenant: str | None, as_json: bool) -> None:
+    """Deliver a message to the execution's ctx.receive(KEY)."""
+    data = json_arg(payload, "--payload")
+    who = principal_from(actor, tenant)
+    woke = dispatch(lambda d: d.send_sync(execution_id, key, data, principal=who))
+    if as_json:
+        click.echo(json.dumps({"executionId": execution_id, "woke": woke}))
+    else:
+        click.echo(f"sent {key} to {execution_id}: "
+                   + ("it woke and is enqueued" if woke else "kept until it receives it"))
+
+
+@click.command()
+@click.argument("execution_id")
+@click.option("--reason", default="", help="recorded with the cancellation")
+@with_options(principal_options)
+@json_option
+@fleet_errors
+def cancel(execution_id: str, reason: str, actor: str | None, tenant: str | None,
+           as_json: bool) -> None:
+    """Cancel an execution wherever it runs (its holder is fenced out)."""
+    who = principal_from(actor, tenant)
+    dispatch(lambda d: d.cancel_sync(execution_id, principal=who, reason=reason))
+    click.echo(json.dumps({"executionId": execution_id, "cancelled": True}) if as_json
+               else f"cancelled {execution_id}")
+
+
+__all__ = ["cancel", "dispatch", "resume", "send", "start"]

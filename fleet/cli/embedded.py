@@ -1,0 +1,222 @@
+"""``fleet up`` and ``fleet demo``: the embedded fleet from the command line.
+
+They parse arguments and call ``fleet.embedded.EmbeddedFleet`` and
+``fleet.examples.demo.run_demo``; what they print is rendered here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from fleet.cli.common import console, err_console
+from fleet.embedded import EmbeddedFleet
+from fleet.examples.demo import DemoOptions, NullReporter, Reporter, run_demo
+from fleet.kernel.errors import FleetError
+
+
+def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+    table = Table(title=title, title_justify="left", title_style="bold")
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
+    return table
+
+
+class RichReporter:
+    """Each stage as a table, each wait as a progress bar (gone when it ends)."""
+
+    def __init__(self, out: Console) -> None:
+        self.out = out
+
+    def stage(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        self.out.print(_table(title, columns, rows))
+
+    @contextlib.contextmanager
+    def waiting(self, label: str, total: int) -> Iterator[Any]:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                      MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
+                      TimeElapsedColumn(), console=self.out, transient=True) as progress:
+            task = progress.add_task(label, total=total, note="")
+
+            def update(done: int, note: str) -> None:
+                progress.update(task, completed=min(done, total), note=note)
+
+            yield update
+
+
+# --------------------------------------------------------------------------- fleet up
+
+
+@click.command("up")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64),
+              help="worker processes")
+@click.option("--flower/--no-flower", default=True, show_default=True,
+              help="start Flower (with a password of its own unless FLOWER_BASIC_AUTH is set)")
+@click.option("--flower-port", default=5555, show_default=True,
+              help="Flower's port (another free one if taken)")
+@click.option("--data-dir", default=".fleet", show_default=True,
+              help="the SQLite store (without FLEET_DATABASE_URL) and the logs; kept")
+@click.option("--json", "as_json", is_flag=True,
+              help="print where everything runs as one JSON line")
+def up(workers: int, flower: bool, flower_port: int, data_dir: str, as_json: bool) -> None:
+    """Run a whole fleet on this machine until Ctrl-C or SIGTERM.
+
+    SQLite and an embedded Valkey unless FLEET_DATABASE_URL / FLEET_REDIS_URL
+    say otherwise; N workers; the timer service, the recovery sweeper, the
+    reward attacher and the event publisher; Flower.
+    """
+    stop = threading.Event()
+    signals: list[tuple[signal.Signals, Any]] = []
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signals.append((sig, signal.signal(sig, lambda *_: stop.set())))
+    fleet = EmbeddedFleet(workers=workers, flower=flower, data_dir=data_dir,
+                          flower_port=flower_port)
+    try:
+        with console.status("starting the fleet"):
+            began = time.monotonic()
+            try:
+                fleet.start()
+            except FleetError as exc:
+                raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+        _print_up(fleet, time.monotonic() - began, as_json)
+        reported: set[int] = set()
+        while not stop.wait(1.0):
+            for worker in fleet.workers:
+                if not worker.alive() and not worker.killed and worker.pid not in reported:
+                    reported.add(worker.pid)
+                    err_console.print(f"[red]{worker.name} (pid {worker.pid}) exited with "
+                                      f"{worker.proc.returncode}[/red]; its log: "
+                                      f"{worker.log_path}")
+        if not as_json:
+            console.print("stopping: workers hand their runs back, then everything stops")
+    finally:
+        fleet.stop()
+        for sig, previous in signals:
+            signal.signal(sig, previous)
+    if not as_json:
+        console.print(f"stopped; the data stays in {fleet.data_dir}")
+
+
+def _print_up(fleet: Any, took: float, as_json: bool) -> None:
+    urls = fleet.urls()
+    where = {
+        "store": urls["store"], "redis": urls["redis"], "broker": urls["broker"],
+        "embedded_redis": fleet.embedded_redis, "flower": urls["flower"],
+        "flower_auth": fleet.flower_auth,
+        "workers": [{"name": w.name, "pid": w.pid, "node": w.node} for w in fleet.workers],
+        "services": ["timers", "recovery", "attacher", "publisher"],
+        "flows": list(fleet.settings.flows), "queue": fleet.settings.queue,
+        "data_dir": urls["data_dir"], "logs": urls["logs"]}
+    if as_json:
+        click.echo(json.dumps(where))
+        return
+    redis = urls["redis"] + (f" (embedded Valkey, pid {fleet.valkey_pid})"
+                             if fleet.embedded_redis else "")
+    flower = urls["flower"] or "off"
+    if fleet.flower_auth:
+        user, _, password = fleet.flower_auth.partition(":")
+        flower += f"  (user {user}, password {password})"
+    rows: list[list[Any]] = [
+        ["store", urls["store"]], ["redis: broker and streams", redis],
+        *[[w.name, f"pid {w.pid}  {w.node}"] for w in fleet.workers],
+        ["timer service, recovery sweeper,\nreward attacher, event publisher",
+         "in this process"],
+        ["flower", flower], ["flows", ", ".join(fleet.settings.flows)],
+        ["queue", fleet.settings.queue], ["logs", urls["logs"]]]
+    console.print(_table(f"fleet up ({took:.1f} s): Ctrl-C to stop", ["part", "where"], rows))
+
+
+# --------------------------------------------------------------------------- fleet demo
+
+
+@click.command("demo")
+@click.option("--executions", default=30, show_default=True, type=click.IntRange(3, 500),
+              help="tickets to answer")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(2, 16),
+              help="worker processes (one is killed; at least one survives)")
+@click.option("--seed", default=7, show_default=True, help="seeds the tickets and rewards")
+@click.option("--flower/--no-flower", default=False, show_default=True)
+@click.option("--data-dir", default=None,
+              help="keep the store and the logs here (default: a temporary directory, "
+                   "removed at the end)")
+@click.option("--json", "as_json", is_flag=True, help="print only a JSON summary")
+def demo(executions: int, workers: int, seed: int, flower: bool, data_dir: str | None,
+         as_json: bool) -> None:
+    """Bring up the embedded fleet, run an agent, kill a worker, attach rewards, evaluate.
+
+    Uses SQLite and an embedded Valkey unless FLEET_DATABASE_URL / FLEET_REDIS_URL
+    are set. Exits 0 when every execution completed, the killed worker's runs
+    recovered, every valid reward was attached and nothing was left running.
+    """
+    options = DemoOptions(executions=executions, workers=workers, seed=seed, flower=flower,
+                          data_dir=data_dir)
+    reporter: Reporter = NullReporter() if as_json else RichReporter(console)
+
+    async def go() -> dict[str, Any]:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        if task is not None:
+            # SIGTERM stops the demo as Ctrl-C does: the fleet shuts down in order.
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await run_demo(options, reporter)
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    try:
+        summary = asyncio.run(go())
+    except (FleetError, TimeoutError) as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        err_console.print("fleet demo: interrupted; the fleet was stopped")
+        sys.exit(130)
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        _print_verdict(summary)
+    if not summary["ok"]:
+        sys.exit(1)
+
+
+def _print_verdict(summary: dict[str, Any]) -> None:
+    ex = summary["executions"]
+    style = summary["evaluation"]["reply_style"]
+    lines = [
+        f"{ex['completed']}/{ex['started']} executions completed; "
+        f"{summary['recovery']['recovered']} recovered after SIGKILL of "
+        f"{summary['crash']['worker']}",
+        f"{summary['rewards']['attached']}/{summary['rewards']['submitted_valid']} signed "
+        f"rewards attached, {sum(summary['rewards']['dead_lettered'].values())} bad ones "
+        "dead-lettered",
+        f"reply style: logged {style['logged_value']:.3f}, better policy (SNIPS) "
+        f"{style['snips']:.3f}",
+        f"{summary['elapsed_s']:.1f} s in all"]
+    if summary["ok"]:
+        console.print("[bold green]demo finished:[/bold green] " + "; ".join(lines))
+    else:
+        console.print("[bold red]demo finished with problems:[/bold red] "
+                      + "; ".join(summary["problems"]))
+
+
+__all__ = ["RichReporter", "demo", "up"]

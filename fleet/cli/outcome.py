@@ -1,0 +1,58 @@
+"""``fleet outcome attach``: a late outcome, recorded through the kernel here."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from fleet.cli.common import open_store_at, run_async
+from fleet.config import FleetSettings
+from fleet.kernel.runtime import Runtime
+from fleet.kernel.security import Principal
+
+
+@click.group()
+def outcome() -> None:
+    """Attach rewards to decisions of finished executions."""
+
+
+@outcome.command("attach")
+@click.option("--execution", "execution_id", required=True)
+@click.option("--decision", "decision_id", required=True)
+@click.option("--key", required=True, help="a namespaced reward key, e.g. csat:1")
+@click.option("--score", type=float, default=None)
+@click.option("--success", type=bool, default=None)
+@click.option("--actor", default=None, help="who attaches it (the principal's actor)")
+@click.option("--tenant", default=None)
+@click.option("--db", default=None, help="store URL")
+@click.option("--json", "as_json", is_flag=True)
+def outcome_attach(execution_id: str, decision_id: str, key: str, score: float | None,
+                   success: bool | None, actor: str | None, tenant: str | None,
+                   db: str | None, as_json: bool) -> None:
+    """Record a late outcome (authorised as `annotate` for --actor/--tenant)."""
+    settings = FleetSettings()
+    url = db or settings.database_url
+    principal = Principal(actor, tenant) if actor else None
+
+    async def go() -> Any:
+        store = open_store_at(url)
+        try:
+            runtime = Runtime(store, strict=settings.strict)
+            return await runtime.record_outcome(execution_id, decision_id=decision_id,
+                                                key=key, score=score, success=success,
+                                                principal=principal)
+        finally:
+            await store.close()
+
+    result = run_async(go)
+    if as_json:
+        click.echo(json.dumps({"appended": result.appended, "sequence": result.sequence}))
+    elif result.appended:
+        click.echo(f"attached at sequence {result.sequence}")
+    else:
+        click.echo("already attached (same value): nothing written")
+
+
+__all__ = ["outcome"]

@@ -1,0 +1,48 @@
+"""The dispatcher's Celery app: what every producer of ``fleet.drive`` speaks.
+
+``producer_app(settings)`` is a Celery app on the fleet's broker with the
+fleet's wire format (JSON), its default queue and its drive router, and the
+settings it was made from (``app.fleet_settings``). It registers no task and
+starts no worker: publishing a drive needs only the task's name. The workers'
+app (``fleet.workers.make_app``) is this app plus the tasks, the delivery
+settings, the stats bootstep and the process hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleet.config import FleetSettings
+from fleet.dispatcher.routing import DriveRouter, check_routes
+from fleet.host.celery_api import Celery, broker_app
+
+
+class FleetCelery(Celery):  # type: ignore[misc]
+    """A Celery app that knows the ``FleetSettings`` it was made from."""
+
+    fleet_settings: FleetSettings
+
+
+def producer_app(settings: FleetSettings, *, main: str = "fleet-dispatcher",
+                 result_backend: str | None = None, consumes_tasks: bool = False,
+                 **conf: Any) -> Any:
+    """A ``FleetCelery`` on ``settings.broker`` that routes drives as the workers expect.
+
+    Args:
+        settings: Broker (``redis://`` or ``amqp://``), default queue, routes.
+        main: The app's name.
+        result_backend: Where ``fleet.dispatch`` answers go (None: nowhere).
+        consumes_tasks: Only the workers' app consumes the task queues (and so
+            takes part in kombu's ack emulation; ``broker_app`` says why).
+        **conf: Further Celery settings, applied last.
+    """
+    routes = check_routes(settings.routes)
+    app = broker_app(main, settings.broker, app_class=FleetCelery, backend=result_backend,
+                     consumes_tasks=consumes_tasks, task_default_queue=settings.queue,
+                     task_routes=(DriveRouter(routes, settings.queue),),
+                     task_ignore_result=result_backend is None, **conf)
+    app.fleet_settings = settings
+    return app
+
+
+__all__ = ["FleetCelery", "producer_app"]

@@ -1,0 +1,61 @@
+"""The kernel a fleet process hosts: its event store and its ``Runtime``, from settings.
+
+Every fleet process builds them here, whatever its role: the dispatcher (a
+client), a worker, the timer service, the recovery sweeper, the reward
+attacher. ``fleet.assembly.roles`` adds what each role runs on top; so a
+setting (``FLEET_DIVERGENCE``, ``FLEET_SHA256_FLOW_HASH``, the lease, the
+store's pool) means the same thing in every process, the embedded fleet's
+included.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from fleet.config import FleetSettings
+from fleet.kernel.flows import Features, load_flows
+from fleet.kernel.journal import EventObserver
+from fleet.kernel.runtime import Runtime
+from fleet.kernel.security import AccessPolicy
+from fleet.kernel.store.factory import open_event_store
+from fleet.kernel.store.spi import EventStore
+
+log = logging.getLogger("fleet.host")
+
+
+def open_store(settings: FleetSettings) -> EventStore:
+    """The event store ``settings.database_url`` names, with ``settings.store_options()``
+    (Postgres pool sizes and event size limit, group commit)."""
+    return open_event_store(settings.database_url, settings.store_options())
+
+
+def holder_name(role: str) -> str:
+    """A fence holder unique to this process and call: ``<role>:<host>:<pid>:<random>``
+    (the demo reads the pid back from it)."""
+    return f"{role}:{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+
+
+def build_runtime(settings: FleetSettings, store: EventStore, *, role: str,
+                  on_durable_event: EventObserver | None = None,
+                  on_warn: Callable[[str], Any] | None = None,
+                  access_policy: AccessPolicy | None = None) -> Runtime:
+    """A Runtime on ``store`` configured by ``settings``, with its flows loaded.
+
+    Fleet runtimes never arm in-process timers: the timer service fires them (a
+    worker that parks on a sleep lets go of it). ``access_policy``: the reward
+    attacher's (a producer may ``annotate``); default the kernel's.
+    """
+    return Runtime(store, flows=load_flows(settings.flows), strict=settings.strict,
+                   access_policy=access_policy or AccessPolicy(),
+                   divergence=settings.divergence,
+                   features=Features(sha256_flow_hash=settings.sha256_flow_hash),
+                   lease_ms=settings.lease_ms, local_timers=False,
+                   holder=holder_name(role),
+                   on_durable_event=on_durable_event, on_warn=on_warn or log.warning)
+
+
+__all__ = ["build_runtime", "holder_name", "open_store"]

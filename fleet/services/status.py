@@ -1,0 +1,163 @@
+"""What the fleet is doing now: executions by state, and the workers (``fleet status``).
+
+Executions come from the store's index (``count_executions``, one grouped
+query; a store without it is paged, up to ``page_limit`` rows per state).
+Workers come from Celery's ``inspect().stats()``, each with the fleet
+counters its bootstep adds (``stats["fleet"]``, ``fleet.workers.stats``).
+
+``StatusReader`` keeps one store and one Celery app (a bare one on the broker:
+inspecting needs no tasks) open between reads, for ``fleet status --watch``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet.config import FleetSettings
+from fleet.host.celery_api import broker_app
+from fleet.host.kernel import open_store
+from fleet.host.loop import EventLoopThread, refuse_inside_loop
+from fleet.kernel.errors import FleetError
+from fleet.kernel.store.spi import CountsExecutions, EventStore
+
+STATES: tuple[str, ...] = ("running", "parked", "completed", "failed", "cancelled",
+                           "continued")
+#: The worker counters ``fleet status`` shows, in order.
+WORKER_FIELDS: tuple[str, ...] = ("active", "drives", "completed", "failed", "parked",
+                                  "stepped_aside", "fenced_out", "recovered", "handed_back",
+                                  "errors")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """One worker as ``inspect stats`` reports it."""
+
+    name: str
+    pool: str
+    concurrency: int | None
+    fleet: dict[str, float]
+    pid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FleetStatus:
+    """A snapshot: counts by state, workers, and what could not be read."""
+
+    executions: dict[str, int]
+    workers: tuple[WorkerStatus, ...]
+    problems: tuple[str, ...] = ()
+    at: float = field(default_factory=time.time)
+    capped: bool = False  # a paged count stopped at its limit
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"at": self.at, "executions": dict(self.executions), "capped": self.capped,
+                "workers": [{"name": w.name, "pool": w.pool, "concurrency": w.concurrency,
+                             "pid": w.pid, "fleet": dict(w.fleet)} for w in self.workers],
+                "problems": list(self.problems)}
+
+
+async def execution_counts(store: EventStore, *, page_limit: int = 10_000
+                           ) -> tuple[dict[str, int], bool]:
+    """``({state: executions}, capped)`` from the store's index."""
+    if isinstance(store, CountsExecutions):
+        try:
+            counts = await store.count_executions()
+            return {state: counts.get(state, 0) for state in (*STATES, *counts)}, False
+        except FleetError:
+            pass  # a decorator over a store that cannot count: page instead
+    counts, capped = {}, False
+    for state in STATES:
+        total, after = 0, None
+        while True:
+            rows = await store.list_executions(status=state, after_id=after, limit=1000)
+            total += len(rows)
+            if len(rows) < 1000:
+                break
+            if total >= page_limit:
+                capped = True
+                break
+            after = rows[-1].execution_id
+        counts[state] = total
+    return counts, capped
+
+
+def worker_statuses(app: Any, *, timeout: float = 1.0) -> list[WorkerStatus]:
+    """Every worker that answers ``inspect stats`` within ``timeout`` seconds."""
+    replies = app.control.inspect(timeout=timeout).stats() or {}
+    workers = []
+    for name, reply in sorted(replies.items()):
+        pool = reply.get("pool") or {}
+        implementation = str(pool.get("implementation", ""))
+        fleet = {k: v for k, v in (reply.get("fleet") or {}).items()
+                 if isinstance(v, int | float)}
+        # "celery.concurrency.thread:TaskPool" -> "thread"
+        kind = implementation.split(":", 1)[0].rsplit(".", 1)[-1]
+        workers.append(WorkerStatus(name=name, pool=kind,
+                                    concurrency=pool.get("max-concurrency"), fleet=fleet,
+                                    pid=reply.get("pid")))
+    return workers
+
+
+class StatusReader:
+    """Reads ``FleetStatus`` again and again over one store and one app (sync).
+
+    Args:
+        settings: Store and broker.
+        inspect_timeout: How long workers get to answer, in seconds.
+    """
+
+    def __init__(self, settings: FleetSettings, *, inspect_timeout: float = 1.0) -> None:
+        refuse_inside_loop("StatusReader")
+        self.settings = settings
+        self.inspect_timeout = inspect_timeout
+        self._loop = EventLoopThread("fleet-status")
+        self._loop.start()
+        self._store: EventStore | None = None
+        self._app: Any = None
+
+    async def _counts(self) -> tuple[dict[str, int], bool]:
+        if self._store is None:
+            self._store = open_store(self.settings)
+        return await execution_counts(self._store)
+
+    def read(self) -> FleetStatus:
+        """One snapshot; a part that cannot be read is named in ``problems``."""
+        problems: list[str] = []
+        counts: dict[str, int] = {}
+        capped = False
+        try:
+            counts, capped = self._loop.run_coroutine(self._counts(), timeout=30)
+        except Exception as exc:  # noqa: BLE001 - shown, and the rest still reported
+            problems.append(f"store: {type(exc).__name__}: {exc}")
+        workers: list[WorkerStatus] = []
+        try:
+            if self._app is None:
+                self._app = broker_app("fleet-status", self.settings.broker)
+            workers = worker_statuses(self._app, timeout=self.inspect_timeout)
+        except Exception as exc:  # noqa: BLE001 - shown, and the rest still reported
+            problems.append(f"broker: {type(exc).__name__}: {exc}")
+        return FleetStatus(counts, tuple(workers), tuple(problems), capped=capped)
+
+    def close(self) -> None:
+        if self._store is not None:
+            store, self._store = self._store, None
+            try:
+                self._loop.run_coroutine(store.close(), timeout=10)
+            except Exception:  # noqa: BLE001 - closing regardless
+                pass
+        self._loop.stop()
+        if self._app is not None:
+            self._app.close()
+            self._app = None
+
+    def __enter__(self) -> StatusReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["STATES", "WORKER_FIELDS", "FleetStatus", "StatusReader", "WorkerStatus",
+           "execution_counts", "worker_statuses"]

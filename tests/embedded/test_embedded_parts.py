@@ -1,0 +1,162 @@
+"""The embedded fleet's pure parts: settings as environment, the agent flow, the demo's verdict.
+
+The processes themselves are tested in ``tests/integration/test_embedded.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleet.config import FleetSettings
+from fleet.embedded import redact, settings_env
+from fleet.examples import agent
+from fleet.examples.demo import DemoOptions, demo_settings, problems
+from fleet.kernel.runtime import Runtime
+from fleet.kernel.store.memory import MemoryEventStore
+from fleet.learning import trajectories
+
+
+def test_settings_survive_the_trip_through_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = FleetSettings(
+        database_url="sqlite:////tmp/x.db", redis_url="redis://127.0.0.1:1/0",
+        flows=["a.b:c", "d.e:f"], routes={"flow:heavy": "fleet.heavy"}, strict=True,
+        lease_ms=1234, timer_interval_s=0.125, reward_keys={"p": "secret"})
+    env = settings_env(settings, exclude=("reward_keys",))
+    assert "FLEET_REWARD_KEYS" not in env
+    assert "FLEET_BROKER_URL" not in env  # None is left out, not written as "None"
+    for key in [k for k in os.environ if k.startswith("FLEET_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    back = FleetSettings()
+    assert back.model_dump(exclude={"reward_keys"}) == settings.model_dump(
+        exclude={"reward_keys"})
+    assert back.reward_keys == {}
+
+
+def test_redact_hides_only_the_password() -> None:
+    assert redact("postgresql://fleet:hunter2@db:5432/fleet") == \
+        "postgresql://fleet:***@db:5432/fleet"
+    assert redact("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert redact(None) is None
+
+
+def test_the_demo_keeps_to_its_own_queue_and_streams_on_a_shared_redis(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The "own" case is the demo with nothing configured: CI exports FLEET_*.
+    for name in [n for n in os.environ if n.startswith("FLEET_")]:
+        monkeypatch.delenv(name)
+    options = DemoOptions()
+    own = demo_settings(FleetSettings(), options, "abc123", "k")
+    assert own.queue == "fleet.drive"
+    assert own.rewards_stream == "fleet:rewards"
+    assert own.reward_keys == {"demo": "k"}
+    assert "fleet.examples.agent:support_reply" in own.flows
+    shared = demo_settings(FleetSettings(redis_url="redis://elsewhere:6379/0",
+                                         flows=["mine:flow"], reward_keys={"x": "y"}),
+                           options, "abc123", "k")
+    assert shared.queue == "fleet.demo.abc123"
+    assert {shared.events_stream, shared.rewards_stream, shared.rewards_dead} == {
+        "fleet:demo:abc123:events", "fleet:demo:abc123:rewards",
+        "fleet:demo:abc123:rewards:dead"}
+    assert shared.flows == ["mine:flow", "fleet.examples.agent:support_reply"]
+    assert shared.reward_keys == {"x": "y", "demo": "k"}
+
+
+@pytest.mark.parametrize("greedy", ["formal", "concise"])
+def test_epsilon_greedy_propensities_are_the_probabilities_of_the_choices(greedy: str) -> None:
+    grid = [i / 200 + 1 / 400 for i in range(200)]
+    seen: dict[str, int] = {}
+    propensity: dict[str, float] = {}
+    for u1 in grid:
+        for u2 in grid:
+            choice, p = agent.epsilon_greedy(agent.STYLES, greedy, u1, u2)
+            seen[choice] = seen.get(choice, 0) + 1
+            propensity[choice] = p
+    total = sum(seen.values())
+    for choice, count in seen.items():
+        assert count / total == pytest.approx(propensity[choice], abs=0.01)
+    assert sum(propensity.values()) == pytest.approx(1.0)
+
+
+def test_the_target_policies_are_distributions_that_prefer_what_customers_reward() -> None:
+    for segment in agent.SEGMENTS:
+        context = {"segment": segment}
+        style = {s: agent.better_style(context, s, agent.STYLES) for s in agent.STYLES}
+        discount = {d: agent.better_discount(context, d, agent.DISCOUNTS)
+                    for d in agent.DISCOUNTS}
+        assert sum(style.values()) == pytest.approx(1.0)
+        assert sum(discount.values()) == pytest.approx(1.0)
+        assert max(style, key=style.__getitem__) == max(
+            agent.STYLES, key=lambda s: agent.CSAT[segment][s])
+        assert max(discount, key=discount.__getitem__) == max(
+            agent.DISCOUNTS, key=lambda d: agent.margin(segment, d))
+
+
+async def test_the_agent_flow_decides_sleeps_waits_and_sends(tmp_path: Path) -> None:
+    effects = tmp_path / "effects.jsonl"
+    runtime = Runtime(MemoryEventStore(), flows=[agent.support_reply])
+    tickets = [agent.make_ticket(i, random.Random(i), effects=str(effects), draft_s=0.0,
+                                 cool_off_s=0.0) for i in range(6)]
+    handles = [await runtime.start("support-reply", t) for t in tickets]
+    ids = [h.execution_id for h in handles]
+    for _ in range(200):
+        states = [await runtime.load_state(eid) for eid in ids]
+        if all(s.status == "parked" for s in states):
+            break
+        await runtime.fire_due_timers()
+        await asyncio.sleep(0.01)
+    for eid, ticket, state in zip(ids, tickets, states, strict=True):
+        assert state.status == "parked"
+        discount = state.decisions["discount"]["choice"]
+        await runtime.resume(eid, "approval", agent.approve(ticket["segment"], discount))
+    outputs = [await h.result(timeout=10) for h in handles]
+    for ticket, output in zip(tickets, outputs, strict=True):
+        assert output["style"] in agent.STYLES
+        assert output["discount"] in agent.DISCOUNTS
+        assert output["approved"] == agent.approve(ticket["segment"],
+                                                   output["discount"])["approved"]
+    lines = effects.read_text().splitlines()
+    assert len(lines) == 2 * len(ids)  # one draft and one send or escalation each
+    paths = [p for eid in ids for p in trajectories(await runtime.store.read(eid))]
+    decisions = {d.decision_id for p in paths for d in p.decisions}
+    assert decisions == {"reply_style", "discount"}
+    for p in paths:
+        for d in p.decisions:
+            assert d.propensity is not None
+            assert 0 < d.propensity <= 1
+            assert d.context == {"segment": p.decisions[0].context["segment"]}
+    await runtime.close()
+
+
+def _summary(**changes: Any) -> dict[str, Any]:
+    summary: dict[str, Any] = {
+        "executions": {"started": 30, "completed": 30},
+        "recovery": {"recovered": 4},
+        "rewards": {"submitted_valid": 60, "attached": 60, "submitted_invalid": 4,
+                    "dead_lettered": {"bad_signature": 1, "unsigned": 1, "malformed": 1,
+                                      "unknown_producer": 1}},
+        "evaluation": {"reply_style": {"snips": 0.7}, "discount": {"snips": 0.5}},
+        "shutdown": {"left_running": []}}
+    for path, value in changes.items():
+        section, _, key = path.partition("__")
+        summary[section][key] = value
+    return summary
+
+
+def test_the_demo_verdict_names_every_problem() -> None:
+    assert problems(_summary()) == []
+    found = problems(_summary(executions__completed=29, recovery__recovered=0,
+                              rewards__attached=59, shutdown__left_running=[123]))
+    assert len(found) == 4
+    nan = _summary()
+    nan["evaluation"]["discount"]["snips"] = math.nan
+    assert problems(nan) == ["the SNIPS estimate of discount is nan"]
