@@ -60,35 +60,16 @@ from k8s_kit import (
     one,
     pod_template,
     render,
+    schema_errors,
     secret_example,
     selects,
     store_clients,
 )
-from kubernetes_validate.utils import SchemaNotFoundError, all_versions
+from kubernetes_validate.utils import all_versions
 
 from fleet.config import FleetSettings
 
 # -- the checks (each returns what is wrong, so a test can also feed it a broken object) ---
-
-
-def schema_errors(objs: list[Obj], version: str) -> list[str]:
-    """kubernetes-validate --strict against ``version``; CRDs must be in CRD_KINDS."""
-    errors = []
-    for obj in objs:
-        name = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
-        try:
-            checked = kubernetes_validate.validate(obj, version, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            path = ".".join(str(p) for p in exc.path)
-            errors.append(f"{name} ({version}): {path}: {exc.message}")
-            continue
-        except SchemaNotFoundError:
-            if (obj["apiVersion"], obj["kind"]) not in CRD_KINDS:
-                errors.append(f"{name} ({version}): no schema for {obj['apiVersion']}")
-            continue
-        if checked != version:
-            errors.append(f"{name}: validated against {checked}, not {version}")
-    return errors
 
 
 def container_errors(objs: list[Obj]) -> list[str]:

@@ -31,11 +31,11 @@ from k8s_kit import (
     kinds,
     one,
     render,
+    schema_errors,
     selects,
     store_clients,
     workload_labels,
 )
-from test_manifests import schema_errors
 
 DNS = {"dns:UDP/53", "dns:TCP/53"}
 # The prod overlay's external stores: documentation addresses (RFC 5737) an

@@ -56,7 +56,7 @@ from fleet.kernel.store.spi import EventStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-HERE = Path(__file__).resolve().parent
+KITS = Path(__file__).resolve().parents[1] / "kits"  # acl_flows, for the workers
 FLEET = str(Path(sys.executable).with_name("fleet"))
 QUEUE, SLOW = "fleet.drive", "fleet.slow"
 PRODUCER, REWARD_KEY = "p1", "acl-test-secret"
@@ -229,7 +229,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 "FLEET_RECOVERY_INTERVAL_S": "0.3", "FLEET_TIMER_INTERVAL_S": "0.2",
                 "FLEET_WORKER_DRAIN_S": "1",
                 "FLEET_REWARD_KEYS": json.dumps({PRODUCER: REWARD_KEY}),
-                "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")]),
+                "PYTHONPATH": os.pathsep.join([str(KITS), str(ROOT), env.get("PYTHONPATH", "")]),
                 "C_FORCE_ROOT": "1"})
             control = broker_app("acl-test-control", server.url("client"))
             store = Store(database_url)

@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
+from kubernetes_validate.utils import SchemaNotFoundError
 
 Obj = dict[str, Any]
 
@@ -202,3 +204,23 @@ def workload_labels(objs: list[Obj]) -> dict[str, dict[str, str]]:
     """Each workload's pod labels, by workload name."""
     return {o["metadata"]["name"]: pod_template(o)["metadata"]["labels"]
             for o in objs if o["kind"] in WORKLOADS}
+
+
+def schema_errors(objs: list[Obj], version: str) -> list[str]:
+    """kubernetes-validate --strict against ``version``; CRDs must be in CRD_KINDS."""
+    errors = []
+    for obj in objs:
+        name = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+        try:
+            checked = kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            errors.append(f"{name} ({version}): {path}: {exc.message}")
+            continue
+        except SchemaNotFoundError:
+            if (obj["apiVersion"], obj["kind"]) not in CRD_KINDS:
+                errors.append(f"{name} ({version}): no schema for {obj['apiVersion']}")
+            continue
+        if checked != version:
+            errors.append(f"{name}: validated against {checked}, not {version}")
+    return errors
