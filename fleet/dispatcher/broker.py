@@ -14,6 +14,7 @@ from typing import Any
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.routing import DriveRouter, check_routes
+from fleet.host.broker import broker_conf
 from fleet.host.celery_api import Celery, broker_app
 
 
@@ -29,7 +30,8 @@ def producer_app(settings: FleetSettings, *, main: str = "fleet-dispatcher",
     """A ``FleetCelery`` on ``settings.broker`` that routes drives as the workers expect.
 
     Args:
-        settings: Broker (``redis://`` or ``amqp://``), default queue, routes.
+        settings: Broker (``redis://`` or ``amqp://``), default queue, routes, the
+            broker's retry pace and timeouts (``fleet.host.broker.broker_conf``).
         main: The app's name.
         result_backend: Where ``fleet.dispatch`` answers go (None: nowhere).
         consumes_tasks: Only the workers' app consumes the task queues (and so
@@ -37,10 +39,12 @@ def producer_app(settings: FleetSettings, *, main: str = "fleet-dispatcher",
         **conf: Further Celery settings, applied last.
     """
     routes = check_routes(settings.routes)
+    # How its broker connections fail and come back (decision 0014), then the caller's.
     app = broker_app(main, settings.broker, app_class=FleetCelery, backend=result_backend,
                      consumes_tasks=consumes_tasks, task_default_queue=settings.queue,
                      task_routes=(DriveRouter(routes, settings.queue),),
-                     task_ignore_result=result_backend is None, **conf)
+                     task_ignore_result=result_backend is None,
+                     **{**broker_conf(settings), **conf})
     app.fleet_settings = settings
     return app
 

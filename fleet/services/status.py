@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.config import FleetSettings
+from fleet.host.broker import broker_conf
 from fleet.host.celery_api import broker_app
 from fleet.host.kernel import open_store
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
@@ -134,7 +135,8 @@ class StatusReader:
         workers: list[WorkerStatus] = []
         try:
             if self._app is None:
-                self._app = broker_app("fleet-status", self.settings.broker)
+                self._app = broker_app("fleet-status", self.settings.broker,
+                                       **broker_conf(self.settings))
             workers = worker_statuses(self._app, timeout=self.inspect_timeout)
         except Exception as exc:  # noqa: BLE001 - shown, and the rest still reported
             problems.append(f"broker: {type(exc).__name__}: {exc}")
