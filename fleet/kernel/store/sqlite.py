@@ -46,15 +46,13 @@ from fleet.kernel.errors import (
     StoreUnavailableError,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope, dumps
-from fleet.kernel.store.memory import wall_clock_ms
+from fleet.kernel.events import EventEnvelope, Status, dumps, wall_clock_ms
 from fleet.kernel.store.spi import (
     ConditionalAppendResult,
     DueTimer,
     ExecutionSummary,
     FenceGrant,
     Snapshot,
-    Status,
     TipObservation,
     check_batch,
     check_lease_ms,
