@@ -51,13 +51,11 @@ def _modules(root: Path) -> dict[str, Path]:
     return out
 
 
-def private_imports(root: Path, *, skip: Path | None = None) -> list[str]:
+def private_imports(root: Path) -> list[str]:
     """``module takes _name from other`` for every private name imported across modules."""
     modules = _modules(root)
     found = []
     for name, path in modules.items():
-        if skip is not None and path.is_relative_to(skip):
-            continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
                 continue
