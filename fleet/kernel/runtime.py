@@ -63,6 +63,7 @@ from fleet.kernel.security import (
     Principal,
     authorize,
 )
+from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 
 # Errors the kernel raises before writing anything for a programming fault:
@@ -212,6 +213,12 @@ class Runtime:
         if definition.deadline is not None:
             payload["deadlineAt"] = now + int(definition.deadline * 1000)
         return await self._begin(execution_id, definition, grant, payload, drive=drive)
+
+    async def start_many(self, requests: Sequence[StartRequest]) -> list[ExecutionHandle]:
+        """Start a batch durably in one store round trip (``fleet.kernel.starts``); none
+        is driven here (as ``start(..., drive=False)``). A handle per request, in order;
+        a bad request refuses the batch before anything is written."""
+        return [ExecutionHandle(self, eid) for eid in await start_many(self, requests)]
 
     async def _fence_for_start(self, execution_id: str) -> FenceGrant | None:
         """The fence to write a new log under; ``None`` once another start has written it.
