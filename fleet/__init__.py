@@ -17,6 +17,7 @@ from fleet.kernel.errors import (
     BrokerUnavailableError,
     ConfigurationError,
     CorruptLogError,
+    DispatcherClosedError,
     DuplicateSequenceError,
     DuplicateStepError,
     EvaluationError,
@@ -52,6 +53,7 @@ from fleet.kernel.errors import (
     StoreError,
     StoreUnavailableError,
     ValidationError,
+    WaitTimeoutError,
 )
 from fleet.kernel.events import EVENT_SCHEMA, EventEnvelope, EventType
 from fleet.kernel.flows import Features, FlowDefinition, flow
@@ -71,6 +73,7 @@ __all__ = [
     "Context",
     "CorruptLogError",
     "Decision",
+    "DispatcherClosedError",
     "DuplicateSequenceError",
     "DuplicateStepError",
     "EvaluationError",
@@ -124,6 +127,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "ValidationError",
+    "WaitTimeoutError",
     "flow",
     "fold",
     "fold_log",

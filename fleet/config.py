@@ -48,6 +48,18 @@ class FleetSettings(BaseSettings):
     # -- the fleet (issue 6): Celery, Redis streams, services ------------------
     broker_url: str | None = Field(
         None, description="Celery broker (redis:// or amqp://); default: redis_url")
+    # -- deadlines on every broker and Redis call (issue 10 item 4) ------------
+    broker_connect_timeout_s: float = Field(
+        2.0, gt=0, description="a connection attempt to the broker gives up after this")
+    broker_socket_timeout_s: float = Field(
+        10.0, gt=1, description="Redis: a broker command with no answer fails after this "
+        "(a half-open connection); above kombu's 1 s BRPOP")
+    publish_timeout_s: float = Field(
+        10.0, gt=0, description="the longest a dispatcher's publish of drives (connect, send, "
+        "answer) takes before BrokerUnavailableError; the write it follows stands")
+    publish_concurrency: int = Field(
+        16, ge=1, description="publishes in flight at once per dispatcher: Redis connections "
+        "(a redis:// broker) or publishing threads (amqp://)")
     flows: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="comma-separated module:flow specs every fleet process registers")

@@ -31,6 +31,7 @@ function and one entry in ``OPENERS``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
@@ -209,7 +210,8 @@ async def open_timers(settings: FleetSettings, *, heartbeat: bool = True) -> Rol
 async def open_recovery(settings: FleetSettings, *, heartbeat: bool = True) -> Role:
     """The recovery sweeper: re-drives running executions nobody holds."""
     return await _open_enqueuing(settings, "recovery", lambda runtime, dispatcher: RecoverySweeper(
-        runtime, enqueue=dispatcher.enqueue_drive, interval_s=settings.recovery_interval_s,
+        runtime, enqueue=functools.partial(dispatcher.enqueue_drive, redrive=True),
+        recent=dispatcher.recent_drives, interval_s=settings.recovery_interval_s,
         grace_ms=settings.recovery_grace_ms, on_error=_report("recovery")), heartbeat)
 
 

@@ -1,8 +1,9 @@
 """The dispatcher's Celery app: what every producer of ``fleet.drive`` speaks.
 
 ``producer_app(settings)`` is a Celery app on the fleet's broker with the
-fleet's wire format (JSON), its default queue and its drive router, and the
-settings it was made from (``app.fleet_settings``). It registers no task and
+fleet's wire format (JSON), its default queue and its drive router, deadlines
+on every broker call (``deadline_conf``), and the settings it was made from
+(``app.fleet_settings``). It registers no task and
 starts no worker: publishing a drive needs only the task's name. The workers'
 app (``fleet.workers.make_app``) is this app plus the tasks, the delivery
 settings, the stats bootstep and the process hooks.
@@ -14,7 +15,7 @@ from typing import Any
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.routing import DriveRouter, check_routes
-from fleet.host.celery_api import Celery, broker_app
+from fleet.host.celery_api import Celery, broker_app, deadline_conf
 
 
 class FleetCelery(Celery):  # type: ignore[misc]
@@ -37,7 +38,8 @@ def producer_app(settings: FleetSettings, *, main: str = "fleet-dispatcher",
     app = broker_app(main, settings.broker, app_class=FleetCelery, backend=result_backend,
                      task_default_queue=settings.queue,
                      task_routes=(DriveRouter(routes, settings.queue),),
-                     task_ignore_result=result_backend is None, **conf)
+                     task_ignore_result=result_backend is None,
+                     **{**deadline_conf(settings), **conf})
     app.fleet_settings = settings
     return app
 

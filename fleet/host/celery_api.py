@@ -16,6 +16,8 @@ from celery import bootsteps as _bootsteps
 from celery import signals as _signals
 from celery.concurrency import get_implementation as _get_implementation  # type: ignore[import-untyped]
 
+from fleet.config import FleetSettings
+
 Celery: Any = _celery.Celery
 Task: Any = _celery.Task
 StartStopStep: Any = _bootsteps.StartStopStep
@@ -36,6 +38,25 @@ def broker_app(main: str, broker: str, *, app_class: Any = None, backend: str | 
                     broker_connection_retry_on_startup=True, worker_hijack_root_logger=False)
     app.conf.update(conf)
     return app
+
+
+def deadline_conf(settings: FleetSettings) -> dict[str, Any]:
+    """The Celery settings that bound every broker call of an app made from ``settings``.
+
+    A broker that accepts connections but never answers must not hang a publish,
+    ``fleet status`` or a service: connects give up after
+    ``broker_connect_timeout_s``; on Redis every command after
+    ``broker_socket_timeout_s``; a publish retries twice, briefly.
+    """
+    options: dict[str, Any] = {}
+    if settings.broker.split("://", 1)[0].lower() in ("redis", "rediss", "valkey", "valkeys"):
+        options.update(socket_connect_timeout=settings.broker_connect_timeout_s,
+                       socket_timeout=settings.broker_socket_timeout_s,
+                       socket_keepalive=True)
+    return {"broker_transport_options": options,
+            "broker_connection_timeout": settings.broker_connect_timeout_s,
+            "task_publish_retry_policy": {"max_retries": 2, "interval_start": 0,
+                                          "interval_step": 0.2, "interval_max": 0.5}}
 
 
 def pool_class(pool: Any) -> type[Any]:
@@ -62,5 +83,6 @@ def current_app() -> Any:
     return _celery.current_app._get_current_object()
 
 
-__all__ = ["Celery", "StartStopStep", "Task", "broker_app", "current_app", "is_prefork",
+__all__ = ["Celery", "StartStopStep", "Task", "broker_app", "current_app", "deadline_conf",
+           "is_prefork",
            "pool_class", "process_index", "signals"]

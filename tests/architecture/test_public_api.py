@@ -10,7 +10,8 @@ from fleet.kernel import errors
 EXPECTED = {
     "EVENT_SCHEMA", "AccessDeniedError", "AccessPolicy", "BrokerUnavailableError",
     "ConfigurationError", "Context",
-    "CorruptLogError", "Decision", "DuplicateSequenceError", "DuplicateStepError",
+    "CorruptLogError", "Decision", "DispatcherClosedError", "DuplicateSequenceError",
+    "DuplicateStepError",
     "EvaluationError",
     "EventEnvelope", "EventType", "ExecutionBusyError", "ExecutionCancelledError",
     "ExecutionFailedError", "ExecutionFinishedError", "ExecutionHandle",
@@ -26,7 +27,7 @@ EXPECTED = {
     "PostgresEventStore", "Principal", "RecoveryReport", "ReplayError", "ReservedNameError",
     "RetryPolicy", "Runtime", "SchemaVersionError", "SequenceGapError", "SqliteEventStore",
     "SqliteSnapshotStore", "StaleFenceError", "StepFailedError", "StepFailure", "StoreError",
-    "StoreUnavailableError", "ValidationError", "flow", "fold", "fold_log",
+    "StoreUnavailableError", "ValidationError", "WaitTimeoutError", "flow", "fold", "fold_log",
 }
 
 

@@ -1,14 +1,18 @@
-"""A dispatcher whose broker refuses: the write stands, the error is typed and counted."""
+"""A dispatcher whose broker refuses: the write stands, the error is typed and counted.
+
+The broker is a real port nobody listens on (the connection is refused at once).
+"""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
 
 from fleet import BrokerUnavailableError, Context, Runtime, flow
 from fleet.config import FleetSettings
-from fleet.dispatcher import Dispatcher
+from fleet.dispatcher import Dispatcher, producer_app
 from fleet.kernel.store.memory import MemoryEventStore
 
 
@@ -17,33 +21,39 @@ async def noop(ctx: Context, _: Any) -> str:
     return "ok"
 
 
-class RefusingApp:
-    """A Celery app whose broker connection fails the way kombu's does."""
-
-    def __init__(self) -> None:
-        self.fleet_settings = FleetSettings(database_url="memory:", broker_url="redis://x",
-                                            flows=[])
-
-    def send_task(self, *args: Any, **kwargs: Any) -> None:
-        raise ConnectionRefusedError(111, "Connection refused")
+def refused_broker() -> str:
+    with socket.socket() as sock:  # bound, never listening: connects are refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"redis://127.0.0.1:{port}/0"
 
 
-async def test_start_writes_first_then_counts_a_refused_enqueue() -> None:
+@pytest.fixture
+def app() -> Any:
+    settings = FleetSettings(database_url="memory:", broker_url=refused_broker(), flows=[],
+                             publish_timeout_s=5.0)
+    app = producer_app(settings)
+    yield app
+    app.close()
+
+
+async def test_start_writes_first_then_counts_a_refused_enqueue(app: Any) -> None:
     store = MemoryEventStore()
     runtime = Runtime(store, flows=[noop])
-    dispatcher = Dispatcher(runtime=runtime, app=RefusingApp())
-    execution_id = await dispatcher.start("noop", None)
-    # The start is durable (the sweeper will drive it); the fault is counted.
-    assert (await store.get_execution(execution_id)) is not None
-    assert dispatcher.enqueue_failed == 1
-    assert dispatcher.enqueued == 0
+    async with Dispatcher(runtime=runtime, app=app) as dispatcher:
+        execution_id = await dispatcher.start("noop", None)
+        # The start is durable (the sweeper will drive it); the fault is counted.
+        assert (await store.get_execution(execution_id)) is not None
+        assert dispatcher.enqueue_failed == 1
+        assert dispatcher.enqueued == 0
 
 
-async def test_enqueue_drive_raises_the_typed_retryable_error() -> None:
+async def test_enqueue_drive_raises_the_typed_retryable_error(app: Any) -> None:
     runtime = Runtime(MemoryEventStore(), flows=[noop])
-    dispatcher = Dispatcher(runtime=runtime, app=RefusingApp())
-    execution_id = await dispatcher.start("noop", None)
-    with pytest.raises(BrokerUnavailableError) as info:
-        await dispatcher.enqueue_drive(execution_id)
-    assert info.value.retryable is True
-    assert "Connection refused" in str(info.value)
+    async with Dispatcher(runtime=runtime, app=app) as dispatcher:
+        execution_id = await dispatcher.start("noop", None)
+        with pytest.raises(BrokerUnavailableError) as info:
+            await dispatcher.enqueue_drive(execution_id)
+        assert info.value.retryable is True
+        assert "Connect" in str(info.value)
+        assert "the recovery sweeper will drive it" in str(info.value)
