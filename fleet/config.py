@@ -85,6 +85,12 @@ class FleetSettings(BaseSettings):
         "second from inside the event loop) is older than this: a stuck loop")
     timer_interval_s: float = Field(0.25, gt=0, description="how often due timers are polled")
     recovery_interval_s: float = Field(2.0, gt=0)
+    service_tick_deadline_s: float = Field(
+        60.0, gt=0, description="a timer or recovery tick running longer than this makes "
+        "the service not live (`fleet health --liveness` fails): it is wedged")
+    service_stop_s: float = Field(
+        10.0, ge=0, description="on SIGTERM, how long a service's tick in flight may run "
+        "on before it is cancelled")
     recovery_grace_ms: int = Field(
         5_000, ge=0, description="a running execution with no lease is lost after this")
     publish_events: bool = Field(

@@ -287,7 +287,7 @@ class Dispatcher:
             await self.publish(orders)
         except BrokerUnavailableError as exc:
             self.enqueue_failed += len(orders)
-            log.warning("%s", exc)
+            log.warning("%s; the write stands: the recovery sweeper will drive it", exc)
 
     async def enqueue_drive(self, execution_id: str, *, redrive: bool = False) -> None:
         """Enqueue a drive of an execution already written, routed by its flow and tenant.

@@ -129,8 +129,8 @@ def _unavailable(what: str, exc: BaseException | None, timeout: float | None = N
         reason = f"no answer within {timeout:g} s" if timeout else "timed out"
     else:
         reason = f"{type(exc).__name__}: {exc}"
-    return BrokerUnavailableError(f"could not enqueue {what}: {reason}; the write stands "
-                                  "and the recovery sweeper will drive it (retryable)")
+    return BrokerUnavailableError(f"could not enqueue {what}: {reason} (the broker; "
+                                  "retryable)")
 
 
 def _what(drives: Sequence[PublishedDrive]) -> str:

@@ -53,8 +53,9 @@ class RecoverySweeper(PeriodicService):
     def __init__(self, runtime: Runtime, *, enqueue: Enqueue | None = None,
                  interval_s: float = 2.0, grace_ms: int = 5_000, batch: int = 500,
                  recent: Recent | None = None,
-                 on_error: Callable[[BaseException], Any] | None = None) -> None:
-        super().__init__(interval_s, on_error=on_error)
+                 on_error: Callable[[BaseException], Any] | None = None,
+                 **bounds: Any) -> None:
+        super().__init__(interval_s, on_error=on_error, **bounds)
         self.runtime = runtime
         self.enqueue = enqueue
         self.grace_ms = grace_ms
