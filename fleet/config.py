@@ -8,7 +8,7 @@ every fleet process's parts from it; ``fleet.host.kernel`` its store and Runtime
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -101,6 +101,27 @@ class FleetSettings(BaseSettings):
     rewards_stream: str = "fleet:rewards"
     rewards_dead: str = "fleet:rewards:dead"
     rewards_group: str = "fleet-attachers"
+    # -- signed fleet.dispatch messages (issue 10 item 3; decision 0018) ----------
+    dispatch_keys: dict[str, Any] = Field(
+        default_factory=dict, description='JSON key ring {"<key id>": {"client": "web", '
+        '"secret": "...", "tenants": ["acme"]}}: the keys fleet.dispatch messages are signed '
+        'with (workers verify; a client keeps only its own)')
+    dispatch_keys_file: str | None = Field(
+        None, description="a file holding the same JSON (a mounted Secret); re-read when it "
+        "changes")
+    dispatch_key_id: str | None = Field(
+        None, description="a client's: which key of the ring it signs with")
+    dispatch_allow_unsigned: bool = Field(
+        False, description="workers accept unsigned fleet.dispatch messages (anyone who can "
+        "publish to the broker acts as any principal): a trusted network or a demo only")
+    dispatch_max_age_s: float = Field(
+        300.0, gt=0, description="the longest a signed message may be valid (expires_at - "
+        "issued_at)")
+    dispatch_clock_skew_s: float = Field(
+        30.0, ge=0, description="clock difference tolerated between signer and worker")
+    dispatch_max_bytes: int = Field(
+        1_048_576, ge=1024, description="the largest fleet.dispatch message (JSON bytes) a "
+        "worker reads")
     reward_keys: dict[str, str] = Field(
         default_factory=dict, description='JSON {"producer": "secret"}: HMAC keys')
 

@@ -34,17 +34,46 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fleet.kernel.errors import FlowNotFoundError, ValidationError
 from fleet.kernel.events import EventEnvelope, EventType, ensure_json
 from fleet.kernel.flows import Features, FlowDefinition
-from fleet.kernel.journal import deliver
-from fleet.kernel.security import Principal, authorize
-from fleet.kernel.store.spi import append_many
+from fleet.kernel.fold import ExecutionState
+from fleet.kernel.journal import EventObserver, Warner, deliver
+from fleet.kernel.security import AccessPolicy, Op, Principal, authorize
+from fleet.kernel.store.spi import EventStore, append_many
 
-if TYPE_CHECKING:
-    from fleet.kernel.runtime import Runtime
+
+class Runtime(Protocol):
+    """What ``start_many`` uses of ``fleet.kernel.runtime.Runtime`` (not imported:
+    the runtime imports this module)."""
+
+    store: EventStore
+    access_policy: AccessPolicy
+    strict: bool
+    features: Features
+    on_event: EventObserver | None
+    on_durable_event: EventObserver | None
+    warner: Warner
+
+    @property
+    def flows(self) -> _Registry: ...
+
+    def clock(self) -> int: ...
+
+    async def _denied(self, state: ExecutionState | None, op: Op,
+                      principal: Principal | None, reason: str, *, audit: bool) -> None: ...
+
+    async def start(self, flow_id: str, input: Any = None, *,
+                    principal: Principal | None = None, execution_id: str | None = None,
+                    drive: bool = True) -> Any: ...
+
+
+class _Registry(Protocol):
+    def latest(self, flow_id: str) -> FlowDefinition | None: ...
+
+    def __iter__(self) -> Any: ...
 
 __all__ = ["StartRequest", "start_many", "start_payload"]
 

@@ -27,6 +27,7 @@ from redis_server import url_with_db
 
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher
+from fleet.dispatcher.signing import sign_dispatch
 from fleet.kernel.errors import ConfigurationError, ExecutionCancelledError, ValidationError
 from fleet.kernel.security import Principal
 from fleet.workers import make_app
@@ -34,6 +35,8 @@ from fleet.workers import make_app
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 REDIS_DB = 14
+SECRET = "test-secret-for-the-dispatcher-tests"
+KEYS = {"producer-1": {"client": "node-producer", "secret": SECRET, "tenants": ["*"]}}
 
 
 @dataclass
@@ -53,7 +56,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         settings = FleetSettings(database_url=database_url, broker_url=broker, queue=queue,
                                  flows=ALL.split(","), lease_ms=1500)
         env = fleet_env(database_url=database_url, broker_url=broker, queue=queue, flows=ALL,
-                        extra={"FLEET_TEST_RESULT_BACKEND": broker})
+                        extra={"FLEET_TEST_RESULT_BACKEND": broker,
+                               "FLEET_DISPATCH_KEYS": json.dumps(KEYS)})
         app = make_app(settings)
         (worker,) = start_workers([("dispatch", [queue])], env,
                                   tmp_path_factory.mktemp("dispatcher"), app,
@@ -206,6 +210,10 @@ async def test_fleet_dispatch_from_a_raw_message_and_typed_errors_for_bad_ones(
 
     def send(kwargs: dict[str, Any] | None = None,
              args: list[Any] | None = None) -> dict[str, Any]:
+        # Signed as decision 0018 says (a producer in any language computes the same).
+        kwargs = sign_dispatch(kwargs, key_id="producer-1", secret=SECRET) if kwargs else None
+        args = [sign_dispatch(a, key_id="producer-1", secret=SECRET) if isinstance(a, dict)
+                else a for a in args] if args else None
         return _reply(fleet.redis, _publish_raw(broker, queue, _message(kwargs, args)))
 
     principal = {"actor": "billing", "tenant": "acme"}
@@ -244,7 +252,8 @@ async def test_fleet_dispatch_from_a_raw_message_and_typed_errors_for_bad_ones(
         "op": "resume", "execution_id": eid, "gate": "approval", "principal": principal})
     assert finished["error"]["code"] == "execution_finished"
     mixed = await asyncio.to_thread(send, {"op": "cancel", "execution_id": eid}, [1])
-    assert mixed["error"]["code"] == "validation"
+    assert mixed["error"]["code"] == "dispatch_refused"
+    assert mixed["error"]["details"] == [{"reason": "malformed"}]
     # The worker is still serving after the bad ones.
     fine = await asyncio.to_thread(send, {"op": "start", "flow_id": "fleet-three", "input": 0})
     async with Dispatcher(fleet.settings) as dispatcher:
