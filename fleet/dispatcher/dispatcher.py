@@ -43,6 +43,7 @@ from typing import Any, Literal, TypeVar
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
+from fleet.dispatcher.coalesce import Coalescer
 from fleet.dispatcher.publish import (
     DrivePublisher,
     DriveRecord,
@@ -59,6 +60,7 @@ from fleet.kernel.errors import (
     DispatcherClosedError,
     ExecutionBusyError,
     ExecutionNotFoundError,
+    FleetError,
     ValidationError,
     WaitTimeoutError,
 )
@@ -154,6 +156,7 @@ class Dispatcher:
         self._publisher: DrivePublisher | None = None
         self._publisher_loop: asyncio.AbstractEventLoop | None = None
         self._kombu: KombuDrivePublisher | None = None  # ``enqueue`` from a plain thread
+        self._starts: Coalescer[Start, str] | None = None
         # One lock for what threads share: the loop thread, the app, the calls in flight.
         self._guard = threading.Lock()
         self._idle = threading.Condition(self._guard)
@@ -372,14 +375,39 @@ class Dispatcher:
                     idempotency_key: str | None = None) -> str:
         """Start an execution of ``flow_id`` on the fleet; its id.
 
-        Idempotent by ``execution_id`` or ``idempotency_key`` (not both).
+        Idempotent by ``execution_id`` or ``idempotency_key`` (not both). Starts in
+        flight at once are written and published together
+        (``fleet.dispatcher.coalesce``); each gets its own answer.
         """
         with self._call("start"):
-            order = await self.write_start(flow_id, input, principal=principal,
-                                           execution_id=execution_id,
-                                           idempotency_key=idempotency_key)
-            await self._publish_after_write([order])
-            return order.execution_id
+            if self._starts is None:
+                self._starts = Coalescer(self._flush_starts)
+            return await self._starts.submit(Start(flow_id, input, principal, execution_id,
+                                                   idempotency_key))
+
+    async def _flush_starts(self, items: Sequence[Start]) -> list[str | BaseException]:
+        """One group of ``start`` calls: one write, one publish; an answer per call."""
+        try:
+            orders = await self.write_starts(items)
+        except FleetError as exc:
+            if exc.retryable or len(items) == 1:
+                return [exc] * len(items)
+            # One bad request refused the group before anything was written:
+            # judge each alone, so it is the only one refused.
+            answers: list[str | BaseException] = []
+            good: list[DriveOrder] = []
+            for item in items:
+                try:
+                    (order,) = await self.write_starts([item])
+                except FleetError as alone:
+                    answers.append(alone)
+                else:
+                    answers.append(order.execution_id)
+                    good.append(order)
+            await self._publish_after_write(list({o.execution_id: o for o in good}.values()))
+            return answers
+        await self._publish_after_write(list({o.execution_id: o for o in orders}.values()))
+        return [order.execution_id for order in orders]
 
     async def start_many(self, items: Sequence[Start]) -> list[str]:
         """Start a batch: one store round trip, one publish; the ids, in order.

@@ -5,12 +5,21 @@ The broker is a real port nobody listens on (the connection is refused at once).
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
 import pytest
 
-from fleet import BrokerUnavailableError, Context, Runtime, flow
+from fleet import (
+    BrokerUnavailableError,
+    Context,
+    FlowNotFoundError,
+    NotSerializableError,
+    Runtime,
+    ValidationError,
+    flow,
+)
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher, producer_app
 from fleet.kernel.store.memory import MemoryEventStore
@@ -57,3 +66,24 @@ async def test_enqueue_drive_raises_the_typed_retryable_error(app: Any) -> None:
         assert info.value.retryable is True
         assert "Connect" in str(info.value)
         assert execution_id in str(info.value)
+
+
+async def test_starts_in_flight_together_get_their_own_answers(app: Any) -> None:
+    """Concurrent starts are written as one group; a bad one is refused alone."""
+    store = MemoryEventStore()
+    async with Dispatcher(runtime=Runtime(store, flows=[noop]), app=app) as dispatcher:
+        results = await asyncio.gather(
+            dispatcher.start("noop", 1, execution_id="ok-1"),
+            dispatcher.start("noop", {1, 2}),                       # not JSON
+            dispatcher.start("nope", 1),                            # no such flow
+            dispatcher.start("noop", 1, execution_id="x", idempotency_key="k"),
+            dispatcher.start("noop", 2, execution_id="ok-2"),
+            dispatcher.start("noop", 1, execution_id="ok-1"),       # the same, twice
+            return_exceptions=True)
+        assert results[0] == results[5] == "ok-1"
+        assert results[4] == "ok-2"
+        assert isinstance(results[1], NotSerializableError)
+        assert isinstance(results[2], FlowNotFoundError)
+        assert isinstance(results[3], ValidationError)
+        assert sorted(r.execution_id for r in await store.list_executions()) == ["ok-1", "ok-2"]
+        assert dispatcher.enqueue_failed == 2  # one publish of both (the broker refuses)
