@@ -37,124 +37,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib
 import json
 import os
 import platform
 import secrets
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import asyncpg
-import psutil  # type: ignore[import-untyped]
 import redis
 from rich.console import Console
 from rich.table import Table
 
+from bench._common import RESULTS, ROOT, admin, bench_redis_url, with_database, workers
 from bench.fleet_flows import ALL as FLOWS
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher
 from fleet.recovery import RecoverySweeper
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-CELERY = str(Path(sys.executable).with_name("celery"))
-REDIS_DB = 12
 TARGETS = {"x_chain": 1.0, "kill_to_done_over_lease_s": 2.0, "rss_mb": 200.0}
 DOCUMENTED = "fleet (documented: events stream on, defaults)"
 TUNED = "fleet tuned (events off, pool 20, group commit)"
-
-
-def _redis_url(args: argparse.Namespace) -> str:
-    base = args.redis.rstrip("/")
-    if base.count("/") > 2:
-        base = base.rsplit("/", 1)[0]
-    return f"{base}/{REDIS_DB}"
-
-
-# ----------------------------------------------------------------- processes
-class Worker:
-    """A ``celery worker`` subprocess; ready when its log says so."""
-
-    def __init__(self, app: str, queue: str, env: dict[str, str], log_dir: Path, *,
-                 pool: str, concurrency: int, name: str) -> None:
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [CELERY, "-A", app, "worker", "-P", pool, "-c", str(concurrency), "-Q", queue,
-             "-n", f"{name}@{socket.gethostname()}", "-l", "WARNING", "--without-mingle",
-             "--without-gossip", "--without-heartbeat"],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT))
-        self.name = name
-        self.nodename = f"{name}@{socket.gethostname()}"
-
-    def wait_ready(self, pinger: Any, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.log_path.read_text()[-3000:]}")
-            if pinger.control.ping(destination=[self.nodename], timeout=0.5):
-                return
-        raise RuntimeError(f"{self.name} not ready:\n{self.log_path.read_text()[-3000:]}")
-
-    def memory(self) -> tuple[float, float, int]:
-        """(RSS MB, PSS MB, processes) of the worker and its children."""
-        procs = [psutil.Process(self.proc.pid)]
-        procs += procs[0].children(recursive=True)
-        rss = pss = 0
-        for p in procs:
-            info = p.memory_full_info()
-            rss += info.rss
-            pss += getattr(info, "pss", info.rss)
-        return rss / 2**20, pss / 2**20, len(procs)
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        self._log.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.send_signal(signal.SIGQUIT)
-                try:
-                    self.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
-        self._log.close()
-
-
-@contextlib.contextmanager
-def workers(count: int, app: str, queue: str, env: dict[str, str], log_dir: Path, *,
-            pool: str, concurrency: int, prefix: str) -> Iterator[list[Worker]]:
-    from celery import Celery  # type: ignore[import-untyped]
-
-    started = [Worker(app, queue, env, log_dir, pool=pool, concurrency=concurrency,
-                      name=f"{prefix}{i}-{secrets.token_hex(2)}") for i in range(count)]
-    pinger = Celery("bench-ping", broker=env.get("FLEET_BROKER_URL") or env["BENCH_BROKER"],
-                    set_as_current=False)
-    try:
-        for w in started:
-            w.wait_ready(pinger)
-        yield started
-    finally:
-        pinger.close()
-        for w in started:
-            w.stop()
 
 
 def fleet_env(db: str, broker: str, queue: str, *, lease_ms: int = 30_000,
@@ -379,25 +287,11 @@ async def rss_at_drives(db: str, broker: str, args: argparse.Namespace, log_dir:
 
 
 # ---------------------------------------------------------------------- main
-async def _admin(url: str, sql: str) -> None:
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
-def _with_database(url: str, name: str) -> str:
-    from urllib.parse import urlsplit, urlunsplit
-
-    return urlunsplit(urlsplit(url)._replace(path="/" + name))
-
-
 async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    broker = _redis_url(args)
+    broker = bench_redis_url(args.redis)
     name = f"fleet_bench_{secrets.token_hex(4)}"
-    await _admin(args.db, f'CREATE DATABASE "{name}"')
-    db = _with_database(args.db, name)
+    await admin(args.db, f'CREATE DATABASE "{name}"')
+    db = with_database(args.db, name)
     skip = set(filter(None, args.skip.split(",")))
     doc: dict[str, Any] = {
         "benchmark": "fleet", "command": "python -m bench.fleet " + " ".join(sys.argv[1:]),
@@ -424,7 +318,7 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                     doc["rss"].append(await rss_at_drives(db, broker, args, log_dir,
                                                           pool=pool))
     finally:
-        await _admin(args.db, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin(args.db, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     doc["loadavg_after"] = list(os.getloadavg())
     return doc
 

@@ -42,7 +42,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from bench.fleet import RESULTS, _admin, _redis_url, _with_database
+from bench._common import RESULTS, admin, bench_redis_url, with_database
 from bench.fleet_flows import ALL as FLOWS
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher, Start
@@ -133,10 +133,10 @@ def _check_and_drop(broker: str, queue: str, expected: int) -> None:
 
 
 async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    broker = _redis_url(args)
+    broker = bench_redis_url(args.redis)
     name = f"fleet_bench_{secrets.token_hex(4)}"
-    await _admin(args.db, f'CREATE DATABASE "{name}"')
-    db = _with_database(args.db, name)
+    await admin(args.db, f'CREATE DATABASE "{name}"')
+    db = with_database(args.db, name)
     rows: dict[str, list[float]] = {}
     plan: list[tuple[str, Callable[[], Any]]] = [
         ("celery apply_async, 64 threads", lambda: asyncio.to_thread(
@@ -158,7 +158,7 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 console.log(f"round {round_ + 1}/{args.repeat}: {label}")
                 rows.setdefault(label, []).append(await make())
     finally:
-        await _admin(args.db, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin(args.db, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     celery = max(max(rows[label]) for label in rows if label.startswith("celery"))
     table = []
     for label, rates in rows.items():

@@ -48,7 +48,17 @@ class FleetSettings(BaseSettings):
     # -- the fleet (issue 6): Celery, Redis streams, services ------------------
     broker_url: str | None = Field(
         None, description="Celery broker (redis:// or amqp://); default: redis_url")
-    # -- deadlines on every broker and Redis call (issue 10 item 4) ------------
+    # How broker connections fail and come back (fleet.host.broker, decision 0014):
+    # a short outage costs about its own length, not Celery's 2/4/6 s backoff.
+    broker_retry_interval_s: float = Field(
+        0.2, gt=0, description="first wait before reconnecting to the broker, and how much "
+        "longer each further wait is")
+    broker_retry_max_interval_s: float = Field(
+        1.0, gt=0, description="longest wait between two reconnect attempts")
+    broker_max_retries: int | None = Field(
+        None, ge=1, description="reconnect attempts before a worker gives up and exits "
+        "non-zero (for its supervisor to restart it); unset: retry for as long as it takes")
+    # Deadlines on every broker and Redis call (issue 10 item 4): connect, command, publish.
     broker_connect_timeout_s: float = Field(
         2.0, gt=0, description="a connection attempt to the broker gives up after this")
     broker_socket_timeout_s: float = Field(
@@ -60,6 +70,9 @@ class FleetSettings(BaseSettings):
     publish_concurrency: int = Field(
         16, ge=1, description="publishes in flight at once per dispatcher: Redis connections "
         "(a redis:// broker) or publishing threads (amqp://)")
+    broker_health_check_s: int = Field(
+        5, ge=0, description="Redis: an idle broker connection is pinged before use after "
+        "this, and a BRPOP overdue by this much is dropped and reconnected; 0: off")
     flows: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="comma-separated module:flow specs every fleet process registers")

@@ -41,6 +41,7 @@ from typing import Any
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.dispatcher import Dispatcher
+from fleet.host.celery_api import run_command
 from fleet.host.kernel import build_runtime, open_store
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.journal import EventObserver
@@ -338,12 +339,7 @@ def run_flower(settings: FleetSettings, *, port: int | None = None,
     if unauthenticated:
         # Flower reads this itself: its API answers without credentials.
         os.environ["FLOWER_UNAUTHENTICATED_API"] = "true"
-    app = flower_app(settings)
-    try:
-        code = app.start(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return int(code or 0)
+    return run_command(flower_app(settings), argv)
 
 
 __all__ = ["OPENERS", "ROLES", "SERVICE_ROLES", "Role", "StoreView", "flower_app",

@@ -15,7 +15,14 @@ from typing import Any
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.routing import DriveRouter, check_routes
-from fleet.host.celery_api import Celery, broker_app, deadline_conf
+from fleet.host.broker import broker_conf
+from fleet.host.celery_api import Celery, broker_app
+
+#: A publish through Celery (``send_task``) retries twice, briefly: with the connect
+#: and command deadlines of ``broker_conf``, a broker that never answers fails it in
+#: bounded time (issue 10 item 4) rather than after Celery's default retries.
+PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2,
+                 "interval_max": 0.5}
 
 
 class FleetCelery(Celery):  # type: ignore[misc]
@@ -29,17 +36,20 @@ def producer_app(settings: FleetSettings, *, main: str = "fleet-dispatcher",
     """A ``FleetCelery`` on ``settings.broker`` that routes drives as the workers expect.
 
     Args:
-        settings: Broker (``redis://`` or ``amqp://``), default queue, routes.
+        settings: Broker (``redis://`` or ``amqp://``), default queue, routes, the
+            broker's retry pace and timeouts (``fleet.host.broker.broker_conf``).
         main: The app's name.
         result_backend: Where ``fleet.dispatch`` answers go (None: nowhere).
         **conf: Further Celery settings, applied last.
     """
     routes = check_routes(settings.routes)
+    # How its broker connections fail and come back (decision 0014), then the caller's.
     app = broker_app(main, settings.broker, app_class=FleetCelery, backend=result_backend,
                      task_default_queue=settings.queue,
                      task_routes=(DriveRouter(routes, settings.queue),),
                      task_ignore_result=result_backend is None,
-                     **{**deadline_conf(settings), **conf})
+                     **{**broker_conf(settings), "task_publish_retry_policy": PUBLISH_RETRY,
+                        **conf})
     app.fleet_settings = settings
     return app
 

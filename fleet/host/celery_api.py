@@ -14,14 +14,26 @@ import celery as _celery  # type: ignore[import-untyped]
 from billiard import process as _billiard_process  # type: ignore[import-untyped]
 from celery import bootsteps as _bootsteps
 from celery import signals as _signals
+from celery.app.amqp import AMQP as _AMQP  # type: ignore[import-untyped]
 from celery.concurrency import get_implementation as _get_implementation  # type: ignore[import-untyped]
-
-from fleet.config import FleetSettings
+from click.exceptions import Exit
+from kombu.connection import Connection as _Connection
 
 Celery: Any = _celery.Celery
 Task: Any = _celery.Task
 StartStopStep: Any = _bootsteps.StartStopStep
 signals: Any = _signals
+AMQP: Any = _AMQP
+Connection: Any = _Connection
+
+#: The class that opens every broker connection of a fleet app (decision 0014).
+FLEET_AMQP = "fleet.host.broker:FleetAMQP"
+
+
+def celery_version() -> tuple[int, int, int]:
+    """The installed Celery's (major, minor, micro)."""
+    major, minor, micro = _celery.VERSION[:3]
+    return int(major), int(minor), int(micro)
 
 
 def broker_app(main: str, broker: str, *, app_class: Any = None, backend: str | None = None,
@@ -31,32 +43,15 @@ def broker_app(main: str, broker: str, *, app_class: Any = None, backend: str | 
     What every fleet producer and reader of the broker shares: the dispatcher's
     app and the workers' build on it (``fleet.dispatcher.broker``,
     ``fleet.workers.app``); ``fleet status`` inspects workers through a bare one.
+    Its broker connections are ``fleet.host.broker.FleetConnection``s (they
+    survive a broker restart; ``broker_conf(settings)`` sets their pace).
     """
-    app = (app_class or Celery)(main, broker=broker, backend=backend)
+    app = (app_class or Celery)(main, broker=broker, backend=backend, amqp=FLEET_AMQP)
     app.conf.update(task_serializer="json", result_serializer="json",
                     accept_content=["json"], result_accept_content=["json"],
                     broker_connection_retry_on_startup=True, worker_hijack_root_logger=False)
     app.conf.update(conf)
     return app
-
-
-def deadline_conf(settings: FleetSettings) -> dict[str, Any]:
-    """The Celery settings that bound every broker call of an app made from ``settings``.
-
-    A broker that accepts connections but never answers must not hang a publish,
-    ``fleet status`` or a service: connects give up after
-    ``broker_connect_timeout_s``; on Redis every command after
-    ``broker_socket_timeout_s``; a publish retries twice, briefly.
-    """
-    options: dict[str, Any] = {}
-    if settings.broker.split("://", 1)[0].lower() in ("redis", "rediss", "valkey", "valkeys"):
-        options.update(socket_connect_timeout=settings.broker_connect_timeout_s,
-                       socket_timeout=settings.broker_socket_timeout_s,
-                       socket_keepalive=True)
-    return {"broker_transport_options": options,
-            "broker_connection_timeout": settings.broker_connect_timeout_s,
-            "task_publish_retry_policy": {"max_retries": 2, "interval_start": 0,
-                                          "interval_step": 0.2, "interval_max": 0.5}}
 
 
 def pool_class(pool: Any) -> type[Any]:
@@ -78,11 +73,35 @@ def process_index() -> int | None:
     return index if isinstance(index, int) else None
 
 
+def run_command(app: Any, argv: list[str]) -> int:
+    """``app.start(argv)`` (``celery worker ...``, ``celery flower ...``) with its exit code.
+
+    Celery's ``app.start`` runs its click command with ``standalone_mode=False``,
+    where click returns the code ``ctx.exit(code)`` gave, and drops it: a worker
+    that stopped on an unrecoverable error ("Unrecoverable error: ...", exit
+    code 1 under ``celery worker``) would end ``fleet worker`` with status 0.
+    The same call, keeping the code (decision 0014).
+    """
+    # Celery's command line (every subcommand's module) loads only where it runs.
+    from celery.bin.celery import celery as command  # type: ignore[import-untyped]
+
+    command.params[0].default = app  # what app.start does: the command's --app
+    try:
+        code = command.main(args=argv, standalone_mode=False)
+    except Exit as exc:  # should a click raise it rather than return the code
+        code = exc.exit_code
+    except SystemExit as exc:  # a fatal error before the worker ran (its store, its flows)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        command.params[0].default = None
+    return code if isinstance(code, int) else 0
+
+
 def current_app() -> Any:
     """The Celery app current in this process (the worker's, inside a worker)."""
     return _celery.current_app._get_current_object()
 
 
-__all__ = ["Celery", "StartStopStep", "Task", "broker_app", "current_app", "deadline_conf",
-           "is_prefork",
-           "pool_class", "process_index", "signals"]
+__all__ = ["AMQP", "FLEET_AMQP", "Celery", "Connection", "StartStopStep", "Task", "broker_app",
+           "celery_version", "current_app", "is_prefork", "pool_class", "process_index",
+           "run_command", "signals"]

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fleet.config import FleetSettings
-from fleet.host.celery_api import broker_app, deadline_conf
+from fleet.host.broker import broker_conf
+from fleet.host.celery_api import broker_app
 from fleet.host.kernel import open_store
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel.errors import FleetError
@@ -165,7 +166,7 @@ class StatusReader:
         try:
             if self._app is None:
                 self._app = broker_app("fleet-status", self.settings.broker,
-                                       **deadline_conf(self.settings))
+                                       **broker_conf(self.settings))
             app = self._app
             workers = within(self.broker_deadline_s,
                              lambda: worker_statuses(app, timeout=self.inspect_timeout),

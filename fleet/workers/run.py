@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fleet.config import FleetSettings
+from fleet.host.celery_api import run_command
 from fleet.kernel.errors import ConfigurationError
 from fleet.workers.app import make_app
 
@@ -58,18 +59,17 @@ def run_worker(settings: FleetSettings, *, queues: Sequence[str] = (),
     """Run a fleet worker in this process until it is shut down; its exit code.
 
     SIGTERM is a warm shutdown that hands running drives back
-    (``fleet.workers.shutdown``). ``extra`` goes to ``celery worker`` as it is.
+    (``fleet.workers.shutdown``): 0. A worker that stops on a fatal error (one
+    Celery calls unrecoverable: the broker gone past ``broker_max_retries``, a
+    failing bootstep) or cannot open its store returns non-zero, so
+    ``Restart=on-failure`` and its kin restart it. ``extra`` goes to ``celery
+    worker`` as it is.
     """
     chosen = worker_settings(settings, pool=pool, concurrency=concurrency)
     app = make_app(chosen)
     argv = worker_argv(chosen, queues=queues, concurrency=concurrency, loglevel=loglevel,
                        hostname=hostname, extra=extra)
-    try:
-        # app.worker_main() without dropping the worker's exit code.
-        code = app.start(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    return int(code or 0)
+    return run_command(app, argv)
 
 
 __all__ = ["POOLS", "run_worker", "worker_argv", "worker_settings"]

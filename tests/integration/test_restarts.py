@@ -43,6 +43,7 @@ from typing import Any
 
 import pytest
 import redis
+from exactly_once import LogCheck, check_exactly_once, types_of
 from fleet_flows import ALL
 from fleet_worker_kit import WorkerProcess, fleet_env, free_port, start_workers
 from postgres_server import OwnServer, throwaway_database
@@ -53,7 +54,6 @@ from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher, DriveOrder
 from fleet.dispatcher.routing import DRIVE_TASK
 from fleet.kernel.errors import ExecutionBusyError, StoreUnavailableError
-from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.runtime import Runtime
 from fleet.recovery import RecoverySweeper
 from fleet.workers import make_app
@@ -231,54 +231,16 @@ async def _stuck(fleet: Fleet, pending: list[str], timeout: float) -> str:
     for execution_id in pending[:5]:
         summary = await fleet.runtime.store.get_execution(execution_id)
         events = await fleet.runtime.store.read(execution_id)
-        lines.append(f"{execution_id}: {summary}: {_types(events)}")
+        lines.append(f"{execution_id}: {summary}: {types_of(events)}")
     lines.append(f"tally: {fleet.tally}; sweeper: {fleet.sweeper.stats()}")
     for worker in fleet.workers:
         lines.append(f"--- {worker.name} (alive: {worker.alive()}):\n{worker.log()[-3000:]}")
     return "\n".join(lines)
 
 
-def _types(events: list[EventEnvelope]) -> list[str]:
-    return [str(e.type) for e in events]
-
-
-@dataclass
-class LogCheck:
-    recovered: int = 0
-    indoubt: int = 0
-    rerun_steps: int = 0
-
-
 async def check_logs(fleet: Fleet, ids: list[str]) -> LogCheck:
     """Every execution completed once, each step completed once, every re-run in doubt first."""
-    seen = LogCheck()
-    for execution_id in ids:
-        events = await fleet.runtime.store.read(execution_id)
-        types = _types(events)
-        state = await fleet.runtime.load_state(execution_id, system=True)
-        assert state.output == OUTPUT, (execution_id, state.output, types)
-        assert [e.sequence for e in events] == list(range(len(events))), (execution_id, types)
-        assert types.count("EXECUTION_STARTED") == 1, (execution_id, types)
-        assert types.count("EXECUTION_COMPLETED") == 1, (execution_id, types)
-        completed = Counter(e.payload["stepId"] for e in events
-                            if e.type is EventType.STEP_COMPLETED)
-        assert set(completed) == STEPS, (execution_id, types)
-        assert all(count == 1 for count in completed.values()), (execution_id, completed)
-        started: dict[str, int] = {}
-        for i, event in enumerate(events):
-            if event.type is not EventType.STEP_STARTED:
-                continue
-            step = event.payload["stepId"]
-            if step in started:
-                # A re-run: the attempt before it was judged in doubt first.
-                between = events[started[step] + 1:i]
-                assert any(e.type is EventType.EFFECT_INDOUBT and e.payload["stepId"] == step
-                           for e in between), (execution_id, step, types)
-                seen.rerun_steps += 1
-            started[step] = i
-        seen.recovered += types.count("RECOVERED")
-        seen.indoubt += types.count("EFFECT_INDOUBT")
-    return seen
+    return await check_exactly_once(fleet.runtime, ids, steps=STEPS, output=OUTPUT)
 
 
 async def probe_each_worker(fleet: Fleet, token: str) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CELERY = str(Path(sys.executable).with_name("celery"))
+FLEET = str(Path(sys.executable).with_name("fleet"))
 
 
 def fleet_env(*, database_url: str, broker_url: str, queue: str, flows: str,
@@ -44,11 +45,12 @@ def fleet_env(*, database_url: str, broker_url: str, queue: str, flows: str,
 
 
 class WorkerProcess:
-    """One ``celery worker`` subprocess."""
+    """One ``celery worker`` subprocess (``fleet worker`` with ``fleet_cli``)."""
 
     def __init__(self, name: str, env: Mapping[str, str], queues: list[str], log_dir: Path, *,
                  app_module: str = "fleet.workers.main", pool: str | None = None,
-                 concurrency: int | None = None, quiet: bool = True) -> None:
+                 concurrency: int | None = None, quiet: bool = True,
+                 fleet_cli: bool = False) -> None:
         self.name = name
         # Unique per process: a worker left over from another run must never
         # answer for this one (inspect replies are keyed by node name).
@@ -56,12 +58,18 @@ class WorkerProcess:
         self.log_path = log_dir / f"{name}.log"
         env = dict(env)
         env["FLEET_TEST_WORKER_NAME"] = name
-        args = [CELERY, "-A", app_module, "worker", "-Q", ",".join(queues),
-                "-n", self.nodename, "-l", "INFO"]
-        if pool is not None:  # else the app's pool (FLEET_WORKER_POOL, threads by default)
-            args += ["-P", pool]
+        if fleet_cli:  # the operator's command: the app of the FLEET_* settings
+            args = [FLEET, "worker", "--queues", ",".join(queues), "-n", self.nodename,
+                    "--loglevel", "INFO"]
+            if pool is not None:
+                args += ["--pool", pool]
+        else:
+            args = [CELERY, "-A", app_module, "worker", "-Q", ",".join(queues),
+                    "-n", self.nodename, "-l", "INFO"]
+            if pool is not None:  # else the app's pool (FLEET_WORKER_POOL, threads by default)
+                args += ["-P", pool]
         if concurrency is not None:
-            args += ["-c", str(concurrency)]
+            args += ["--concurrency" if fleet_cli else "-c", str(concurrency)]
         if quiet:
             args += ["--without-mingle", "--without-gossip", "--without-heartbeat"]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
