@@ -47,9 +47,9 @@ from fleet.dispatcher.coalesce import Coalescer
 from fleet.dispatcher.publish import (
     DrivePublisher,
     DriveRecord,
-    KombuDrivePublisher,
     PublishedDrive,
     open_publisher,
+    send_drive,
 )
 from fleet.dispatcher.routing import check_routes, route_queue
 from fleet.host.kernel import build_runtime, open_store
@@ -155,7 +155,6 @@ class Dispatcher:
         self._owns_app = app is None
         self._publisher: DrivePublisher | None = None
         self._publisher_loop: asyncio.AbstractEventLoop | None = None
-        self._kombu: KombuDrivePublisher | None = None  # ``enqueue`` from a plain thread
         self._starts: Coalescer[Start, str] | None = None
         # One lock for what threads share: the loop thread, the app, the calls in flight.
         self._guard = threading.Lock()
@@ -265,15 +264,10 @@ class Dispatcher:
         if self._owns_runtime:
             self.publish_sync([order])
             return
-        if self._kombu is None:
-            with self._guard:
-                if self._kombu is None:
-                    assert self.settings is not None
-                    self._kombu = KombuDrivePublisher(self.app, self.settings)
         drive = PublishedDrive(order.execution_id, self.queue_for(order), order.flow_id,
                                order.tenant)
         try:
-            self._kombu.send(drive)
+            send_drive(self.app, drive)
         except Exception as exc:
             raise BrokerUnavailableError(
                 f"could not enqueue the drive of {order.execution_id!r} on {drive.queue!r}: "
@@ -546,9 +540,6 @@ class Dispatcher:
         self._close_app()
 
     def _close_app(self) -> None:
-        kombu, self._kombu = self._kombu, None
-        if kombu is not None:
-            kombu.shutdown()
         if self._owns_app and self._app is not None:
             app, self._app = self._app, None
             app.close()

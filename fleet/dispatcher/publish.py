@@ -275,11 +275,7 @@ class KombuDrivePublisher:
 
     def send(self, drive: PublishedDrive) -> None:
         """One ``send_task`` in this thread, kombu's retries bounded (blocking)."""
-        self.app.send_task(DRIVE_TASK, args=[drive.execution_id],
-                           kwargs={"flow_id": drive.flow_id, "tenant": drive.tenant},
-                           queue=drive.queue, retry=True, retry_policy={
-                               "max_retries": 2, "interval_start": 0,
-                               "interval_step": 0.2, "interval_max": 0.5})
+        send_drive(self.app, drive)
 
     async def publish(self, drives: Sequence[PublishedDrive]) -> None:
         if not drives:
@@ -326,6 +322,16 @@ class KombuDrivePublisher:
         self.shutdown()
         if self._records_client is not None:
             await self._records_client.aclose()
+
+
+def send_drive(app: Any, drive: PublishedDrive) -> None:
+    """Publish one drive with Celery's ``send_task`` in this thread, its retries bounded
+    (blocking; the app's connect and command deadlines apply)."""
+    app.send_task(DRIVE_TASK, args=[drive.execution_id],
+                  kwargs={"flow_id": drive.flow_id, "tenant": drive.tenant},
+                  queue=drive.queue, retry=True, retry_policy={
+                      "max_retries": 2, "interval_start": 0, "interval_step": 0.2,
+                      "interval_max": 0.5})
 
 
 def is_redis_broker(url: str) -> bool:

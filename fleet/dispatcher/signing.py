@@ -264,8 +264,8 @@ class DispatchVerifier:
         if entry is None:
             return
         if not entry.speaks_for(tenant if has_principal else None):
-            who = f"tenant {tenant!r}" if has_principal and tenant else "a principal with no " \
-                "tenant"
+            who = (f"tenant {tenant[:80]!r}" if has_principal and tenant
+                   else "a principal with no tenant")
             raise _refuse("out_of_scope", f"key {entry.key_id!r} (client {entry.client!r}) "
                           f"may not act for {who}")
 

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import redis
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CELERY = str(Path(sys.executable).with_name("celery"))
@@ -88,8 +90,13 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if not self.alive():
                 raise AssertionError(f"worker {self.name} exited:\n{self.log()[-4000:]}")
-            if app.control.ping(destination=[self.nodename], timeout=0.5):
-                return
+            try:
+                if app.control.ping(destination=[self.nodename], timeout=0.5):
+                    return
+            except (ConnectionError, OSError, redis.exceptions.ConnectionError):
+                # Just after a broker restart the app's pooled connection may be the
+                # dead one (closed by the old server): the next ping takes a new one.
+                time.sleep(0.1)
         raise AssertionError(f"worker {self.name} did not answer a ping in {timeout} s:\n"
                              f"{self.log()[-4000:]}")
 
