@@ -51,7 +51,6 @@ from fleet.kernel.journal import Journal
 from fleet.kernel.migration import orphaned_frames
 from fleet.kernel.runtime import Run, Runtime
 from fleet.kernel.store.memory import MemoryEventStore
-from fleet.kernel.store.spi import FenceGrant
 
 RESULTS = Path(__file__).parent / "results"
 MODES = ("off", "warn", "fail")
@@ -91,7 +90,7 @@ async def replay_once(definition: FlowDefinition, state: ExecutionState, mode: s
     live = ExecutionState.from_dict(state.to_dict())  # untimed: the fold's copy
     began = time.perf_counter()
     journal = Journal(store, live, fence=None, clock=runtime.clock, warner=runtime.warner)
-    run = Run(runtime, definition, journal, FenceGrant("bench", 0, "bench", 0))
+    run = Run(runtime.engine, definition, journal)
     try:
         await definition.body(Context(run), live.input)
     except ExecutionParked:

@@ -5,13 +5,7 @@ written to an append-only log per execution, so it survives crashes, deploys
 and weeks-long waits, and every decision can later be joined to its reward.
 """
 
-from fleet.kernel.context import (
-    Context,
-    Decision,
-    Policy,
-    RetryPolicy,
-    StepFailure,
-)
+from fleet.kernel.context import Context, Decision, Policy, RetryPolicy
 from fleet.kernel.errors import (
     AccessDeniedError,
     BrokerUnavailableError,
@@ -50,6 +44,7 @@ from fleet.kernel.errors import (
     SequenceGapError,
     StaleFenceError,
     StepFailedError,
+    StepFailure,
     StoreError,
     StoreUnavailableError,
     ValidationError,
@@ -58,11 +53,15 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EVENT_SCHEMA, EventEnvelope, EventType
 from fleet.kernel.flows import Features, FlowDefinition, flow
 from fleet.kernel.fold import ExecutionState, fold, fold_log
+from fleet.kernel.options import RuntimeOptions, RuntimeStats
 from fleet.kernel.outcomes import OutcomeResult
-from fleet.kernel.runtime import ExecutionHandle, RecoveryReport, Runtime
+from fleet.kernel.recovery import RecoveryReport
+from fleet.kernel.run_outcome import RunOutcome
+from fleet.kernel.runtime import ExecutionHandle, Runtime
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+from fleet.kernel.timers import FiredTimer
 
 __all__ = [
     "EVENT_SCHEMA",
@@ -90,6 +89,7 @@ __all__ = [
     "ExecutionState",
     "ExecutionStateError",
     "Features",
+    "FiredTimer",
     "FleetError",
     "FlowCodeMismatchError",
     "FlowDefinition",
@@ -116,7 +116,10 @@ __all__ = [
     "ReplayError",
     "ReservedNameError",
     "RetryPolicy",
+    "RunOutcome",
     "Runtime",
+    "RuntimeOptions",
+    "RuntimeStats",
     "SchemaVersionError",
     "SequenceGapError",
     "SqliteEventStore",

@@ -61,8 +61,6 @@ log = logging.getLogger("fleet.assembly")
 ROLES: tuple[str, ...] = ("worker", "timers", "recovery", "attacher", "flower")
 #: The roles ``serve`` runs (the worker runs inside Celery, Flower is Flower).
 SERVICE_ROLES: tuple[str, ...] = ("timers", "recovery", "attacher")
-#: A store seen through a wrapper before the runtime is built on it (the worker's).
-StoreView = Callable[[EventStore], EventStore]
 
 
 @dataclass
@@ -134,8 +132,7 @@ def _observers(*observers: EventObserver | None) -> EventObserver | None:
 
 async def _open(settings: FleetSettings, name: str, *,
                 on_durable_event: EventObserver | None = None,
-                access_policy: AccessPolicy | None = None,
-                store_view: StoreView | None = None) -> Role:
+                access_policy: AccessPolicy | None = None) -> Role:
     """The store (opened and probed), the publisher and the runtime every role has."""
     store = open_store(settings)
     try:
@@ -144,7 +141,7 @@ async def _open(settings: FleetSettings, name: str, *,
         await store.head("fleet:health-probe")
         publisher = _publisher(settings)
         runtime = build_runtime(
-            settings, store_view(store) if store_view is not None else store, role=name,
+            settings, store, role=name,
             on_durable_event=_observers(
                 publisher.on_durable_event if publisher is not None else None,
                 on_durable_event),
@@ -173,8 +170,7 @@ def _bounds(settings: FleetSettings) -> dict[str, Any]:
 
 async def open_worker(settings: FleetSettings, *, slot: int | None = None,
                       on_durable_event: EventObserver | None = None,
-                      on_beat: Callable[[], Any] | None = None,
-                      store_view: StoreView | None = None) -> Role:
+                      on_beat: Callable[[], Any] | None = None) -> Role:
     """A worker process's parts: its store, its Runtime, the publisher, its heartbeat.
 
     Args:
@@ -182,11 +178,8 @@ async def open_worker(settings: FleetSettings, *, slot: int | None = None,
         slot: A prefork child's pool index (its own heartbeat file).
         on_durable_event: The ``WorkerProcess``'s observer, after the publisher.
         on_beat: Called on the loop after each heartbeat (the drain poll).
-        store_view: Wraps the store the runtime writes through (the worker's
-            write watch); the role keeps (and closes) the store itself.
     """
-    role = await _open(settings, "worker", on_durable_event=on_durable_event,
-                       store_view=store_view)
+    role = await _open(settings, "worker", on_durable_event=on_durable_event)
     _heartbeat(settings, role, slot=slot, on_beat=on_beat)
     return role
 
@@ -342,6 +335,6 @@ def run_flower(settings: FleetSettings, *, port: int | None = None,
     return run_command(flower_app(settings), argv)
 
 
-__all__ = ["OPENERS", "ROLES", "SERVICE_ROLES", "Role", "StoreView", "flower_app",
+__all__ = ["OPENERS", "ROLES", "SERVICE_ROLES", "Role", "flower_app",
            "flower_argv", "open_attacher", "open_recovery", "open_role", "open_timers",
            "open_worker", "run_flower", "serve"]

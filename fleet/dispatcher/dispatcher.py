@@ -64,10 +64,11 @@ from fleet.kernel.errors import (
     ValidationError,
     WaitTimeoutError,
 )
+from fleet.kernel.events import TERMINAL_STATUSES
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import Principal
 from fleet.kernel.starts import StartRequest
-from fleet.kernel.store.spi import TERMINAL_STATUSES, EventStore, ExecutionSummary
+from fleet.kernel.store.spi import EventStore, ExecutionSummary
 
 log = logging.getLogger("fleet.dispatcher")
 T = TypeVar("T")

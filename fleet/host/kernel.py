@@ -19,6 +19,7 @@ from typing import Any
 from fleet.config import FleetSettings
 from fleet.kernel.flows import Features, load_flows
 from fleet.kernel.journal import EventObserver
+from fleet.kernel.options import RuntimeOptions, parse_divergence
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import AccessPolicy
 from fleet.kernel.store.factory import open_event_store
@@ -49,13 +50,13 @@ def build_runtime(settings: FleetSettings, store: EventStore, *, role: str,
     worker that parks on a sleep lets go of it). ``access_policy``: the reward
     attacher's (a producer may ``annotate``); default the kernel's.
     """
-    return Runtime(store, flows=load_flows(settings.flows), strict=settings.strict,
-                   access_policy=access_policy or AccessPolicy(),
-                   divergence=settings.divergence,
-                   features=Features(sha256_flow_hash=settings.sha256_flow_hash),
-                   lease_ms=settings.lease_ms, local_timers=False,
-                   holder=holder_name(role),
-                   on_durable_event=on_durable_event, on_warn=on_warn or log.warning)
+    options = RuntimeOptions(
+        access_policy=access_policy or AccessPolicy(), strict=settings.strict,
+        divergence=parse_divergence(settings.divergence),
+        features=Features(sha256_flow_hash=settings.sha256_flow_hash),
+        lease_ms=settings.lease_ms, local_timers=False, holder=holder_name(role),
+        on_durable_event=on_durable_event, on_warn=on_warn or log.warning)
+    return Runtime(store, flows=load_flows(settings.flows), options=options)
 
 
 __all__ = ["build_runtime", "holder_name", "open_store"]

@@ -17,25 +17,89 @@ import random as _random
 import uuid as _uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fleet.kernel.errors import (
+    ContinueAsNew,
     DuplicateStepError,
     ExecutionParked,
     InvalidPropensityError,
     ReservedNameError,
     RunInterrupt,
     StepFailedError,
+    StepFailure,
     ValidationError,
 )
 from fleet.kernel.events import EventType, ensure_json
-from fleet.kernel.fold import INDOUBT_GATE, MESSAGE_GATE
+from fleet.kernel.fold import INDOUBT_GATE, MESSAGE_GATE, ExecutionState
+from fleet.kernel.journal import Journal
 from fleet.kernel.security import check_outcome_shape, guard_userspace_emit
 
-if TYPE_CHECKING:
-    from fleet.kernel.runtime import Run
-
 RESERVED_PREFIX = "__fleet_"
+
+
+class OpenDecision(Protocol):
+    """A decider in progress: the step ids it runs end up on its ``DECISION_RECORDED``."""
+
+    def record(self) -> dict[str, Any]:
+        """The ``innerSteps`` fields to put on the decision."""
+
+    def close(self) -> None:
+        """The decider returned (or raised): stop collecting its steps."""
+
+
+class FlowRun(Protocol):
+    """What a ``Context`` needs from the run it serves (``fleet.kernel.run.Run`` is one).
+
+    ``Context`` depends on this, not on the runtime: the run owns the folded
+    state, the journal that writes it, and the hooks that judge new work.
+    """
+
+    @property
+    def state(self) -> ExecutionState:
+        """The live folded state (the journal folds every commit into it)."""
+
+    @property
+    def journal(self) -> Journal:
+        """The run's serial write chain."""
+
+    @property
+    def asked_steps(self) -> set[str]:
+        """Step ids the body asked for in this drive (each once)."""
+
+    @property
+    def asked_decisions(self) -> set[str]:
+        """Decision ids the body asked for in this drive (each once)."""
+
+    @property
+    def clock(self) -> Callable[[], int]:
+        """Milliseconds since the epoch, as the runtime tells time."""
+
+    @property
+    def inline_sleep_max(self) -> float:
+        """A sleep up to this many seconds waits in the run; a longer one parks."""
+
+    async def before_new_work(self, kind: EventType, ident: str | None,
+                              scope: str | None = None) -> None:
+        """Judge the body before it appends new work (divergence, hand-back)."""
+
+    def note_step(self, step_id: str, scope: str | None = None) -> None:
+        """The body asked for a step (for the detector and an open decider)."""
+
+    def serve_decision(self, decision_id: str, recorded: dict[str, Any]) -> None:
+        """A recorded decision was served from the log."""
+
+    def open_decision(self, decision_id: str) -> OpenDecision:
+        """A decider starts: collect the steps it runs."""
+
+    def open_scope(self, scope: str, branches: Sequence[Any]) -> None:
+        """A parallel scope opens with ``branches``."""
+
+    async def close_scope(self, scope: str) -> None:
+        """Every branch of ``scope`` returned."""
+
+    def successor_id(self) -> str:
+        """The id a ``continue_as_new`` successor gets."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,21 +141,6 @@ class RetryPolicy:
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 
-class StepFailure(Exception):  # noqa: N818 - users raise it; the name reads as an outcome
-    """Raise from a step to fail it for good (a typed failure: no retry)."""
-
-
-class Cancelled(RunInterrupt):
-    """Unwinds a run that is being cancelled."""
-
-
-class _ContinueAsNew(RunInterrupt):
-    def __init__(self, next_execution_id: str, input: Any) -> None:
-        super().__init__(next_execution_id)
-        self.next_execution_id = next_execution_id
-        self.input = input
-
-
 @dataclass(slots=True)
 class _Counters:
     """Per-branch call counters: the n-th sleep / wait / value of a branch."""
@@ -109,7 +158,7 @@ class Context:
 
     __slots__ = ("_branch", "_counters", "_run", "_scope")
 
-    def __init__(self, run: Run, *, scope: str | None = None, branch: str = "") -> None:
+    def __init__(self, run: FlowRun, *, scope: str | None = None, branch: str = "") -> None:
         self._run = run
         self._scope = scope
         self._branch = branch
@@ -258,7 +307,7 @@ class Context:
             if inspect.isawaitable(result):
                 result = await result
         finally:
-            run.close_decision(inner)
+            inner.close()
         decision = result if isinstance(result, Decision) else Decision(result)
         payload: dict[str, Any] = {
             "decisionId": decision_id,
@@ -419,7 +468,7 @@ class Context:
             raise ValidationError("continue_as_new is not allowed inside a parallel scope")
         data = ensure_json(input, "the continue_as_new input")
         await run.before_new_work(EventType.EXECUTION_CONTINUED, None)
-        raise _ContinueAsNew(run.successor_id(), data)
+        raise ContinueAsNew(run.successor_id(), data)
 
     # -- recorded values -------------------------------------------------------
     def now(self) -> float:

@@ -29,6 +29,7 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     ├── OutcomeContendedError         the tip kept moving under a late outcome (retryable)
     ├── EvaluationError               off-policy evaluation found no usable or no finite estimate
     ├── AccessDeniedError             the principal may not do that op
+    ├── StepFailure                   raised by a step's own code: fail it for good, no retry
     ├── StepFailedError               a step failed for good; the flow may catch it
     ├── ExecutionFailedError          handle.result() of a failed execution
     ├── ExecutionCancelledError       handle.result() of a cancelled execution
@@ -47,7 +48,8 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
         └── FlowDivergenceError       the body no longer matches the shape its log records
             └── FlowReplayDivergenceError  a re-run skipped recorded steps (ADR 0113 D3)
 
-Run control (parking, cancellation, handing a run back) is not an error and
+Run control (parking, continuing as new, handing a run back, a run that lost
+the right to write) is not an error and
 deliberately not a ``FleetError``: it derives from ``BaseException`` (like
 ``asyncio.CancelledError``) so a flow's ``except Exception`` cannot swallow it by
 accident.
@@ -188,6 +190,19 @@ class AccessDeniedError(FleetError):
     code = "access_denied"
 
 
+class StepFailure(FleetError):  # noqa: N818 - users raise it; the name reads as an outcome
+    """Raise from a step to fail it for good (a typed failure: no retry).
+
+    The flow sees the step's ``StepFailedError``; the recorded error keeps this
+    exception's type name and message.
+    """
+
+    code = "step_failure"
+
+    def __init__(self, message: str = "", **details: Any) -> None:
+        super().__init__(message, **details)
+
+
 class StepFailedError(FleetError):
     """A step failed for good. ``error`` is the recorded failure."""
 
@@ -304,6 +319,15 @@ class ExecutionParked(RunInterrupt):
     def __init__(self, condition: dict[str, Any]) -> None:
         super().__init__(condition.get("on", "park"))
         self.condition = condition
+
+
+class ContinueAsNew(RunInterrupt):
+    """``ctx.continue_as_new``: end this execution and start its successor with ``input``."""
+
+    def __init__(self, next_execution_id: str, input: Any) -> None:
+        super().__init__(next_execution_id)
+        self.next_execution_id = next_execution_id
+        self.input = input
 
 
 class RunAborted(RunInterrupt):

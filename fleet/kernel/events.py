@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
@@ -48,10 +49,33 @@ class EventType(StrEnum):
     RECOVERED = "RECOVERED"
 
 
-TERMINAL_TYPES = frozenset({
-    EventType.EXECUTION_COMPLETED, EventType.EXECUTION_FAILED,
-    EventType.EXECUTION_CANCELLED, EventType.EXECUTION_CONTINUED,
-})
+def wall_clock_ms() -> int:
+    """Milliseconds since the epoch: the unit of every timestamp, due time and lease."""
+    return time.time_ns() // 1_000_000
+
+
+# -- statuses: the one table the fold, the stores' index and the lifecycle share --------
+
+Status = Literal["running", "parked", "completed", "failed", "cancelled", "continued"]
+# The status an event leaves an execution in (the kinds not listed leave it as it was;
+# an EXECUTION_STARTED above sequence 0 is a successor's marker and changes nothing).
+STATUS_AFTER: dict[EventType, Status] = {
+    EventType.EXECUTION_STARTED: "running",
+    EventType.EXECUTION_RESUMED: "running",
+    EventType.TIMER_FIRED: "running",
+    EventType.RECOVERED: "running",
+    EventType.EXECUTION_SUSPENDED: "parked",
+    EventType.EXECUTION_COMPLETED: "completed",
+    EventType.EXECUTION_FAILED: "failed",
+    EventType.EXECUTION_CANCELLED: "cancelled",
+    EventType.EXECUTION_CONTINUED: "continued",
+}
+# The event that ends an execution in each terminal status.
+TERMINAL_EVENT: dict[str, EventType] = {
+    "completed": EventType.EXECUTION_COMPLETED, "failed": EventType.EXECUTION_FAILED,
+    "cancelled": EventType.EXECUTION_CANCELLED, "continued": EventType.EXECUTION_CONTINUED}
+TERMINAL_STATUSES: frozenset[str] = frozenset(TERMINAL_EVENT)
+TERMINAL_TYPES: frozenset[EventType] = frozenset(TERMINAL_EVENT.values())
 
 # Fields only a kernel-stamped envelope (metadata.kernel = true) may carry.
 KERNEL_ONLY_FIELDS = frozenset({"recordedBy", "late", "innerSteps", "innerStepsOverflow",

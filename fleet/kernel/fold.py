@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.events import TERMINAL_STATUSES, EventEnvelope, EventType
 
-TERMINAL = frozenset({"completed", "failed", "cancelled", "continued"})
+TERMINAL = TERMINAL_STATUSES  # the statuses an execution ends in (events.py holds the table)
 DIVERGED_GATE = "__fleet_diverged__"
 MESSAGE_GATE = "__fleet_message__"
 # Gates whose answer only changes status: it never reaches the flow.

@@ -7,7 +7,9 @@ they queue up. ``on_durable_event`` fires from that chain after a write has
 resolved (truth): never for a lost, rejected or fenced write, nor for
 anything after one; only this runtime's writes; at most once; in order per
 writer. A consumer that throws or returns a failing awaitable never reaches
-the run; it is reported through ``on_warn`` at most once a minute.
+the run; it is reported through ``on_warn`` at most once a minute
+(``fleet.kernel.observers``). Events written outside a run go through
+``fleet.kernel.writes.LogWriter`` instead.
 
 A failed write latches: later commits raise ``RunAborted`` and nothing more
 is written under this journal, so a fenced-out zombie stops at its next step.
@@ -16,67 +18,19 @@ is written under this journal, so a fenced-out zombie stops at its next step.
 from __future__ import annotations
 
 import asyncio
-import inspect
-import time
 from collections.abc import Callable
 from typing import Any
 
 from fleet.kernel.errors import RunAborted
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.fold import ExecutionState, apply
+from fleet.kernel.observers import EventObserver, Warner, WarnSink, deliver
 from fleet.kernel.store.spi import EventStore
+from fleet.kernel.writes import append_events
 
-EventObserver = Callable[[EventEnvelope], Any]
-WarnSink = Callable[[str], Any]
-
-
-class Warner:
-    """``on_warn`` with a per-key rate limit, so a broken consumer is heard, not spammed."""
-
-    def __init__(self, sink: WarnSink | None, interval_s: float = 60.0) -> None:
-        self._sink = sink
-        self._interval = interval_s
-        self._last: dict[str, float] = {}
-
-    def warn(self, message: str, *, key: str | None = None) -> None:
-        if key is not None:
-            now = time.monotonic()
-            last = self._last.get(key)
-            if last is not None and now - last < self._interval:
-                return
-            self._last[key] = now
-        if self._sink is None:
-            import logging
-
-            logging.getLogger("fleet").warning(message)
-            return
-        try:
-            self._sink(message)
-        except Exception:  # noqa: BLE001 - a broken warn sink must not break a run
-            pass
-
-
-def deliver(observer: EventObserver | None, event: EventEnvelope, warner: Warner,
-            name: str) -> None:
-    """Call an observer, isolated: a throw or a rejected awaitable is only warned."""
-    if observer is None:
-        return
-    try:
-        result = observer(event)
-    except Exception as exc:  # noqa: BLE001
-        warner.warn(f"{name} raised {type(exc).__name__}: {exc}", key=name)
-        return
-    if inspect.isawaitable(result):
-        task = asyncio.ensure_future(result)
-        task.add_done_callback(lambda t: _report(t, warner, name))
-
-
-def _report(task: asyncio.Future[Any], warner: Warner, name: str) -> None:
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        warner.warn(f"{name} failed asynchronously: {type(exc).__name__}: {exc}", key=name)
+# The observer types and the warner live in fleet.kernel.observers; they are
+# named here too because the fleet packages import them from the journal.
+__all__ = ["EventObserver", "Journal", "WarnSink", "Warner", "deliver"]
 
 
 class Journal:
@@ -144,10 +98,7 @@ class Journal:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._flushing = done
         try:
-            if len(batch) == 1:
-                await self.store.append(batch[0], fence=self.fence)
-            else:
-                await self.store.append_batch(batch, fence=self.fence)
+            await append_events(self.store, batch, fence=self.fence)
         except BaseException as exc:  # latch every kind of failure, then re-raise
             # Latch: a lost, rejected, fenced or interrupted write ends this
             # journal; nothing after it is written or reported as durable.

@@ -11,12 +11,13 @@
 - **Repair** (``restore_terminal_event``): a log compacted by an older kernel
   lost its terminal event; the repair writes one (empty payload, the folded
   ``updatedAt``, ``metadata.restoredTerminal``) above the checkpoint, under a
-  freshly acquired fence. Dry by default, idempotent; run it quiesced.
+  freshly acquired fence. Dry by default, idempotent; run it quiesced. It
+  writes through ``LogWriter`` with no observers: ADR 0147 does not report
+  maintenance paths.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,14 +26,18 @@ from fleet.kernel.errors import (
     ExecutionNotFoundError,
     ExecutionStateError,
 )
-from fleet.kernel.events import TERMINAL_TYPES, EventEnvelope, EventType
+from fleet.kernel.events import (
+    TERMINAL_EVENT,
+    TERMINAL_STATUSES,
+    TERMINAL_TYPES,
+    EventEnvelope,
+    wall_clock_ms,
+)
 from fleet.kernel.fold import ExecutionState, fold_log
+from fleet.kernel.lease import Lease
+from fleet.kernel.observers import Warner
 from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
-
-TERMINAL_STATUSES = ("completed", "failed", "cancelled", "continued")
-_TERMINAL_EVENT = {"completed": EventType.EXECUTION_COMPLETED,
-                   "failed": EventType.EXECUTION_FAILED,
-                   "cancelled": EventType.EXECUTION_CANCELLED}
+from fleet.kernel.writes import LogWriter
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +77,7 @@ class LogLifecycle:
         self.store = store
         self.snapshots = snapshots
         self.terminal_ttl_ms = terminal_ttl_ms
-        self.clock: Callable[[], int] = clock or (lambda: time.time_ns() // 1_000_000)
+        self.clock: Callable[[], int] = clock or wall_clock_ms
         self.holder = holder
 
     async def _state(self, execution_id: str) -> tuple[ExecutionState, Snapshot | None,
@@ -104,7 +109,7 @@ class LogLifecycle:
             raise ConfigurationError("sweep needs terminal_ttl_ms")
         now = self.clock() if now is None else now
         examined = deleted = kept = needs_repair = 0
-        for status in TERMINAL_STATUSES:
+        for status in sorted(TERMINAL_STATUSES):
             after: str | None = None
             while True:
                 rows = await self.store.list_executions(status=status, after_id=after,
@@ -169,21 +174,18 @@ class LogLifecycle:
                 "EXECUTION_CONTINUED names the successor and cannot be rebuilt empty")
         if any(e.type in TERMINAL_TYPES for e in events):
             return RepairReport(execution_id, "intact")
-        type_ = _TERMINAL_EVENT[state.status]
+        type_ = TERMINAL_EVENT[state.status]
         if not apply:
             head = await self.store.head(execution_id)
             return RepairReport(execution_id, "would-write",
                                 None if head is None else head + 1, type_.value)
-        grant = await self.store.acquire_fence(execution_id, holder=self.holder,
-                                               lease_ms=30_000)
-        try:
+        async with await Lease.take(self.store, execution_id, holder=self.holder,
+                                    lease_ms=30_000, warner=Warner(None)) as lease:
             head = await self.store.head(execution_id)
             if head is None:
                 raise ExecutionNotFoundError(f"no execution {execution_id!r}")
             event = EventEnvelope.make(execution_id, head + 1, type_,
                                        state.updated_at or self.clock(), {},
                                        metadata={"restoredTerminal": True})
-            await self.store.append(event, fence=grant.token)
-        finally:
-            await self.store.release_fence(execution_id, grant.token)
+            await LogWriter(self.store, None).write(lease, [event])
         return RepairReport(execution_id, "written", event.sequence, type_.value)

@@ -18,13 +18,13 @@ else is a real writer: the ordinary error stands and nothing was written.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from fleet.kernel.engine import Engine, RunFuture
 from fleet.kernel.errors import (
     ConfigurationError,
     DuplicateSequenceError,
@@ -35,12 +35,9 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.flows import FlowDefinition
 from fleet.kernel.fold import ExecutionState, fold_log
-from fleet.kernel.journal import deliver
+from fleet.kernel.lease import Lease
 from fleet.kernel.security import Principal
-from fleet.kernel.store.spi import FenceGrant
-
-if TYPE_CHECKING:
-    from fleet.kernel.runtime import ExecutionHandle, Runtime
+from fleet.kernel.writes import make_events
 
 REOPEN_RETRIES = 3
 
@@ -100,19 +97,21 @@ def orphaned_frames(frames: Iterable[str], definition: FlowDefinition) -> list[O
     return [OrphanedFamily(f, n, tuple(examples[f])) for f, n in sorted(counts.items())]
 
 
-async def resume_as(runtime: Runtime, execution_id: str, *, version: int | None = None,
+async def resume_as(engine: Engine, execution_id: str, *, version: int | None = None,
                     strategy: str = "replay-check", discard: Sequence[str] = (),
-                    principal: Principal | None = None) -> ExecutionHandle:
-    """Migrate ``execution_id`` to ``version`` (default: the newest) and drive it."""
-    from fleet.kernel.runtime import ExecutionHandle
+                    principal: Principal | None = None) -> RunFuture | None:
+    """Migrate ``execution_id`` to ``version`` (default: the newest) and drive it.
 
+    Returns the future of the run launched here, or None when the migrated
+    execution is parked or finished (nothing to run).
+    """
     if strategy not in ("replay-check", "force"):
         raise ConfigurationError(f"strategy must be 'replay-check' or 'force', got {strategy!r}")
-    state = await runtime._fold(execution_id)
+    state = await engine.fold(execution_id)
     if state.sequence < 0:
         raise ExecutionNotFoundError(f"no execution {execution_id!r}")
-    await runtime._authorize(state, "resume", principal, audit=True)
-    target = _target(runtime, state, version)
+    await engine.access.check(state, "resume", principal, audit=True)
+    target = _target(engine, state, version)
     if state.status == "continued":
         raise MigrationRefusedError(
             f"execution {execution_id!r} continued as {state.next_execution_id!r}; migrate "
@@ -129,38 +128,27 @@ async def resume_as(runtime: Runtime, execution_id: str, *, version: int | None 
                 f"version {target.version} of {target.flow_id!r} does not declare recorded "
                 f"frames: {listed}. Declare them (steps= or step_families=), discard them, or "
                 "pass strategy='force'")
-    grant = await runtime.store.acquire_fence(execution_id, holder=runtime.holder,
-                                              lease_ms=runtime.lease_ms)
-    run = runtime._runs.get(execution_id)
-    if run is not None and run.task is not None and not run.task.done():
-        run.task.cancel()
-        await asyncio.wait({run.task})
-    state = await runtime._fold(execution_id)
-    payload: dict[str, Any] = {
-        "fromFlowHash": state.flow_hash or "",
-        "toFlowHash": target.content_hash(runtime.features),
-        "toVersion": target.version, "toCodeHash": target.code_fingerprint or ""}
-    if dropped:
-        payload["discard"] = sorted(dropped)
-    if state.terminal:
-        payload["reopen"] = True
-    try:
-        state = await land_bootstrap(runtime, state, grant,
+    async with await engine.take(execution_id) as lease:
+        # The migration supersedes a run of it here: that run is fenced out.
+        await engine.stop_local(execution_id, "superseded")
+        state = await engine.fold(execution_id)
+        payload: dict[str, Any] = {
+            "fromFlowHash": state.flow_hash or "",
+            "toFlowHash": target.content_hash(engine.options.features),
+            "toVersion": target.version, "toCodeHash": target.code_fingerprint or ""}
+        if dropped:
+            payload["discard"] = sorted(dropped)
+        if state.terminal:
+            payload["reopen"] = True
+        state = await land_bootstrap(engine, state, lease,
                                      [(EventType.EXECUTION_MIGRATED, payload)])
-    except BaseException:
-        await runtime.store.release_fence(execution_id, grant.token)
-        raise
-    if state.parked or state.terminal:
-        await runtime.store.release_fence(execution_id, grant.token)
-        return ExecutionHandle(runtime, execution_id)
-    prepared = await runtime._prepare(execution_id, grant)
-    if prepared is not None:
-        runtime._launch(prepared)
-    return ExecutionHandle(runtime, execution_id)
+        if state.parked or state.terminal:
+            return None
+        return await engine.drive(execution_id, lease)
 
 
-def _target(runtime: Runtime, state: ExecutionState, version: int | None) -> FlowDefinition:
-    versions = runtime.flows.versions(state.flow_id or "")
+def _target(engine: Engine, state: ExecutionState, version: int | None) -> FlowDefinition:
+    versions = engine.flows.versions(state.flow_id or "")
     if version is None:
         if versions:
             return versions[0]
@@ -173,29 +161,27 @@ def _target(runtime: Runtime, state: ExecutionState, version: int | None) -> Flo
         f"{'at all' if version is None else version}; register it before resume_as")
 
 
-async def land_bootstrap(runtime: Runtime, state: ExecutionState, grant: FenceGrant,
+async def land_bootstrap(engine: Engine, state: ExecutionState, lease: Lease,
                          bodies: list[tuple[EventType, dict[str, Any]]]) -> ExecutionState:
     """Make a reopen's bootstrap durable at the head, re-slotting over late outcomes.
 
-    Returns the state with the bootstrap (and any adopted late outcomes) folded.
+    Written through the one write path (``LogWriter.write``), so ``on_event`` and
+    ``on_durable_event`` report the bootstrap once it is stored (ADR 0116 round
+    3 A). Returns the state with the bootstrap (and any adopted late outcomes)
+    folded.
     """
-    store = runtime.store
     for attempt in range(REOPEN_RETRIES + 1):
-        now = runtime.clock()
-        events = [EventEnvelope.make(state.execution_id, state.sequence + 1 + i, t, now, body)
-                  for i, (t, body) in enumerate(bodies)]
+        events = make_events(state.execution_id, state.sequence, engine.clock(), bodies)
         try:
-            await store.append_batch(events, fence=grant.token)
+            await engine.writer.write(lease, events)
         except DuplicateSequenceError:
             if attempt == REOPEN_RETRIES:
                 raise
-            above = await store.read(state.execution_id, after=state.sequence)
+            above = await engine.store.read(state.execution_id, after=state.sequence)
             if not only_late_outcomes(above, state.sequence):
                 raise
             state = fold_log(above, state)
             continue
-        for event in events:
-            deliver(runtime.on_durable_event, event, runtime.warner, "on_durable_event")
         return fold_log(events, state)
     raise AssertionError("unreachable")  # pragma: no cover
 

@@ -13,8 +13,9 @@ per-execution cap. A denial appends nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from fleet.kernel.engine import Engine
 from fleet.kernel.errors import (
     ExecutionNotFoundError,
     ExecutionNotTerminalError,
@@ -23,11 +24,7 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.fold import ExecutionState, fold_log
-from fleet.kernel.journal import deliver
-from fleet.kernel.security import Principal, authorize, check_outcome_shape
-
-if TYPE_CHECKING:
-    from fleet.kernel.runtime import Runtime
+from fleet.kernel.security import Principal, check_outcome_shape
 
 MAX_LATE_OUTCOMES = 1024
 MAX_ATTEMPTS = 8
@@ -41,18 +38,16 @@ class OutcomeResult:
     sequence: int | None = None
 
 
-async def record_outcome(runtime: Runtime, execution_id: str, *, decision_id: str, key: str,
+async def record_outcome(engine: Engine, execution_id: str, *, decision_id: str, key: str,
                          score: float | None = None, success: bool | None = None,
                          principal: Principal | None = None,
                          system: bool = False) -> OutcomeResult:
-    store = runtime.store
-    state = await runtime._fold(execution_id)
+    """Attach a late outcome (see the module); written by ``LogWriter.write_if_unchanged``."""
+    store = engine.store
+    state = await engine.fold(execution_id)
     if state.sequence < 0:
         raise ExecutionNotFoundError(f"no execution {execution_id!r}")
-    verdict = authorize(runtime.access_policy, "annotate", principal, state.owner,
-                        strict=runtime.strict, system=system)
-    if not verdict.allowed:
-        await runtime._denied(state, "annotate", principal, verdict.reason, audit=False)
+    await engine.access.check(state, "annotate", principal, audit=False, system=system)
     check_outcome_shape(key, score, success, decision_id)
     if not callable(getattr(store, "append_if_unchanged", None)):
         raise OutcomeRefusedError(
@@ -68,14 +63,14 @@ async def record_outcome(runtime: Runtime, execution_id: str, *, decision_id: st
     body["late"] = True
 
     for _ in range(MAX_ATTEMPTS):
-        tip = (await store.append_if_unchanged(execution_id, None)).tip
+        tip = await engine.writer.observe(execution_id)
         if tip.head is None:
             raise ExecutionNotFoundError(f"no execution {execution_id!r}")
         if tip.anchor is None:
             raise OutcomeRefusedError(
                 f"{type(store).__name__} returned no creation anchor for {execution_id!r}; "
                 "a store or decorator must forward it")
-        observed = await _fold_to(runtime, execution_id, tip.head)
+        observed = await _fold_to(engine, execution_id, tip.head)
         if observed is None:  # the log grew between the observation and the read
             continue
         state = observed
@@ -88,10 +83,9 @@ async def record_outcome(runtime: Runtime, execution_id: str, *, decision_id: st
                 f"stored head {tip.head} (compacted by an old kernel); run "
                 "`fleet repair terminal-event` first")
         event = EventEnvelope.make(execution_id, tip.head + 1, EventType.OUTCOME_RECORDED,
-                                   runtime.clock(), dict(body))
-        result = await store.append_if_unchanged(execution_id, event, tip)
+                                   engine.clock(), dict(body))
+        result = await engine.writer.write_if_unchanged(event, tip)
         if result.appended:
-            deliver(runtime.on_durable_event, event, runtime.warner, "on_durable_event")
             return OutcomeResult(True, event.sequence)
         if result.reason == "gone":
             raise ExecutionNotFoundError(f"no execution {execution_id!r}")
@@ -99,15 +93,15 @@ async def record_outcome(runtime: Runtime, execution_id: str, *, decision_id: st
         f"the log of {execution_id!r} kept moving ({MAX_ATTEMPTS} tries); retry later")
 
 
-async def _fold_to(runtime: Runtime, execution_id: str, head: int) -> ExecutionState | None:
+async def _fold_to(engine: Engine, execution_id: str, head: int) -> ExecutionState | None:
     base: ExecutionState | None = None
     after = -1
-    if runtime.snapshots is not None:
-        snap = await runtime.snapshots.load(execution_id)
+    if engine.snapshots is not None:
+        snap = await engine.snapshots.load(execution_id)
         if snap is not None and snap.sequence <= head:
             base = ExecutionState.from_dict(snap.state)
             after = snap.sequence
-    events = await runtime.store.read(execution_id, after=after)
+    events = await engine.store.read(execution_id, after=after)
     if events and events[-1].sequence > head:
         return None
     return fold_log(events, base)

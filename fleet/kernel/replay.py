@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet.kernel.context import Context, _ContinueAsNew
+from fleet.kernel.context import Context
 from fleet.kernel.errors import (
     ConfigurationError,
+    ContinueAsNew,
     ExecutionNotFoundError,
     ExecutionParked,
     FleetError,
@@ -39,9 +40,11 @@ from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import ExecutionState, fold_log
 from fleet.kernel.journal import Journal
-from fleet.kernel.runtime import ReplayFrontier, Run, Runtime
+from fleet.kernel.run import ReplayFrontier, Run
+from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.memory import MemoryEventStore
-from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
+from fleet.kernel.store.spi import EventStore, SnapshotStore
+from fleet.kernel.writes import append_events
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +88,7 @@ async def replay_check(events: Sequence[EventEnvelope], flows: Sequence[FlowDefi
     store = MemoryEventStore()
     if events and events[0].sequence == 0 and all(
             b.sequence == a.sequence + 1 for a, b in itertools.pairwise(events)):
-        await store.append_batch(list(events))
+        await append_events(store, list(events), fence=None)  # a private copy
     runtime = Runtime(store, flows=[definition], divergence="fail", features=features,
                       local_timers=False, inline_sleep_max=0.0)
     live = ExecutionState.from_dict(state.to_dict())
@@ -94,7 +97,7 @@ async def replay_check(events: Sequence[EventEnvelope], flows: Sequence[FlowDefi
         # frontier: a dry replay never sleeps until its retryAt.
         frame.retry_at = None
     journal = Journal(store, live, fence=None, clock=runtime.clock, warner=runtime.warner)
-    run = Run(runtime, definition, journal, FenceGrant(eid, 0, "replay-check", 0))
+    run = Run(runtime.engine, definition, journal)
     run.stop_at_frontier = True
     try:
         try:
@@ -102,7 +105,7 @@ async def replay_check(events: Sequence[EventEnvelope], flows: Sequence[FlowDefi
             await run.before_new_work(EventType.EXECUTION_COMPLETED, None)
         except ExecutionParked:
             await run.before_new_work(EventType.EXECUTION_SUSPENDED, None)
-        except _ContinueAsNew:
+        except ContinueAsNew:
             pass
     except ReplayFrontier as frontier:
         return ReplayVerdict(eid, state.flow_id, "ok", frontier=str(frontier))

@@ -1,35 +1,92 @@
-"""One drive of one execution: ``Run`` holds its journal and the body's bookkeeping.
+"""One drive of one execution: ``Run`` holds its journal and lease, and says how it ended.
 
-The runtime creates a ``Run`` per drive; ``Context`` calls its hooks. It is
-where the divergence detector (ADR 0113 D3) judges the body before new work,
-where a decider's inner steps are collected (``innerSteps``), and where a
-runtime that is handing its runs back (a worker shutting down) stops a run at
-its next durable point.
+The engine creates a ``Run`` per drive and awaits ``Run.execute``, which runs
+the flow body under the run's lease and returns a ``RunOutcome``. ``Context``
+calls the run's hooks (``FlowRun``): it is where the divergence detector
+(ADR 0113 D3) judges the body before new work, where a decider's inner steps
+are collected (``innerSteps``), and where a runtime that is handing its runs
+back (a worker shutting down) stops a run at its next durable point.
+
+A run ends in one of four ways: a terminal event, a park (gate, long timer,
+receive, in-doubt, the divergence gate), an abort (fenced out, a write failed,
+a kernel-detected programming error: nothing more is written), or a stop from
+outside (cancel, resume_as, hand-back). Each is one ``RunOutcome`` kind.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
-from fleet.kernel.divergence import DivergenceDetector
-from fleet.kernel.errors import FlowReplayDivergenceError, HandedBack, RunInterrupt
-from fleet.kernel.events import EventType
+from fleet.kernel.context import Context
+from fleet.kernel.divergence import DivergenceDetector, skipped_key
+from fleet.kernel.errors import (
+    ConfigurationError,
+    ContinueAsNew,
+    ExecutionParked,
+    FleetError,
+    FlowReplayDivergenceError,
+    HandedBack,
+    ReplayError,
+    RunAborted,
+    RunInterrupt,
+    StaleFenceError,
+    ValidationError,
+)
+from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.flows import FlowDefinition
-from fleet.kernel.fold import ExecutionState
+from fleet.kernel.fold import DIVERGED_GATE, ExecutionState
 from fleet.kernel.journal import Journal
-from fleet.kernel.store.spi import FenceGrant
-
-if TYPE_CHECKING:
-    from fleet.kernel.runtime import Runtime
+from fleet.kernel.lease import Lease
+from fleet.kernel.observers import Warner
+from fleet.kernel.options import DivergenceMode, RuntimeStats
+from fleet.kernel.run_outcome import OutcomeKind, RunOutcome, Waiting
 
 _INNER_MAX_IDS = 4096
 _INNER_MAX_BYTES = 64 * 1024
 # The events that end a run (and release its lease): a hand-back lets them through.
 _ENDS_RUN = frozenset({EventType.EXECUTION_COMPLETED, EventType.EXECUTION_SUSPENDED,
                        EventType.EXECUTION_CONTINUED})
+# Errors the kernel raises before writing anything for a programming fault:
+# the run stops where it is (the log is exactly as it was), it is not failed
+# (decision 0003).
+ABORTS_RUN = (ValidationError, ReplayError)
+
+# Why a run's task was cancelled by the kernel (None: from outside, e.g. a crash drill).
+StopReason = Literal["cut", "cancelled", "superseded"]
+
+
+class RunHost(Protocol):
+    """What a run needs from the engine that drives it (``fleet.kernel.engine.Engine``)."""
+
+    @property
+    def clock(self) -> Callable[[], int]: ...
+
+    @property
+    def warner(self) -> Warner: ...
+
+    @property
+    def stats(self) -> RuntimeStats: ...
+
+    @property
+    def divergence(self) -> DivergenceMode: ...
+
+    @property
+    def inline_sleep_max(self) -> float: ...
+
+    @property
+    def lease_ms(self) -> int: ...
+
+    @property
+    def handing_back(self) -> bool: ...
+
+    @property
+    def background(self) -> set[asyncio.Task[Any]]: ...
+
+    async def start_successor(self, run: Run, cont: ContinueAsNew) -> None:
+        """Make ``cont``'s successor exist (idempotent) before the run writes CONTINUED."""
 
 
 class _InnerSteps:
@@ -58,6 +115,9 @@ class _InnerSteps:
             out["innerFrom"] = self.start_seq
         return out
 
+    def close(self) -> None:
+        _OPEN_DECISIONS.set(tuple(o for o in _OPEN_DECISIONS.get() if o[1] is not self))
+
 
 # The deciders open in the current task and the tasks it starts, so a step a
 # sibling parallel branch runs meanwhile is not counted as a decider's own.
@@ -75,27 +135,188 @@ class ReplayFrontier(RunInterrupt):
 
 
 class Run:
-    """One drive of one execution: the journal, the body's bookkeeping."""
+    """One drive of one execution: the journal, the lease, the body's bookkeeping.
 
-    def __init__(self, runtime: Runtime, definition: FlowDefinition, journal: Journal,
-                 grant: FenceGrant) -> None:
-        self.runtime = runtime
+    Args:
+        host: The engine driving it (a ``RunHost``).
+        definition: The flow version pinned for this drive.
+        journal: The run's write chain over the folded state.
+        lease: The execution's fence, released when ``execute`` returns; None for a
+            dry replay (``replay_check``), which never calls ``execute``.
+    """
+
+    def __init__(self, host: RunHost, definition: FlowDefinition, journal: Journal,
+                 lease: Lease | None = None) -> None:
+        self.host = host
         self.definition = definition
         self.journal = journal
         self.state: ExecutionState = journal.state
-        self.grant = grant
-        self.clock = runtime.clock
-        self.inline_sleep_max = runtime.inline_sleep_max
+        self.lease = lease
+        self.clock = host.clock
+        self.inline_sleep_max = host.inline_sleep_max
         self.asked_steps: set[str] = set()
         self.asked_decisions: set[str] = set()
-        self.task: asyncio.Task[Any] | None = None
+        self.task: asyncio.Task[RunOutcome] | None = None
         # Built from the fold this drive starts from (ADR 0113 D3).
-        self.detector = DivergenceDetector.for_state(journal.state, runtime.divergence,
+        self.detector = DivergenceDetector.for_state(journal.state, host.divergence,
                                                      visited=self.asked_steps)
         # A dry replay (replay_check) stops at the first live new work, judged.
         self.stop_at_frontier = False
-        # Set by Runtime.hand_back_now: a cancellation of this run hands it back.
-        self.cut = False
+        # Set by the kernel before it cancels this run's task (hand-back, cancel, resume_as).
+        self.stop: StopReason | None = None
+
+    # -- executing ------------------------------------------------------------------
+    async def execute(self) -> RunOutcome:
+        """Run the body under this run's lease until it stops; how it stopped.
+
+        The lease is released on the way out, unless a write under it failed in
+        a way that keeps it (``Lease.write_failed``: fenced out, or interrupted).
+        A cancellation from outside the kernel propagates (``CancelledError``).
+        """
+        lease = self.lease
+        if lease is None:
+            raise ConfigurationError("a run built without a lease (a dry replay) cannot "
+                                     "execute")
+        self.host.stats.drives += 1
+        renewal = lease.keep_alive(lease_ms=self.host.lease_ms, alive=self._alive,
+                                   tasks=self.host.background)
+        async with lease:
+            try:
+                return await self._run_body()
+            finally:
+                renewal.stop()
+                if self.journal.failed is not None:
+                    lease.write_failed(self.journal.failed)
+
+    def _alive(self) -> bool:
+        return self.journal.failed is None and (self.task is None or not self.task.done())
+
+    async def _run_body(self) -> RunOutcome:
+        host, state, journal, stats = self.host, self.state, self.journal, self.host.stats
+        try:
+            if state.deadline_at is not None and host.clock() > state.deadline_at:
+                error = {"type": "DeadlineExceeded", "message": "the flow's deadline passed",
+                         "retryable": False}
+                journal.commit(EventType.EXECUTION_FAILED, {"error": error})
+                await journal.barrier()
+                stats.failed += 1
+                return self.outcome("failed", error=error)
+            try:
+                output = await self.definition.body(Context(self), state.input)
+                output = ensure_json(output, f"the output of flow {state.flow_id!r}")
+                await self.before_new_work(EventType.EXECUTION_COMPLETED, None)
+                journal.commit(EventType.EXECUTION_COMPLETED, {"output": output})
+                await journal.barrier()
+                stats.completed += 1
+                return self.outcome("completed")
+            except ExecutionParked as park:
+                try:
+                    await self.before_new_work(EventType.EXECUTION_SUSPENDED, None)
+                except FlowReplayDivergenceError as diverged:
+                    return await self._park_diverged(diverged)
+                journal.commit(EventType.EXECUTION_SUSPENDED, {"condition": park.condition})
+                await journal.barrier()
+                stats.parked += 1
+                return self.outcome("parked", waiting=Waiting.from_condition(park.condition))
+            except FlowReplayDivergenceError as diverged:
+                return await self._park_diverged(diverged)
+            except ContinueAsNew as cont:
+                # The successor exists before the CONTINUED that names it: a crash in
+                # between re-drives this run, which finds the successor and only
+                # writes CONTINUED; a reader following the chain never finds a gap.
+                await journal.barrier()
+                await host.start_successor(self, cont)
+                journal.commit(EventType.EXECUTION_CONTINUED,
+                               {"nextExecutionId": cont.next_execution_id, "input": cont.input})
+                await journal.barrier()
+                return self.outcome("continued", next_execution_id=cont.next_execution_id)
+            except ABORTS_RUN as exc:
+                # What the run committed before the faulty call is true and
+                # stays; the faulty call itself wrote nothing.
+                await journal.barrier()
+                stats.aborted += 1
+                host.warner.warn(f"run of {state.execution_id!r} stopped, nothing written: "
+                                 f"{type(exc).__name__}: {exc}")
+                return self.outcome("aborted", cause=exc)
+            except (RunAborted, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the flow's own failure
+                if self.refused is not None:
+                    # The body caught the refusal and failed instead: the refusal
+                    # stands (it latches, and never fails the execution: note 2).
+                    return await self._park_diverged(self.refused)
+                error = exc.to_dict() if isinstance(exc, FleetError) else {
+                    "type": type(exc).__name__, "message": str(exc)[:4000], "retryable": False}
+                journal.commit(EventType.EXECUTION_FAILED, {"error": error})
+                await journal.barrier()
+                stats.failed += 1
+                return self.outcome("failed", error=error)
+        except RunAborted as aborted:
+            stats.aborted += 1
+            return self._lost_write(aborted.cause)
+        except HandedBack:
+            # Stopped before new work: write what it committed, then let go.
+            try:
+                await journal.barrier()
+            except RunAborted as aborted:
+                stats.aborted += 1
+                return self._lost_write(aborted.cause)
+            stats.handed_back += 1
+            return self.outcome("handed_back")
+        except asyncio.CancelledError:
+            await journal.close()
+            task = asyncio.current_task()
+            if self.stop is None or task is None:
+                stats.aborted += 1
+                raise  # cancelled from outside the kernel: not an outcome
+            task.uncancel()
+            if self.stop == "cut":
+                # hand_back_now: stopped where it was (a step running is left in
+                # doubt for the next holder); the lease is released on the way out.
+                stats.handed_back += 1
+                return self.outcome("handed_back")
+            stats.aborted += 1
+            return self.outcome("cancelled" if self.stop == "cancelled" else "fenced_out")
+
+    def outcome(self, kind: OutcomeKind, *, waiting: Waiting | None = None,
+                cause: BaseException | None = None, error: dict[str, Any] | None = None,
+                next_execution_id: str | None = None) -> RunOutcome:
+        """This run's outcome of ``kind``, with the last sequence it made durable."""
+        return RunOutcome(kind, self.state.execution_id, self.journal.durable_seq,
+                          self.state.status, waiting=waiting, cause=cause, error=error,
+                          next_execution_id=next_execution_id)
+
+    def _lost_write(self, cause: BaseException) -> RunOutcome:
+        kind: OutcomeKind = "fenced_out" if isinstance(cause, StaleFenceError) else "aborted"
+        return self.outcome(kind, cause=cause)
+
+    async def _park_diverged(self, error: FlowReplayDivergenceError) -> RunOutcome:
+        """Park a refused re-run on the reserved gate; nothing else is appended.
+
+        The execution is left as a crash would leave it, but parked, so neither
+        recovery nor timers re-drive it; ``retry_diverged`` resumes it once the
+        code is fixed, pinned, listed in ``compatible_with`` or migrated.
+        """
+        eid = self.state.execution_id
+        condition = {"on": DIVERGED_GATE, "kind": "diverged",
+                     "correlationKey": skipped_key(error.skipped)}
+        lost: BaseException | None = None
+        try:
+            self.journal.commit(EventType.EXECUTION_SUSPENDED, {"condition": condition})
+            await self.journal.barrier()
+            error.parked = True
+        except RunAborted as aborted:
+            lost = aborted.cause
+        self.host.stats.divergence_parked += 1
+        if error.parked:
+            self.host.warner.warn(f"execution {eid!r} PARKED on {DIVERGED_GATE}: {error}")
+            return self.outcome("diverged_parked", waiting=Waiting.from_condition(condition),
+                                cause=error)
+        assert lost is not None
+        self.host.warner.warn(f"execution {eid!r} REFUSED and NOT parked "
+                              f"({type(lost).__name__}: {lost}): {error}")
+        kind: OutcomeKind = "fenced_out" if isinstance(lost, StaleFenceError) else "aborted"
+        return self.outcome(kind, cause=error)
 
     # -- the divergence detector's hooks ------------------------------------------
     async def before_new_work(self, kind: EventType, ident: str | None,
@@ -106,7 +327,7 @@ class Run:
         new work: everything it committed so far is a durable point. (Not before
         the event that ends the run: that one lets go as well.)
         """
-        if self.runtime.handing_back and kind not in _ENDS_RUN:
+        if self.host.handing_back and kind not in _ENDS_RUN:
             raise HandedBack(f"{kind} {ident or ''}".strip())
         d = self.detector
         if d is None:
@@ -137,9 +358,9 @@ class Run:
             d.latched = error
             raise error
         d.reported = True
-        self.runtime.divergence_warnings += 1
-        self.runtime.warner.warn(f"execution {self.state.execution_id!r}: {error} "
-                                 "(divergence='warn': proceeding)")
+        self.host.stats.divergence_warnings += 1
+        self.host.warner.warn(f"execution {self.state.execution_id!r}: {error} "
+                              "(divergence='warn': proceeding)")
 
     def serve_decision(self, decision_id: str, recorded: dict[str, Any]) -> None:
         if self.detector is not None:
@@ -170,9 +391,6 @@ class Run:
         inner = _InnerSteps(self.state.sequence + 1)
         _OPEN_DECISIONS.set((*_OPEN_DECISIONS.get(), (self, inner)))
         return inner
-
-    def close_decision(self, inner: _InnerSteps) -> None:
-        _OPEN_DECISIONS.set(tuple(o for o in _OPEN_DECISIONS.get() if o[1] is not inner))
 
     def successor_id(self) -> str:
         base, _, gen = self.state.execution_id.rpartition("~")

@@ -36,44 +36,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from fleet.kernel.engine import Engine
 from fleet.kernel.errors import FlowNotFoundError, ValidationError
 from fleet.kernel.events import EventEnvelope, EventType, ensure_json
-from fleet.kernel.flows import Features, FlowDefinition
-from fleet.kernel.fold import ExecutionState
-from fleet.kernel.journal import EventObserver, Warner, deliver
-from fleet.kernel.security import AccessPolicy, Op, Principal, authorize
-from fleet.kernel.store.spi import EventStore, append_many
+from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
+from fleet.kernel.security import Principal
 
 
 class Runtime(Protocol):
     """What ``start_many`` uses of ``fleet.kernel.runtime.Runtime`` (not imported:
     the runtime imports this module)."""
 
-    store: EventStore
-    access_policy: AccessPolicy
-    strict: bool
+    engine: Engine
+    flows: FlowRegistry
     features: Features
-    on_event: EventObserver | None
-    on_durable_event: EventObserver | None
-    warner: Warner
-
-    @property
-    def flows(self) -> _Registry: ...
 
     def clock(self) -> int: ...
-
-    async def _denied(self, state: ExecutionState | None, op: Op,
-                      principal: Principal | None, reason: str, *, audit: bool) -> None: ...
 
     async def start(self, flow_id: str, input: Any = None, *,
                     principal: Principal | None = None, execution_id: str | None = None,
                     drive: bool = True) -> Any: ...
 
-
-class _Registry(Protocol):
-    def latest(self, flow_id: str) -> FlowDefinition | None: ...
-
-    def __iter__(self) -> Any: ...
 
 __all__ = ["StartRequest", "start_many", "start_payload"]
 
@@ -121,10 +104,7 @@ async def _judge(runtime: Runtime, index: int, request: StartRequest) -> _Judged
         known = sorted({d.flow_id for d in runtime.flows})
         raise FlowNotFoundError(f"{where}: no flow {request.flow_id!r} is registered; "
                                 f"known flows: {known}")
-    verdict = authorize(runtime.access_policy, "start", request.principal, None,
-                        strict=runtime.strict)
-    if not verdict.allowed:
-        await runtime._denied(None, "start", request.principal, verdict.reason, audit=False)
+    await runtime.engine.access.check(None, "start", request.principal, audit=False)
     data = ensure_json(request.input, f"the input of flow {request.flow_id!r} ({where})")
     execution_id = request.execution_id
     if execution_id is None:
@@ -158,17 +138,16 @@ async def start_many(runtime: Runtime, requests: Sequence[StartRequest]) -> list
                                                   runtime.features))
             for eid, item in first.items()}
     order = list(made)
-    answers = await append_many(runtime.store, [([made[eid]], 0) for eid in order])
+    # The one write path outside a run (writes.LogWriter): one append_many, the stored
+    # ones reported to on_event / on_durable_event.
+    answers = await runtime.engine.writer.create_many([made[eid] for eid in order])
     refused: list[str] = []
     for eid, answer in zip(order, answers, strict=True):
         if answer is None:
-            event = made[eid]
-            deliver(runtime.on_event, event, runtime.warner, "on_event")
-            deliver(runtime.on_durable_event, event, runtime.warner, "on_durable_event")
-        elif isinstance(answer, Exception) and getattr(answer, "retryable", False):
+            continue
+        if isinstance(answer, Exception) and getattr(answer, "retryable", False):
             raise answer
-        else:
-            refused.append(eid)
+        refused.append(eid)
     for eid in refused:
         # The log exists, or its fence was taken: Runtime.start answers it.
         item = first[eid]

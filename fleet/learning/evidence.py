@@ -16,18 +16,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from fleet.kernel.errors import ConfigurationError
-from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.events import TERMINAL_EVENT, TERMINAL_TYPES, EventEnvelope, EventType
 from fleet.kernel.fold import ExecutionState
 
 # Ties in sequence (only possible for a pre-0128 checkpoint's ordinals) read
 # decisions before outcomes before the end.
 _RANK = {EventType.EXECUTION_STARTED: 0, EventType.DECISION_RECORDED: 1,
          EventType.OUTCOME_RECORDED: 2}
-_TERMINAL_TYPE = {"completed": EventType.EXECUTION_COMPLETED,
-                  "failed": EventType.EXECUTION_FAILED,
-                  "cancelled": EventType.EXECUTION_CANCELLED,
-                  "continued": EventType.EXECUTION_CONTINUED}
-_TERMINAL_TYPES = frozenset(_TERMINAL_TYPE.values())
 _DECISION_FIELDS = ("policy", "alternatives", "context")
 _KERNEL_DECISION_FIELDS = ("innerSteps", "innerStepsOverflow", "innerFrom")
 
@@ -77,7 +72,7 @@ def evidence_events(state: ExecutionState,
             logged_decisions.add(str(ev.payload.get("decisionId", "")))
         elif ev.type == EventType.OUTCOME_RECORDED:
             logged_outcomes.add(ev.sequence)
-        elif ev.type in _TERMINAL_TYPES:
+        elif ev.type in TERMINAL_TYPES:
             terminal = True
         elif ev.type == EventType.EXECUTION_STARTED:
             started = True
@@ -170,5 +165,5 @@ def _terminal(state: ExecutionState) -> EventEnvelope:
     late = [o["seq"] for o in state.outcomes
             if o.get("late") is True and isinstance(o.get("seq"), int)]
     seq = min(late) - 1 if late else state.sequence
-    return EventEnvelope.make(state.execution_id, seq, _TERMINAL_TYPE[state.status],
+    return EventEnvelope.make(state.execution_id, seq, TERMINAL_EVENT[state.status],
                               state.updated_at or 0, payload, metadata={"synthesised": True})

@@ -20,16 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.kernel.errors import ConfigurationError
-from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.events import TERMINAL_EVENT, EventEnvelope, EventType
 
 TerminalReward = Callable[[str, Any], "float | None"]
 
-TERMINAL_STATUS: dict[EventType, str] = {
-    EventType.EXECUTION_COMPLETED: "completed",
-    EventType.EXECUTION_FAILED: "failed",
-    EventType.EXECUTION_CANCELLED: "cancelled",
-    EventType.EXECUTION_CONTINUED: "continued",
-}
+# The terminal status each terminal event gives (the kernel's one table, inverted).
+TERMINAL_STATUS: dict[EventType, str] = {kind: status for status, kind in TERMINAL_EVENT.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,13 +46,14 @@ class TimerService(PeriodicService):
 
     async def tick(self) -> None:
         while True:
-            n = await self.runtime.fire_due_timers(limit=self.batch,
-                                                   drive=self.enqueue is None)
-            self.fired += n
+            # Exactly the timers this call fired, whatever other ticks overlap it.
+            fired = await self.runtime.fire_due_timers(limit=self.batch,
+                                                       drive=self.enqueue is None)
+            self.fired += len(fired)
             if self.enqueue is not None:
-                for execution_id in list(self.runtime.fired_timers):
+                for timer in fired:
                     try:
-                        await self.enqueue(execution_id)
+                        await self.enqueue(timer.execution_id)
                         self.enqueued += 1
                     except Exception as exc:  # noqa: BLE001 - the sweeper finds it later
                         # The timer fired durably; a lost drive leaves a running
@@ -61,7 +62,7 @@ class TimerService(PeriodicService):
                         self.enqueue_errors += 1
                         if self.on_error is not None:
                             self.on_error(exc)
-            if n < self.batch:
+            if len(fired) < self.batch:
                 return
 
     def stats(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ loop.
 ``drive`` is what the ``fleet.drive`` task does: take the execution's fence
 only if no live lease is held (``acquire_fence_if``); if one is, step aside
 (a duplicate delivery, counted); otherwise drive until the run stops (parks,
-ends, or is aborted) and say how it stopped.
+ends, or is aborted) and say how it stopped: the run's own ``RunOutcome``.
 
 The loop also runs the process's ``Heartbeat`` (``fleet health`` reads it),
 and ``begin_drain`` is the graceful shutdown (``fleet.workers.shutdown``).
@@ -23,9 +23,8 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from fleet.assembly.roles import Role, open_worker
 from fleet.config import FleetSettings
@@ -33,12 +32,11 @@ from fleet.host.loop import EventLoopThread
 from fleet.kernel.errors import (
     ExecutionNotFoundError,
     FleetError,
-    StaleFenceError,
     StoreUnavailableError,
 )
-from fleet.kernel.events import EventEnvelope, EventType
-from fleet.kernel.fold import DIVERGED_GATE
+from fleet.kernel.events import EventEnvelope
 from fleet.kernel.journal import EventObserver
+from fleet.kernel.run_outcome import OutcomeKind, RunOutcome
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.spi import EventStore
 from fleet.services.base import Service, start_order
@@ -54,46 +52,12 @@ ABORTED, IDLE, NOT_FOUND, REFUSED = "aborted", "idle", "not_found", "refused"
 # The worker is shutting down and let the run go (lease released): drive it elsewhere.
 HANDED_BACK = "handed_back"
 
-_ENDS: dict[EventType, str] = {
-    EventType.EXECUTION_COMPLETED: COMPLETED, EventType.EXECUTION_FAILED: FAILED,
-    EventType.EXECUTION_SUSPENDED: PARKED, EventType.EXECUTION_CANCELLED: CANCELLED,
-    EventType.EXECUTION_CONTINUED: CONTINUED}
-
-
-class _WriteWatch:
-    """The worker's store: the real one, remembering why a watched run's write failed.
-
-    A drive learns from it that its run was fenced out (the store refused a
-    write with ``StaleFenceError``) rather than inferring it.
-    """
-
-    def __init__(self, watched: dict[str, EventEnvelope | None]) -> None:
-        self.inner: Any = None
-        self.watched = watched
-        self.failed: dict[str, BaseException] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
-        try:
-            await self.inner.append(event, fence=fence)
-        except Exception as exc:
-            self._note(event.execution_id, exc)
-            raise
-
-    async def append_batch(self, events: Sequence[EventEnvelope], *,
-                           fence: int | None = None) -> None:
-        try:
-            await self.inner.append_batch(events, fence=fence)
-        except Exception as exc:
-            if events:
-                self._note(events[0].execution_id, exc)
-            raise
-
-    def _note(self, execution_id: str, exc: BaseException) -> None:
-        if execution_id in self.watched:
-            self.failed.setdefault(execution_id, exc)
+# The task's answer for each way a run can end (``RunOutcome.kind``).
+_REPORTED: dict[OutcomeKind, str] = {
+    "completed": COMPLETED, "failed": FAILED, "parked": PARKED,
+    "diverged_parked": DIVERGENCE_PARKED, "continued": CONTINUED, "cancelled": CANCELLED,
+    "fenced_out": FENCED_OUT, "handed_back": HANDED_BACK, "aborted": ABORTED,
+    "nothing_to_do": IDLE}
 
 
 @dataclass(slots=True)
@@ -128,10 +92,7 @@ class WorkerProcess:
         self._role: Role | None = None
         self._runtime: Runtime | None = None
         self._store: EventStore | None = None
-        # The last durable event of each run driven here, to say how it stopped.
-        self._watch: dict[str, EventEnvelope | None] = {}
         self._base: dict[str, stats.Number] = {}
-        self._writes = _WriteWatch(self._watch)
         self._draining = False
 
     @property
@@ -152,17 +113,11 @@ class WorkerProcess:
         if board is not None and self.slot is not None:
             self._base = board.read_row(self.slot)
 
-    def _writes_through(self, store: EventStore) -> EventStore:
-        # The runtime writes through the watch; the role keeps (and closes) the store.
-        self._writes.inner = store
-        return cast(EventStore, self._writes)
-
     async def _open(self) -> None:
         # The store, the runtime, the event publisher and the heartbeat: built as
         # every role's are (fleet.assembly.roles), started here on the loop.
         role = await open_worker(self.settings, slot=self.slot,
-                                 on_durable_event=self._observe, on_beat=self._poll_drain,
-                                 store_view=self._writes_through)
+                                 on_durable_event=self._observe, on_beat=self._poll_drain)
         started: list[Service] = []
         try:
             for service in start_order(role.services):
@@ -269,9 +224,9 @@ class WorkerProcess:
             self.counters.stepped_aside += 1
             log.info("drive of %s stepped aside: a live lease holds it", execution_id)
             return STEPPED_ASIDE
-        self._watch[execution_id] = None
         try:
-            await runtime.drive(execution_id, grant=grant, wait=True)
+            handle = await runtime.drive(execution_id, grant=grant, wait=True)
+            outcome = await handle.outcome()
         except ExecutionNotFoundError:
             self.counters.errors += 1
             log.warning("drive of %s: no such execution", execution_id)
@@ -284,46 +239,28 @@ class WorkerProcess:
             self.counters.errors += 1
             log.error("drive of %s refused: %s: %s", execution_id, type(exc).__name__, exc)
             return REFUSED
-        finally:
-            last = self._watch.pop(execution_id, None)
-            refused = self._writes.failed.pop(execution_id, None)
-            handed = execution_id in runtime.handed_back_ids
-            runtime.handed_back_ids.discard(execution_id)
-        if isinstance(refused, StaleFenceError):
-            self.counters.fenced_out += 1
-            log.warning("drive of %s fenced out: a later holder took the execution; its write "
-                        "was refused (StaleFenceError: %s) and this drive wrote nothing more",
-                        execution_id, refused)
-            return FENCED_OUT
-        if refused is not None:
-            log.warning("drive of %s aborted: a write failed (%s: %s)", execution_id,
-                        type(refused).__name__, refused)
-            return ABORTED
-        if handed:
-            log.info("drive of %s handed back (the worker is shutting down)", execution_id)
-            return HANDED_BACK
-        outcome = self._outcome(last)
-        if outcome is not None:
-            return outcome
-        if last is None:
-            self.counters.idle += 1  # already parked or ended: nothing to do
-            return IDLE
-        # Stopped mid-run without a failed write: the kernel stopped the run on a
-        # programming fault (it warned through on_warn); nothing more was written.
-        return ABORTED
+        assert outcome is not None  # a drive always says how its run ended
+        return self._report(outcome)
 
-    @staticmethod
-    def _outcome(last: EventEnvelope | None) -> str | None:
-        if last is None:
-            return None
-        outcome = _ENDS.get(last.type)
-        if outcome == PARKED and (last.payload.get("condition") or {}).get("on") == DIVERGED_GATE:
-            return DIVERGENCE_PARKED
-        return outcome
+    def _report(self, outcome: RunOutcome) -> str:
+        execution_id, cause = outcome.execution_id, outcome.cause
+        if outcome.kind == "fenced_out":
+            self.counters.fenced_out += 1
+            log.warning("drive of %s fenced out: a later holder took the execution (%s); "
+                        "this drive wrote nothing more", execution_id,
+                        f"{type(cause).__name__}: {cause}" if cause else "superseded here")
+        elif outcome.kind == "aborted":
+            # A write failed, or the kernel stopped the run on a programming fault
+            # (it warned through on_warn); nothing more was written.
+            log.warning("drive of %s aborted: %s: %s", execution_id, type(cause).__name__,
+                        cause)
+        elif outcome.kind == "handed_back":
+            log.info("drive of %s handed back (the worker is shutting down)", execution_id)
+        elif outcome.kind == "nothing_to_do":
+            self.counters.idle += 1  # already parked or ended: nothing to do
+        return _REPORTED[outcome.kind]
 
     def _observe(self, event: EventEnvelope) -> Any:
-        if event.execution_id in self._watch:
-            self._watch[event.execution_id] = event
         observer = self.event_observer
         if observer is not None:
             return observer(event)

@@ -16,7 +16,6 @@ import pytest
 from fleet.assembly.roles import OPENERS, SERVICE_ROLES, Role, open_role, open_worker
 from fleet.config import FleetSettings
 from fleet.kernel.errors import ConfigurationError
-from fleet.kernel.store.spi import EventStore
 
 FLOWS = ["worker_unit_flows:double"]
 
@@ -84,19 +83,12 @@ async def test_without_the_events_stream_no_role_has_a_publisher(tmp_path: Path)
         await role.aclose()
 
 
-async def test_the_worker_role_writes_through_a_view_and_keeps_the_store(
-        tmp_path: Path) -> None:
+async def test_the_worker_role_has_its_publisher_and_heartbeat(tmp_path: Path) -> None:
     settings = _settings(tmp_path)
-    seen: list[EventStore] = []
-
-    def view(store: EventStore) -> EventStore:
-        seen.append(store)
-        return store
-
-    role = await open_worker(settings, slot=3, store_view=view)
+    role = await open_worker(settings, slot=3)
     try:
         _assert_configured(role, settings)
-        assert seen == [role.store]
+        assert role.runtime.store is role.store
         assert [s.name for s in role.services] == ["event-publisher", "heartbeat"]
         assert str(role.services[-1].stats()["path"]).endswith("fleet-worker-3.heartbeat")
     finally:

@@ -450,15 +450,18 @@ async def test_a_run_handed_back_stops_at_its_next_durable_point(store: EventSto
     key = "hand-back-1"
     _hold_events(key)
     runtime = Runtime(store, flows=[hold_flows.hold], lease_ms=60_000, holder="leaving")
-    eid = (await runtime.start("unit-hold", key)).execution_id
+    handle = await runtime.start("unit-hold", key)
+    eid = handle.execution_id
     await _until(hold_flows.STARTED[key].is_set)
     assert runtime.hand_back() == 1
     hold_flows.RELEASE[key].set()  # the step finishes; the run stops before the next
     await _until(lambda: runtime.active == 0)
     assert _types(await store.read(eid)) == ["EXECUTION_STARTED", "STEP_STARTED",
                                              "STEP_COMPLETED"]
-    assert (runtime.handed_back, runtime.aborted, eid in runtime.handed_back_ids) == (
-        1, 0, True)
+    outcome = await handle.outcome()
+    assert outcome is not None
+    assert (runtime.handed_back, runtime.aborted, outcome.kind, outcome.last_sequence) == (
+        1, 0, "handed_back", 2)
     # The lease was released: another runtime takes the run at once, and the
     # step that completed is not run again.
     other = Runtime(store, flows=[hold_flows.hold], holder="taker")

@@ -41,6 +41,7 @@ from fleet import (
     flow,
 )
 from fleet.kernel import journal as journal_module
+from fleet.kernel import observers as observers_module
 from fleet.kernel.store.faults import FaultInjectingEventStore
 from fleet.kernel.store.sqlite import SqliteEventStore
 
@@ -372,8 +373,10 @@ async def test_a_write_that_never_resolves_is_never_reported(db: Path) -> None:
         assert pairs(seen.durable) == [(0, STARTED), (1, STEP_STARTED)]
         assert pairs(await store.read("hung")) == [(0, STARTED), (1, STEP_STARTED)]
         assert [(f.sequence, f.kind) for f in store.injected] == [(2, "hung")]
-        # on_event ran ahead of every write; on_durable_event never did.
-        assert seen.live_after_write == []
+        # on_event ran ahead of every write of the run's journal; on_durable_event
+        # never did. The start is written outside a run (LogWriter, decision 0015),
+        # so on_event reports it once stored, like every such event (ADR 0116 3 A).
+        assert seen.live_after_write == ["hung-0"]
         assert seen.durable_before_write == []
 
         # Cancelling ends such a run: its write is abandoned, never delivered, and
@@ -464,7 +467,8 @@ class FakeMonotonic:
 async def test_a_throwing_consumer_never_reaches_the_run_and_is_warned_once_a_minute(
         sqlite_store: SqliteEventStore, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeMonotonic()
-    monkeypatch.setattr(journal_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(observers_module, "time",
+                        types.SimpleNamespace(monotonic=clock.monotonic))
     calls: list[EventEnvelope] = []
     warnings: list[str] = []
 
@@ -591,7 +595,10 @@ async def test_free_when_unset(sqlite_store: SqliteEventStore,
         delivered.append(name)
         real_deliver(observer, event, warner, name)
 
+    # The journal delivers a run's events; the write path (observers.Observers)
+    # the start's, written outside the run.
     monkeypatch.setattr(journal_module, "deliver", counting_deliver)
+    monkeypatch.setattr(observers_module, "deliver", counting_deliver)
     created: list[str] = []
     loop = asyncio.get_running_loop()
 
@@ -622,7 +629,7 @@ async def test_free_when_unset(sqlite_store: SqliteEventStore,
         loop.set_task_factory(previous)
     events = len(await sqlite_store.read("bare"))
 
-    assert "Runtime._run" in bare_tasks  # the counting factory saw the run start
+    assert "Engine._drive" in bare_tasks  # the counting factory saw the run start
     assert bare_calls == []  # no observer: the journal never even calls deliver
     assert sync_calls == async_calls == ["on_durable_event"] * events
     assert sync_tasks == bare_tasks  # a synchronous consumer costs no task
@@ -654,7 +661,7 @@ async def test_paths_outside_the_journal_deliver_after_their_write(
     scheduled = [e for e in await sqlite_store.read("errand")
                  if e.type is EventType.TIMER_SCHEDULED]
     mark = len(seen.durable)
-    assert await runtime.fire_due_timers(scheduled[0].payload["dueAt"]) == 1
+    assert len(await runtime.fire_due_timers(scheduled[0].payload["dueAt"])) == 1
     await runtime.close()
     assert delivered_since(mark)[0] == (mark, "TIMER_FIRED")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ from fleet.kernel.errors import (
     StaleFenceError,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope
+from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
 from fleet.kernel.store.spi import (
     AppendRequest,
     ConditionalAppendResult,
@@ -35,7 +34,6 @@ from fleet.kernel.store.spi import (
     ExecutionSummary,
     FenceGrant,
     Snapshot,
-    Status,
     TipObservation,
     check_batch,
     check_lease_ms,
@@ -44,12 +42,7 @@ from fleet.kernel.store.spi import (
     index_change,
 )
 
-__all__ = ["MemoryEventStore", "MemorySnapshotStore", "wall_clock_ms"]
-
-
-def wall_clock_ms() -> int:
-    """Milliseconds since the epoch, the default lease clock of every store."""
-    return time.time_ns() // 1_000_000
+__all__ = ["MemoryEventStore", "MemorySnapshotStore"]
 
 
 async def _tick() -> None:

@@ -23,8 +23,8 @@ from fleet.kernel.errors import (
     StaleFenceError,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope, dumps
-from fleet.kernel.store.spi import ExecutionSummary, Status, creation_anchor, index_change
+from fleet.kernel.events import EventEnvelope, Status, dumps
+from fleet.kernel.store.spi import ExecutionSummary, creation_anchor, index_change
 
 __all__ = ["APPEND_IF_SQL", "APPEND_MANY_SQL", "APPEND_SQL", "DUE_TIMERS_SQL", "SUMMARY_SQL",
            "TIP_SQL", "Write", "execution_key", "listing_sql", "many_columns", "parse_event",

@@ -52,8 +52,7 @@ from fleet.kernel.errors import (
     StoreUnavailableError,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope, dumps
-from fleet.kernel.store.memory import wall_clock_ms
+from fleet.kernel.events import EventEnvelope, dumps, wall_clock_ms
 from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
 from fleet.kernel.store.pg_queries import (
     APPEND_IF_SQL,

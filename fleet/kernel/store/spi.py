@@ -27,10 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from fleet.kernel.errors import SequenceGapError, ValidationError
-from fleet.kernel.events import EventEnvelope, EventType
-
-Status = Literal["running", "parked", "completed", "failed", "cancelled", "continued"]
-TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled", "continued"})
+from fleet.kernel.events import (
+    STATUS_AFTER,
+    TERMINAL_STATUSES,
+    EventEnvelope,
+    EventType,
+    Status,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,19 +267,6 @@ class SnapshotStore(Protocol):
 # Shared logic every backend uses.
 # --------------------------------------------------------------------------
 
-_STATUS_AFTER: dict[EventType, Status] = {
-    EventType.EXECUTION_STARTED: "running",
-    EventType.EXECUTION_RESUMED: "running",
-    EventType.TIMER_FIRED: "running",
-    EventType.RECOVERED: "running",
-    EventType.EXECUTION_SUSPENDED: "parked",
-    EventType.EXECUTION_COMPLETED: "completed",
-    EventType.EXECUTION_FAILED: "failed",
-    EventType.EXECUTION_CANCELLED: "cancelled",
-    EventType.EXECUTION_CONTINUED: "continued",
-}
-
-
 @dataclass(slots=True)
 class IndexChange:
     """What one event does to the execution index and the timer index."""
@@ -292,7 +282,7 @@ class IndexChange:
 def index_change(event: EventEnvelope) -> IndexChange:
     """How ``event`` moves the index. Status and timers never need the fold."""
     change = IndexChange()
-    status = _STATUS_AFTER.get(event.type)
+    status = STATUS_AFTER.get(event.type)
     if status is not None and not (event.type is EventType.EXECUTION_STARTED
                                    and event.sequence != 0):
         change.status = status

@@ -46,8 +46,7 @@ from fleet.kernel.errors import (
     StoreUnavailableError,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope, dumps
-from fleet.kernel.store.memory import wall_clock_ms
+from fleet.kernel.events import EventEnvelope, Status, dumps, wall_clock_ms
 from fleet.kernel.store.spi import (
     AppendRequest,
     ConditionalAppendResult,
@@ -55,7 +54,6 @@ from fleet.kernel.store.spi import (
     ExecutionSummary,
     FenceGrant,
     Snapshot,
-    Status,
     TipObservation,
     check_batch,
     check_lease_ms,

@@ -146,7 +146,7 @@ async def test_fix1_item2_recovery_and_timers_skip_a_diverged_park_and_warn_on_t
     runtime = Runtime(store, flows=[define(v2, "timed")], divergence="fail", clock=clock,
                       local_timers=False, on_warn=drill.warnings.append)
     clock.advance(3601)
-    assert await runtime.fire_due_timers() == 1  # the timer path reaches the refusal
+    assert len(await runtime.fire_due_timers()) == 1  # the timer path reaches the refusal
     await settle(runtime)
     log = await store.read(eid)
     assert log[-1].payload["condition"]["on"] == DIVERGED_GATE
@@ -154,7 +154,7 @@ async def test_fix1_item2_recovery_and_timers_skip_a_diverged_park_and_warn_on_t
     assert [w for w in drill.warnings if "PARKED" in w]
     # Its new timer comes due: the timer service leaves the diverged park alone.
     clock.advance(7201)
-    assert await runtime.fire_due_timers() == 0
+    assert await runtime.fire_due_timers() == []
     await settle(runtime)
     # Recovery examines running executions with an expired lease: not this one.
     report = await runtime.recover_abandoned()

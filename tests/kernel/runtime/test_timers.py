@@ -9,6 +9,7 @@ from kernel_kit import ManualClock, kinds, settle, started
 
 from fleet import Context, Runtime, flow
 from fleet.kernel.store.spi import EventStore
+from fleet.kernel.timers import FiredTimer
 
 
 @flow("napper")
@@ -43,11 +44,11 @@ async def test_long_sleep_parks_and_fires_when_due(clocked_store: EventStore,
     assert state.status == "parked"
 
     # Not early: a sweep a millisecond before the due time fires nothing.
-    assert await runtime.fire_due_timers(due - 1) == 0
+    assert await runtime.fire_due_timers(due - 1) == []
     assert len(await store.read(eid)) == 3
 
     clock.now = due
-    assert await runtime.fire_due_timers(due) == 1
+    assert await runtime.fire_due_timers(due) == [FiredTimer(eid, "sleep#0")]
     await settle(runtime)
     assert await runtime.result(eid) == "awake"
     log = await store.read(eid)
@@ -75,9 +76,9 @@ async def test_a_timer_fires_once_however_often_it_is_swept(clocked_store: Event
     fired = await asyncio.gather(runtime.fire_due_timers(), other.fire_due_timers())
     await settle(runtime)
     await settle(other)
-    assert sorted(fired) == [0, 1]
+    assert sorted(len(f) for f in fired) == [0, 1]
     # And a later sweep finds nothing due.
-    assert await runtime.fire_due_timers() == 0
+    assert await runtime.fire_due_timers() == []
     log = await store.read(eid)
     assert kinds(log).count("TIMER_FIRED") == 1
     assert kinds(log)[-1] == "EXECUTION_SUSPENDED"
@@ -99,13 +100,13 @@ async def test_replay_serves_a_fired_timer(clocked_store: EventStore,
     runtime = Runtime(store, flows=[body], clock=clock, local_timers=False)
     eid = await started(runtime, "sleep-twice")
     clock.advance(100)
-    assert await runtime.fire_due_timers() == 1
+    assert await runtime.fire_due_timers() == [FiredTimer(eid, "sleep#0")]
     await settle(runtime)
     # The first sleep is served from the log: the second one parks, not the first.
     state = await runtime.load_state(eid)
     assert state.waiting == {"on": "sleep#1", "kind": "timer"}
     clock.advance(200)
-    assert await runtime.fire_due_timers() == 1
+    assert await runtime.fire_due_timers() == [FiredTimer(eid, "sleep#1")]
     assert await runtime.result(eid) == 300.0
     assert kinds(await store.read(eid)).count("TIMER_SCHEDULED") == 2
 

@@ -1,0 +1,294 @@
+"""The engine behind ``Runtime``: reads, leases, the runs in flight, the writes that wake them.
+
+``Runtime`` is the public face; the engine is the narrow internal API its parts
+share, with public names: ``fleet.kernel.migration`` (``resume_as``),
+``fleet.kernel.outcomes`` (``record_outcome``), ``fleet.kernel.timers`` and
+``fleet.kernel.recovery`` take an ``Engine``, never a ``Runtime``. A ``Run`` sees
+it as its ``RunHost``.
+
+Ownership of a lease: a method that takes a ``Lease`` releases it on every
+exit (``async with``) unless it passes it on to a run it launched; releasing
+twice is a no-op, so a caller may hold the same lease in its own ``async with``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fleet.kernel.access import AccessGuard
+from fleet.kernel.errors import (
+    ContinueAsNew,
+    DuplicateSequenceError,
+    ExecutionNotFoundError,
+)
+from fleet.kernel.events import EventEnvelope, EventType, wall_clock_ms
+from fleet.kernel.flows import FlowDefinition, FlowRegistry
+from fleet.kernel.fold import ExecutionState, apply, fold_log
+from fleet.kernel.handback import HandBack
+from fleet.kernel.journal import Journal
+from fleet.kernel.lease import Lease
+from fleet.kernel.observers import Observers, Warner
+from fleet.kernel.options import DivergenceMode, RuntimeOptions, RuntimeStats
+from fleet.kernel.results import Results
+from fleet.kernel.run import Run, StopReason
+from fleet.kernel.run_outcome import RunOutcome, Waiting
+from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
+from fleet.kernel.writes import LogWriter, make_events
+
+# A log that ends on one of these has not been driven since it was (re)opened;
+# any other last event means a holder stopped mid-run and a drive is a recovery.
+WAKE_EVENTS = frozenset({EventType.EXECUTION_STARTED, EventType.EXECUTION_RESUMED,
+                         EventType.TIMER_FIRED, EventType.RECOVERED,
+                         EventType.EXECUTION_MIGRATED})
+# The outcomes whose cause a result() waiter gets (the run stopped without an end).
+_FAILS_WAITERS = frozenset({"aborted", "fenced_out", "diverged_parked"})
+
+RunFuture = asyncio.Future[RunOutcome]
+
+
+class Engine:
+    """One runtime's working parts (see the module).
+
+    Args:
+        store: The event store.
+        flows: The registered flow versions.
+        snapshots: Checkpoints of compacted logs, if any.
+        options: The runtime's options.
+        divergence: The divergence mode in force (``options.divergence`` resolved).
+        holder: This runtime's name on the fences it takes.
+        warner: ``on_warn``, rate-limited.
+    """
+
+    def __init__(self, store: EventStore, *, flows: FlowRegistry,
+                 snapshots: SnapshotStore | None, options: RuntimeOptions,
+                 divergence: DivergenceMode, holder: str, warner: Warner) -> None:
+        self.store = store
+        self.flows = flows
+        self.snapshots = snapshots
+        self.options = options
+        self.divergence: DivergenceMode = divergence
+        self.holder = holder
+        self.warner = warner
+        self.clock: Callable[[], int] = options.clock or wall_clock_ms
+        self.stats = RuntimeStats()
+        self.observers = Observers(warner, on_event=options.on_event,
+                                   on_durable_event=options.on_durable_event)
+        self.writer = LogWriter(store, self.observers)
+        self.access = AccessGuard(options.access_policy, strict=options.strict,
+                                  writer=self.writer, stats=self.stats, warner=warner,
+                                  clock=self.clock,
+                                  on_execution_denied=options.on_execution_denied)
+        self.runs: dict[str, Run] = {}
+        self.background: set[asyncio.Task[Any]] = set()
+        self.results = Results(self.runs, self.fold)
+        self.hand_back = HandBack()
+        # Called with the state of a run that parked (the local timers arm here).
+        self.on_parked: Callable[[ExecutionState], None] | None = None
+
+    # -- what a run reads from its host (RunHost) ------------------------------------
+    @property
+    def lease_ms(self) -> int:
+        return self.options.lease_ms
+
+    @property
+    def inline_sleep_max(self) -> float:
+        return self.options.inline_sleep_max
+
+    @property
+    def handing_back(self) -> bool:
+        return self.hand_back.active
+
+    # -- reading ---------------------------------------------------------------------
+    async def load(self, execution_id: str) -> tuple[ExecutionState, EventType | None]:
+        """Snapshot + tail, and the type of the last event read (None: none read)."""
+        base: ExecutionState | None = None
+        after = -1
+        if self.snapshots is not None:
+            snap = await self.snapshots.load(execution_id)
+            if snap is not None:
+                base = ExecutionState.from_dict(snap.state)
+                after = snap.sequence
+        events = await self.store.read(execution_id, after=after)
+        state = fold_log(events, base) if base is not None else fold_log(events)
+        if not state.execution_id:
+            state.execution_id = execution_id
+        return state, (events[-1].type if events else None)
+
+    async def fold(self, execution_id: str) -> ExecutionState:
+        """The folded state of ``execution_id`` (``sequence < 0``: no such execution)."""
+        return (await self.load(execution_id))[0]
+
+    # -- leases ----------------------------------------------------------------------
+    async def take(self, execution_id: str) -> Lease:
+        """The fence of ``execution_id``, superseding whoever holds it."""
+        return await Lease.take(self.store, execution_id, holder=self.holder,
+                                lease_ms=self.lease_ms, warner=self.warner)
+
+    async def take_if_free(self, execution_id: str) -> Lease | None:
+        """The fence of ``execution_id`` if no live lease holds it; None otherwise."""
+        return await Lease.take_if_free(self.store, execution_id, holder=self.holder,
+                                        lease_ms=self.lease_ms, warner=self.warner)
+
+    def lease(self, grant: FenceGrant) -> Lease:
+        """A lease over a fence the caller already took (the fleet's worker does)."""
+        return Lease(self.store, grant, warner=self.warner)
+
+    # -- runs ------------------------------------------------------------------------
+    def journal(self, state: ExecutionState, lease: Lease) -> Journal:
+        return Journal(self.store, state, fence=lease.token, clock=self.clock,
+                       warner=self.warner, on_event=self.observers.on_event,
+                       on_durable_event=self.observers.on_durable_event)
+
+    async def prepare(self, execution_id: str, lease: Lease) -> Run | RunOutcome:
+        """Fold the log under ``lease``: a Run to launch (it takes the lease), or the
+        ``nothing_to_do`` outcome of an execution already parked or finished."""
+        async with lease:
+            state, last_type = await self.load(execution_id)
+            if state.sequence < 0:
+                raise ExecutionNotFoundError(f"no execution {execution_id!r}")
+            if state.terminal or state.parked:
+                self.results.settle(state)
+                return RunOutcome("nothing_to_do", execution_id, state.sequence, state.status,
+                                  waiting=Waiting.from_condition(state.waiting))
+            # The structural hash picks the version, then its fingerprint is
+            # compared (ADR 0113 D2); a refusal writes nothing.
+            definition, allowed = self.flows.pinned(
+                execution_id, state.flow_id, state.flow_hash, state.flow_version,
+                state.code_hash, allow_code_mismatch=self.options.allow_flow_code_mismatch)
+            if allowed is not None:
+                self.warner.warn(f"{allowed.message} (driven anyway: allow_flow_code_mismatch)",
+                                 key=f"code-mismatch:{execution_id}")
+            journal = self.journal(state, lease)
+            run = Run(self, definition, journal, lease.pass_on())
+            if last_type not in WAKE_EVENTS:
+                # The log ends mid-run: an earlier holder stopped (died, was fenced out).
+                journal.commit(EventType.RECOVERED, {"by": self.holder, "reason": "drive"})
+                self.stats.recovered += 1
+            return run
+
+    def launch(self, run: Run) -> asyncio.Task[RunOutcome]:
+        """Run ``run`` in the background; the task's result is its outcome."""
+        execution_id = run.state.execution_id
+        task = asyncio.get_running_loop().create_task(self._drive(run),
+                                                      name=f"fleet-run:{execution_id}")
+        run.task = task
+        self.runs[execution_id] = run
+        self.results.forget_abort(execution_id)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+    async def drive(self, execution_id: str, lease: Lease) -> RunFuture:
+        """Drive ``execution_id`` under ``lease``: the future of the run's outcome."""
+        prepared = await self.prepare(execution_id, lease)
+        if isinstance(prepared, Run):
+            return self.launch(prepared)
+        done: RunFuture = asyncio.get_running_loop().create_future()
+        done.set_result(prepared)
+        return done
+
+    async def drive_if_free(self, execution_id: str) -> RunFuture | None:
+        """Drive only when no live lease is held; None when someone else holds it."""
+        lease = await self.take_if_free(execution_id)
+        if lease is None:
+            return None
+        return await self.drive(execution_id, lease)
+
+    async def _drive(self, run: Run) -> RunOutcome:
+        execution_id = run.state.execution_id
+        try:
+            outcome = await run.execute()
+        finally:
+            if self.runs.get(execution_id) is run:
+                del self.runs[execution_id]
+        if outcome.kind in _FAILS_WAITERS and outcome.cause is not None:
+            self.results.fail(execution_id, outcome.cause)
+        elif outcome.ended:
+            # Only an end the log holds wakes result() waiters: the live state
+            # of a run whose last write failed may claim an end that never was.
+            self.results.settle(run.state)
+        elif outcome.kind == "parked" and self.on_parked is not None:
+            self.on_parked(run.state)
+        return outcome
+
+    async def stop_local(self, execution_id: str, reason: StopReason) -> None:
+        """Stop the run of ``execution_id`` in flight here (if any) and wait for it."""
+        run = self.runs.get(execution_id)
+        if run is not None and run.task is not None and not run.task.done():
+            run.stop = reason
+            run.task.cancel()
+            await asyncio.wait({run.task})
+
+    # -- writes that start or wake an execution ------------------------------------------
+    async def begin(self, execution_id: str, definition: FlowDefinition, lease: Lease,
+                    payload: dict[str, Any], *, drive: bool = True) -> RunFuture | None:
+        """Write ``EXECUTION_STARTED`` under ``lease``, then drive it here (``drive``).
+
+        None when no run was launched here: ``drive=False``, or another start
+        wrote the log first (the start is idempotent by id).
+        """
+        async with lease:
+            started = EventEnvelope.make(execution_id, 0, EventType.EXECUTION_STARTED,
+                                         self.clock(), payload)
+            try:
+                await self.writer.write(lease, [started])
+            except DuplicateSequenceError:
+                return None  # a concurrent start wrote it
+            if not drive:
+                return None
+            state = ExecutionState(execution_id=execution_id)
+            apply(state, started)  # in place: fold_log would copy the state first
+            return self.launch(Run(self, definition, self.journal(state, lease),
+                                   lease.pass_on()))
+
+    async def start_successor(self, run: Run, cont: ContinueAsNew) -> None:
+        """Start ``cont``'s successor (same flow, owner), unless it exists already."""
+        definition = self.flows.latest(run.definition.flow_id) or run.definition
+        lease = await self.take_if_free(cont.next_execution_id)
+        if lease is None:
+            return
+        async with lease:
+            if await self.store.head(cont.next_execution_id) is not None:
+                return
+            payload: dict[str, Any] = {
+                "flowId": definition.flow_id, "flowVersion": definition.version,
+                "flowHash": definition.content_hash(self.options.features),
+                "input": cont.input, "owner": run.state.owner,
+                "continuedFrom": run.state.execution_id}
+            if definition.code_fingerprint:
+                payload["codeHash"] = definition.code_fingerprint
+            await self.begin(cont.next_execution_id, definition, lease, payload)
+
+    async def answer(self, state: ExecutionState, lease: Lease,
+                     bodies: Sequence[tuple[EventType, dict[str, Any]]], *,
+                     drive: bool = True) -> RunFuture | None:
+        """Append what wakes a parked execution (resume, message, timer), then drive it.
+
+        With ``drive=False`` the answer is made durable and the lease released
+        (the caller enqueues the drive); None is returned then.
+        """
+        execution_id = state.execution_id
+        async with lease:
+            if drive or self.flows.versions(state.flow_id or ""):
+                # Judge the code before the answer is written: a refused drive must
+                # leave the log exactly as it was (ADR 0113 D2), not hold an answer
+                # nobody can consume.
+                self.flows.pinned(execution_id, state.flow_id, state.flow_hash,
+                                  state.flow_version, state.code_hash,
+                                  allow_code_mismatch=self.options.allow_flow_code_mismatch)
+            events = make_events(execution_id, state.sequence, self.clock(), bodies)
+            await self.writer.write(lease, events)
+            if not drive:
+                return None
+            return await self.drive(execution_id, lease)
+
+    async def close(self) -> None:
+        """Wait for the runs and background work of this engine."""
+        tasks = [t for t in self.background if not t.done()]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+__all__ = ["WAKE_EVENTS", "Engine", "RunFuture"]

@@ -1,0 +1,178 @@
+"""A fence held for one piece of work: ``async with lease:`` releases it on every exit.
+
+``Lease.take`` supersedes any holder (``acquire_fence``: drive, cancel,
+resume_as, the lifecycle's repair); ``Lease.take_if_free`` takes the fence only
+when no live lease is held (start, resume, send, timers, the sweeper, the
+fleet's workers). The block that took it releases it when it leaves, by
+return, exception or cancellation, with two exceptions (decision 0004):
+
+- **A write under it failed and its fate is unknown** (the store became
+  unavailable, the write was cancelled mid-flight): the write may have landed,
+  so the lease is left to expire and the next holder finds out what did.
+- **The writer was fenced out** (``StaleFenceError``): the lease is not ours any
+  more; a release would be refused anyway.
+
+A write the store refused outright (a taken slot, a hole, a shape it rejects)
+wrote nothing, so the lease is released as usual. ``LogWriter`` and a run's
+journal report failed writes with ``write_failed``; ``pass_on`` hands the fence
+to whoever continues the work (a run), and that one's ``async with`` releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from fleet.kernel.errors import (
+    DuplicateSequenceError,
+    SequenceGapError,
+    StaleFenceError,
+    ValidationError,
+)
+from fleet.kernel.observers import Warner
+from fleet.kernel.store.spi import EventStore, FenceGrant
+
+# A store that raises one of these refused the write before writing anything.
+_REFUSED_OUTRIGHT = (DuplicateSequenceError, SequenceGapError, ValidationError)
+
+
+def keeps_lease(exc: BaseException) -> bool:
+    """Whether a writer whose write raised ``exc`` must leave its lease to expire.
+
+    True when the write was fenced out (not our lease any more) or interrupted
+    (it may have landed); False when the store refused it outright.
+    """
+    if isinstance(exc, StaleFenceError):
+        return True
+    return not isinstance(exc, _REFUSED_OUTRIGHT)
+
+
+class Lease:
+    """The fence of one execution, held by one block of work (an async context manager).
+
+    Args:
+        store: The store the fence lives in.
+        grant: What ``acquire_fence`` / ``acquire_fence_if`` returned.
+        warner: Where a failed release is reported (the lease then expires on its own).
+    """
+
+    __slots__ = ("_done", "grant", "kept", "store", "warner")
+
+    def __init__(self, store: EventStore, grant: FenceGrant, *, warner: Warner) -> None:
+        self.store = store
+        self.grant = grant
+        self.warner = warner
+        # Why the lease is left to expire (a write under it failed that way), or None.
+        self.kept: BaseException | None = None
+        self._done = False
+
+    @classmethod
+    async def take(cls, store: EventStore, execution_id: str, *, holder: str, lease_ms: int,
+                   warner: Warner) -> Lease:
+        """Take the fence, superseding whoever holds it."""
+        grant = await store.acquire_fence(execution_id, holder=holder, lease_ms=lease_ms)
+        return cls(store, grant, warner=warner)
+
+    @classmethod
+    async def take_if_free(cls, store: EventStore, execution_id: str, *, holder: str,
+                           lease_ms: int, warner: Warner) -> Lease | None:
+        """Take the fence only when no live lease is held; ``None`` when one is."""
+        grant = await store.acquire_fence_if(execution_id, holder=holder, lease_ms=lease_ms)
+        return None if grant is None else cls(store, grant, warner=warner)
+
+    @property
+    def execution_id(self) -> str:
+        return self.grant.execution_id
+
+    @property
+    def token(self) -> int:
+        return self.grant.token
+
+    @property
+    def released(self) -> bool:
+        """Whether this lease has let go (released, kept to expire, or passed on)."""
+        return self._done
+
+    def write_failed(self, exc: BaseException) -> None:
+        """A write under this lease raised ``exc``: keep the lease if its fate is unknown."""
+        if self.kept is None and keeps_lease(exc):
+            self.kept = exc
+
+    def pass_on(self) -> Lease:
+        """Hand the fence to whoever continues the work; this lease then lets go of nothing."""
+        self._done = True
+        return Lease(self.store, self.grant, warner=self.warner)
+
+    async def release(self) -> None:
+        """Release the fence now (once), unless a failed write keeps it (see the module)."""
+        if self._done:
+            return
+        self._done = True
+        if self.kept is not None:
+            return
+        try:
+            await self.store.release_fence(self.grant.execution_id, self.grant.token)
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
+            self.warner.warn(f"could not release the lease of {self.grant.execution_id!r}: "
+                             f"{type(exc).__name__}: {exc} (it expires on its own)",
+                             key="release")
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.release()
+
+    def keep_alive(self, *, lease_ms: int, alive: Callable[[], bool],
+                   tasks: set[asyncio.Task[Any]]) -> Renewal:
+        """Renew this lease every ``lease_ms / 3`` while ``alive()``; ``stop()`` the result."""
+        return Renewal(self, lease_ms=lease_ms, alive=alive, tasks=tasks)
+
+    def __repr__(self) -> str:
+        return f"Lease({self.grant.execution_id!r}, token={self.grant.token})"
+
+
+class Renewal:
+    """Renews a lease on a loop timer (no task per run) until ``stop``.
+
+    A renewal lost to a store outage is warned, not fatal: the run's next write
+    fails too, or the lease lapses and the next holder fences the run out.
+    """
+
+    __slots__ = ("_alive", "_handle", "_interval", "_lease", "_lease_ms", "_loop", "_tasks")
+
+    def __init__(self, lease: Lease, *, lease_ms: int, alive: Callable[[], bool],
+                 tasks: set[asyncio.Task[Any]]) -> None:
+        self._lease = lease
+        self._lease_ms = lease_ms
+        self._alive = alive
+        self._tasks = tasks
+        self._interval = lease_ms / 3000
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(self._interval,
+                                                                         self._beat)
+
+    def _beat(self) -> None:
+        if self._handle is None or not self._alive():
+            return
+        grant = self._lease.grant
+        task = self._loop.create_task(self._lease.store.renew_lease(
+            grant.execution_id, grant.token, lease_ms=self._lease_ms))
+        self._tasks.add(task)
+        task.add_done_callback(self._renewed)
+        self._handle = self._loop.call_later(self._interval, self._beat)
+
+    def _renewed(self, task: asyncio.Task[bool]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self._lease.warner.warn(
+                f"could not renew the lease of {self._lease.execution_id!r}: "
+                f"{type(exc).__name__}: {exc}", key="renew")
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None

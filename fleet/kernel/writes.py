@@ -1,0 +1,133 @@
+"""The one write path for events the kernel writes outside a run's journal.
+
+A run writes through its ``Journal`` (``fleet.kernel.journal``). Everything
+else the kernel appends goes through ``LogWriter``: a start's
+``EXECUTION_STARTED`` (and a continue-as-new successor's), resume's
+``EXECUTION_RESUMED``, send's ``MESSAGE_RECEIVED``, cancel's ``STEP_CANCELLED`` /
+``EXECUTION_CANCELLED``, a timer's ``TIMER_FIRED``, a reopen's bootstrap
+(``resume_as``), the late ``OUTCOME_RECORDED`` and the ``EXECUTION_DENIED``
+audit, and the lifecycle's repair (a writer with no observers: ADR 0147 does
+not report maintenance paths).
+
+``write`` appends under a lease's fence; ``write_if_unchanged`` appends with
+the store's conditional append, for the two writers the records keep off the
+fence (ADR 0116 Q1: a late outcome; decision 0007: the denial audit). Either
+way, once the store has the events they are reported to ``on_event`` and then
+``on_durable_event`` (``Observers.stored``); a refused write reports nothing,
+is warned through ``on_warn`` and re-raised, and tells its lease whether to
+stay (``Lease.write_failed``). ``append_events`` is the journal's call into the
+store. No other kernel code appends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fleet.kernel.errors import DuplicateSequenceError
+from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.lease import Lease
+from fleet.kernel.observers import Observers
+from fleet.kernel.store.spi import (
+    ConditionalAppendResult,
+    EventStore,
+    TipObservation,
+    append_many,
+)
+
+
+async def append_events(store: EventStore, events: Sequence[EventEnvelope], *,
+                        fence: int | None) -> None:
+    """Hand a journal's ``events`` (contiguous, one execution) to the store in one call.
+
+    One event is a plain ``append`` (the common case of a run's write chain);
+    more are one all-or-nothing ``append_batch``.
+    """
+    if len(events) == 1:
+        await store.append(events[0], fence=fence)
+    else:
+        await store.append_batch(events, fence=fence)
+
+
+def make_events(execution_id: str, after: int, now: int,
+                bodies: Sequence[tuple[EventType, dict[str, Any]]]) -> list[EventEnvelope]:
+    """Kernel-stamped envelopes for ``bodies`` in the slots after sequence ``after``."""
+    return [EventEnvelope.make(execution_id, after + 1 + i, type_, now, body)
+            for i, (type_, body) in enumerate(bodies)]
+
+
+class LogWriter:
+    """Appends events outside a run's journal, then reports them (see the module).
+
+    Args:
+        store: The event store.
+        observers: Who hears of a stored event; ``None`` reports nothing (maintenance).
+    """
+
+    __slots__ = ("observers", "store")
+
+    def __init__(self, store: EventStore, observers: Observers | None) -> None:
+        self.store = store
+        self.observers = observers
+
+    async def write(self, lease: Lease, events: Sequence[EventEnvelope]) -> None:
+        """Append ``events`` under ``lease``'s fence and report them once stored.
+
+        Raises:
+            whatever the store raised (nothing was reported; ``lease`` knows).
+        """
+        try:
+            # Always the all-or-nothing batch append, even for one event: a
+            # bootstrap is one batch (ADR 0116 round 3 A), and a store decorator
+            # sees every write from outside a run the same way.
+            await self.store.append_batch(events, fence=lease.token)
+        except BaseException as exc:
+            lease.write_failed(exc)
+            self._refused(events, exc)
+            raise
+        if self.observers is not None:
+            self.observers.stored(events)
+
+    async def create_many(self, starts: Sequence[EventEnvelope]) -> list[BaseException | None]:
+        """Write each sequence-0 event (a new execution's ``EXECUTION_STARTED``) under
+        fence 0, all in one ``append_many`` (``Runtime.start_many``); report those stored.
+
+        An answer per event: None (written) or the store's refusal for it alone
+        (``StaleFenceError``: its fence was ever taken; ``DuplicateSequenceError``: it
+        exists). Only what landed is reported.
+        """
+        answers = await append_many(self.store, [([event], 0) for event in starts])
+        stored = [event for event, answer in zip(starts, answers, strict=True)
+                  if answer is None]
+        if stored and self.observers is not None:
+            self.observers.stored(stored)
+        return answers
+
+    async def observe(self, execution_id: str) -> TipObservation:
+        """The tip a conditional write compares (``append_if_unchanged`` with no event)."""
+        return (await self.store.append_if_unchanged(execution_id, None)).tip
+
+    async def write_if_unchanged(self, event: EventEnvelope,
+                                 expect: TipObservation) -> ConditionalAppendResult:
+        """Append ``event`` iff the tip still equals ``expect``; report it if it landed."""
+        try:
+            result = await self.store.append_if_unchanged(event.execution_id, event, expect)
+        except BaseException as exc:
+            self._refused((event,), exc)
+            raise
+        if result.appended and self.observers is not None:
+            self.observers.stored((event,))
+        return result
+
+    def _refused(self, events: Sequence[EventEnvelope], exc: BaseException) -> None:
+        # A taken slot is a race its caller settles (an idempotent start, a reopen
+        # re-slotting over late outcomes); a cancelled write is the caller's own doing.
+        if self.observers is None or not isinstance(exc, Exception) \
+                or isinstance(exc, DuplicateSequenceError):
+            return
+        first = events[0]
+        kinds = ", ".join(dict.fromkeys(str(e.type) for e in events))
+        self.observers.warner.warn(
+            f"write of {kinds} to {first.execution_id!r} at sequence {first.sequence} was "
+            f"refused, nothing reported: {type(exc).__name__}: {exc}",
+            key=f"write-refused:{first.execution_id}")
