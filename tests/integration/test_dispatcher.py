@@ -26,9 +26,16 @@ from postgres_server import throwaway_database
 from redis_server import url_with_db
 
 from fleet.config import FleetSettings
-from fleet.dispatcher import Dispatcher
+from fleet.dispatcher import Dispatcher, Send, Start
 from fleet.dispatcher.signing import sign_dispatch
-from fleet.kernel.errors import ConfigurationError, ExecutionCancelledError, ValidationError
+from fleet.kernel.errors import (
+    AccessDeniedError,
+    ConfigurationError,
+    ExecutionCancelledError,
+    ExecutionNotFoundError,
+    ValidationError,
+    WaitTimeoutError,
+)
 from fleet.kernel.security import Principal
 from fleet.workers import make_app
 
@@ -266,3 +273,44 @@ def test_the_worker_log_has_no_task_failure(fleet: Fleet) -> None:
     log = fleet.worker.log()
     assert "raised unexpected" not in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_wait_result_and_every_sync_twin_from_plain_code(fleet: Fleet) -> None:
+    """Issue 15 item 3 (the dispatcher's half): wait for a state, a result, with sync twins
+    for all of it, for executions a worker process drives."""
+    owner = Principal("ops", tenant="acme")
+    stranger = Principal("eve", tenant="other")
+    with Dispatcher(fleet.settings) as dispatcher:
+        gated = dispatcher.start_sync("fleet-gate", 1, principal=owner)
+        parked = dispatcher.wait_sync(gated, until="parked", timeout=30, principal=owner)
+        assert (parked.status, parked.waiting_on) == ("parked", "approval")
+        with pytest.raises(WaitTimeoutError) as waited:
+            dispatcher.wait_sync(gated, until="terminal", timeout=0.3, principal=owner)
+        assert isinstance(waited.value, TimeoutError)
+        assert "parked on 'approval'" in str(waited.value)
+        with pytest.raises(WaitTimeoutError):
+            dispatcher.result_sync(gated, timeout=0.3, principal=owner)
+        with pytest.raises(AccessDeniedError):
+            dispatcher.result_sync(gated, timeout=1, principal=stranger)
+        with pytest.raises(ValidationError):
+            dispatcher.wait_sync(gated, until="bogus", principal=owner)  # type: ignore[arg-type]
+        with pytest.raises(ExecutionNotFoundError):
+            dispatcher.wait_sync("no-such-execution", timeout=1)
+        order = dispatcher.write_resume_sync(gated, "approval", "yes", principal=owner)
+        dispatcher.publish_sync([order])
+        assert dispatcher.result_sync(gated, timeout=30, principal=owner) == {
+            "before": 2, "approved": "yes"}
+        done = dispatcher.wait_sync(gated, timeout=1, principal=owner)
+        assert done.status == "completed"
+
+        receivers = dispatcher.start_many_sync([Start("fleet-receive", n, principal=owner)
+                                                for n in (1, 2)])
+        for eid in receivers:
+            dispatcher.wait_sync(eid, until="parked", timeout=30, principal=owner)
+        woke = dispatcher.send_many_sync([Send(eid, "ping", {"to": eid}, principal=owner)
+                                          for eid in receivers])
+        assert woke == [True, True]
+        for n, eid in zip((1, 2), receivers, strict=True):
+            assert dispatcher.result_sync(eid, timeout=30, principal=owner) == {
+                "before": n + 1, "message": {"to": eid}}
+        dispatcher.enqueue_drive_sync(receivers[0])  # a harmless extra: it finds it ended
