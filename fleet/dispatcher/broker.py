@@ -1,8 +1,9 @@
 """The dispatcher's Celery app: what every producer of ``fleet.drive`` speaks.
 
 ``producer_app(settings)`` is a Celery app on the fleet's broker with the
-fleet's wire format (JSON), its default queue and its drive router, and the
-settings it was made from (``app.fleet_settings``). It registers no task and
+fleet's wire format (JSON), its default queue and its drive router, deadlines
+on every broker call (``deadline_conf``), and the settings it was made from
+(``app.fleet_settings``). It registers no task and
 starts no worker: publishing a drive needs only the task's name. The workers'
 app (``fleet.workers.make_app``) is this app plus the tasks, the delivery
 settings, the stats bootstep and the process hooks.
@@ -16,6 +17,12 @@ from fleet.config import FleetSettings
 from fleet.dispatcher.routing import DriveRouter, check_routes
 from fleet.host.broker import broker_conf
 from fleet.host.celery_api import Celery, broker_app
+
+#: A publish through Celery (``send_task``) retries twice, briefly: with the connect
+#: and command deadlines of ``broker_conf``, a broker that never answers fails it in
+#: bounded time (issue 10 item 4) rather than after Celery's default retries.
+PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2,
+                 "interval_max": 0.5}
 
 
 class FleetCelery(Celery):  # type: ignore[misc]
@@ -44,7 +51,8 @@ def producer_app(settings: FleetSettings, *, main: str = "fleet-dispatcher",
                      consumes_tasks=consumes_tasks, task_default_queue=settings.queue,
                      task_routes=(DriveRouter(routes, settings.queue),),
                      task_ignore_result=result_backend is None,
-                     **{**broker_conf(settings), **conf})
+                     **{**broker_conf(settings), "task_publish_retry_policy": PUBLISH_RETRY,
+                        **conf})
     app.fleet_settings = settings
     return app
 

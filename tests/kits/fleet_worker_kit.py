@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import redis
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CELERY = str(Path(sys.executable).with_name("celery"))
@@ -90,7 +92,7 @@ class WorkerProcess:
         app's pooled connection is stale) raises a connection error; the next
         one reconnects, so that counts as "not yet", like no answer.
         """
-        errors = connection_errors(app)
+        errors = (*connection_errors(app), OSError, redis.exceptions.ConnectionError)
         deadline = time.monotonic() + timeout
         last: BaseException | None = None
         while time.monotonic() < deadline:
