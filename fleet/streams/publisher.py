@@ -143,8 +143,9 @@ class EventPublisher:
             raise ConfigurationError(
                 f"{stream!r} is the relay's stream (FLEET_EVENTS_STREAM): the publisher "
                 "writes to a stream of its own")
-        client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0,
-                                         socket_timeout=10.0)
+        client = aioredis.Redis.from_url(
+            settings.redis_url, socket_connect_timeout=settings.broker_connect_timeout_s,
+            socket_timeout=settings.broker_socket_timeout_s)
         kwargs.setdefault("maxlen", settings.events_maxlen)
         kwargs.setdefault("buffer_bytes", settings.publisher_buffer_bytes)
         return cls(client, stream=stream, close_client=True, **kwargs)

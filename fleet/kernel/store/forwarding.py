@@ -13,6 +13,7 @@ from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.spi import (
     ORIGIN,
+    AppendRequest,
     CommittedEvent,
     ConditionalAppendResult,
     CountsExecutions,
@@ -22,6 +23,7 @@ from fleet.kernel.store.spi import (
     FenceGrant,
     Position,
     TipObservation,
+    append_many,
 )
 
 
@@ -37,6 +39,11 @@ class ForwardingEventStore:
     async def append_batch(self, events: Sequence[EventEnvelope], *,
                            fence: int | None = None) -> None:
         await self.inner.append_batch(events, fence=fence)
+
+    async def append_many(self, requests: Sequence[AppendRequest],
+                          ) -> list[BaseException | None]:
+        """The inner store's ``append_many`` (one round trip), or one request at a time."""
+        return await append_many(self.inner, requests)
 
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,
