@@ -123,9 +123,10 @@ class FleetSettings(BaseSettings):
         0.25, gt=0, description="how often a caught-up relay reads the store when no commit "
         "signal arrives (SQLite and memory always poll)")
     relay_linger_ms: float = Field(
-        0.0, ge=0, le=1000, description="after a short batch, how long the relay lets "
-        "commits gather before it reads again (fuller batches under steady load, at most "
-        "this much more lag)")
+        2.0, ge=0, le=1000, description="after a short batch, how long the relay lets "
+        "commits gather before it reads again: under a steady load it reads fuller batches "
+        "and never arms the doorbell (no NOTIFY from the writers); at most this much more "
+        "lag")
     relay_notify: bool = Field(
         True, description="on Postgres, wake the relay with LISTEN/NOTIFY (the first commit "
         "after it went idle rings it); off: poll only")
