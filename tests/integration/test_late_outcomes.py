@@ -499,6 +499,88 @@ async def test_restore_terminal_event_repairs_an_old_compaction(stores: Stores) 
                                     principal=ALICE)).appended
 
 
+async def test_an_old_compacted_log_refuses_a_late_outcome_until_repaired(
+        stores: Stores) -> None:
+    """Round 3 P3 item 1 / round 4 item 5 with a high-water head (issue 13 item 4): the
+    head stays at T after the old compaction, so head + 1 is free, but the log holds
+    no terminal event to date its end from: refused, nothing written, until repaired."""
+    rt = runtime_for(stores)
+    eid = await finished(rt)
+    terminal = await _old_kernel_compaction(stores, eid)
+    assert await stores[0].head(eid) == terminal  # the mark did not move back
+    before = await dump(stores[0], eid)
+    with pytest.raises(OutcomeRefusedError, match="repair terminal-event") as info:
+        await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
+                                principal=ALICE)
+    assert f"checkpoint at sequence {terminal}" in str(info.value)
+    assert await dump(stores[0], eid) == before
+    await LogLifecycle(stores[0], stores[1]).restore_terminal_event(eid, apply=True)
+    assert (await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
+                                    principal=ALICE)).appended
+
+
+class _NoHighWater(ForwardingEventStore):
+    """The head a store WITHOUT a high-water mark reports (the record's stores): the
+    highest sequence it still holds, so a compaction moves it back."""
+
+    async def _held(self, execution_id: str) -> int | None:
+        events = await self.inner.read(execution_id)
+        return events[-1].sequence if events else None
+
+    async def head(self, execution_id: str) -> int | None:
+        return await self._held(execution_id)
+
+    async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
+                                  expect: TipObservation | None = None,
+                                  ) -> ConditionalAppendResult:
+        result = await self.inner.append_if_unchanged(execution_id, event, expect)
+        tip = result.tip
+        return ConditionalAppendResult(result.appended, result.reason, TipObservation(
+            await self._held(execution_id), tip.fence, tip.anchor, tip.holder,
+            tip.lease_expires_at))
+
+
+async def test_a_log_folded_above_its_stored_head_is_refused(stores: Stores) -> None:
+    """The record's own shape of an old compaction: [0] + a checkpoint at T, the head
+    back at 0. The checkpoint above the head is folded, not ignored (ignoring it folded
+    sequence 0 alone and answered ExecutionNotTerminalError)."""
+    eid = await finished(runtime_for(stores))
+    terminal = await _old_kernel_compaction(stores, eid)
+    rt = Runtime(_NoHighWater(stores[0]), snapshots=stores[1], flows=[deal])
+    before = await dump(stores[0], eid)
+    with pytest.raises(OutcomeRefusedError,
+                       match=f"sequence {terminal} above its stored head 0"):
+        await rt.record_outcome(eid, decision_id="price", key="k", score=1.0, system=True)
+    assert await dump(stores[0], eid) == before
+
+
+async def test_the_repair_dates_the_end_from_the_original_terminal_event(
+        stores: Stores) -> None:
+    """A late outcome an older fleet accepted on an unrepaired old-compacted log (10 days
+    after the end) must not date the end: the repair writes the checkpoint's time."""
+    clock = Clock()
+    rt = runtime_for(stores, clock=clock)
+    eid = await finished(rt)
+    ended = (await stores[0].read(eid))[-1].timestamp
+    terminal = await _old_kernel_compaction(stores, eid)
+    ten_days = 10 * 24 * 3600 * 1000
+    await stores[0].append(EventEnvelope.make(
+        eid, terminal + 1, EventType.OUTCOME_RECORDED, ended + ten_days,
+        {"decisionId": "price", "key": "k", "score": 1.0, "recordedBy": "system",
+         "late": True}))
+    lifecycle = LogLifecycle(stores[0], stores[1], terminal_ttl_ms=1_000)
+    assert (await rt.load_state(eid, system=True)).updated_at == ended + ten_days
+    dry = await lifecycle.restore_terminal_event(eid)
+    assert (dry.sequence, dry.ended_at) == (terminal + 2, ended)
+    done = await lifecycle.restore_terminal_event(eid, apply=True)
+    assert (done.sequence, done.ended_at) == (terminal + 2, ended)
+    assert (await stores[0].read(eid))[-1].timestamp == ended
+    assert await lifecycle.retention_end(eid) == ended
+    report = await lifecycle.sweep(now=ended + 1_000)
+    assert report.deleted == 1
+    assert await stores[0].read(eid) == []
+
+
 async def test_restore_refuses_running_and_continued_executions(stores: Stores) -> None:
     @flow("chain", version=1)
     async def chain(ctx: Context, n: int) -> int:
