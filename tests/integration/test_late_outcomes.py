@@ -292,6 +292,70 @@ async def test_a_deleted_execution_is_not_found(stores: Stores) -> None:
     assert await stores[0].read(eid) == []
 
 
+class _DeletesAfterObserving(ForwardingEventStore):
+    """The retention sweep at its worst moment: it deletes the log right after
+    ``record_outcome`` observed the tip, before its read (the checkpoint, deleted
+    after the events as the sweep does, is still there)."""
+
+    def __init__(self, inner: EventStore) -> None:
+        super().__init__(inner)
+        self.armed = True
+
+    async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
+                                  expect: TipObservation | None = None,
+                                  ) -> ConditionalAppendResult:
+        result = await self.inner.append_if_unchanged(execution_id, event, expect)
+        if event is None and self.armed:
+            self.armed = False
+            await self.inner.delete_execution(execution_id)
+        return result
+
+
+@pytest.mark.parametrize("compacted", [False, True], ids=["plain", "compacted"])
+async def test_a_delete_between_the_observation_and_the_read_is_not_found(
+        stores: Stores, compacted: bool) -> None:
+    """Issue 13 item 6: the read after the observation finds an empty log (or only the
+    checkpoint): that is "gone", never ExecutionNotTerminalError("... is pending")."""
+    eid = await finished(runtime_for(stores))
+    if compacted:
+        await LogLifecycle(stores[0], stores[1]).compact(eid)
+    rt = Runtime(_DeletesAfterObserving(stores[0]), snapshots=stores[1], flows=[deal])
+    with pytest.raises(ExecutionNotFoundError):
+        await rt.record_outcome(eid, decision_id="price", key="k", score=1.0, system=True)
+    assert await stores[0].read(eid) == []
+
+
+async def test_deletes_racing_late_outcomes_read_as_gone(stores: Stores) -> None:
+    """Real concurrency (on Postgres: separate connections of one pool): four late
+    outcomes racing the delete of their execution, twenty times, the delete let go
+    after 0 to 9 turns of the loop so it lands in every phase of the calls on the
+    embedded stores too. Each call either landed before the delete or is not found;
+    none says the execution is pending, and nothing is left behind (no orphan)."""
+    rt = runtime_for(stores)
+    seen: list[str] = []
+
+    async def delete(eid: str, turns: int) -> None:
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        await stores[0].delete_execution(eid)
+
+    for round_ in range(20):
+        eid = await finished(rt)
+        calls = [rt.record_outcome(eid, decision_id="price", key=f"k{i}", score=1.0,
+                                   system=True) for i in range(4)]
+        results = await asyncio.gather(delete(eid, round_ % 10), *calls,
+                                       return_exceptions=True)
+        for result in results[1:]:
+            if isinstance(result, BaseException):
+                assert isinstance(result, ExecutionNotFoundError), repr(result)
+                seen.append("not found")
+            else:
+                assert result.appended
+                seen.append("appended")
+        assert await stores[0].read(eid) == []
+    assert "not found" in seen
+
+
 # -- Q1: the conditional append, through decorators that misbehave ------------
 
 class _NoConditionalAppend(ForwardingEventStore):
