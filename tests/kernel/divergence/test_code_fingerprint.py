@@ -262,7 +262,8 @@ async def test_a_migration_re_arms_the_comparison_against_the_target() -> None:
     runtime = Runtime(store, flows=[v1, v2])
     # Drives after the migration compare against v2's fingerprint, not v1's:
     # were v1's still compared, this resume_as would already be refused.
-    await runtime.resume_as(eid, version=2)
+    # force: the target declares no steps, which replay-check refuses (decision 0013).
+    await runtime.resume_as(eid, version=2, strategy="force")
     [migrated] = [e for e in await store.read(eid) if str(e.type) == "EXECUTION_MIGRATED"]
     assert migrated.payload["toCodeHash"] == "v2-build"
     assert (await runtime.load_state(eid)).code_hash == "v2-build"
@@ -285,7 +286,8 @@ async def test_a_migration_to_a_version_without_fingerprint_clears_it() -> None:
     v1 = _gated(ran, version=1, code_fingerprint="v1-build")
     eid = await started(Runtime(store, flows=[v1]), "gated", 1)
     runtime = Runtime(store, flows=[v1, _gated(ran, version=2)])
-    await runtime.resume_as(eid, version=2)
+    # force: the target declares no steps, which replay-check refuses (decision 0013).
+    await runtime.resume_as(eid, version=2, strategy="force")
     [migrated] = [e for e in await store.read(eid) if str(e.type) == "EXECUTION_MIGRATED"]
     assert migrated.payload["toCodeHash"] == ""
     assert (await runtime.load_state(eid)).code_hash is None
