@@ -8,6 +8,7 @@ docs/decisions/0009-adr-0116-tests.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -163,6 +164,58 @@ async def test_refused_while_running_and_the_holder_still_appends(stores: Stores
     assert await handle.result(timeout=10) == "done"
 
 
+@flow("ends", version=1)
+async def ends(ctx: Context, how: str) -> str:
+    await ctx.decide("price", _price)
+    if how == "fail":
+        raise RuntimeError("the flow's own failure")
+    if how == "continue":
+        await ctx.continue_as_new("done")
+    if how == "wait":
+        await ctx.wait("approval")
+    return "done"
+
+
+async def _ended(rt: Runtime, how: str) -> str:
+    handle = await rt.start("ends", how, principal=ALICE)
+    eid = handle.execution_id
+    if how == "wait":
+        for _ in range(200):
+            if (await rt.load_state(eid, system=True)).parked:
+                break
+            await asyncio.sleep(0.01)
+        await rt.cancel(eid, principal=ALICE)
+    else:
+        with contextlib.suppress(Exception):
+            await handle.result(timeout=10)
+    return eid
+
+
+@pytest.mark.parametrize(("how", "status"), [
+    ("fail", "failed"), ("wait", "cancelled"), ("continue", "continued")])
+async def test_late_outcomes_attach_to_failed_cancelled_and_continued_executions(
+        stores: Stores, how: str, status: str) -> None:
+    """D1 and the R1b note: every terminal status takes a late outcome, status unchanged;
+    a continued one takes it on the id the caller named, never the head of the chain."""
+    rt = Runtime(stores[0], snapshots=stores[1], flows=[ends])
+    eid = await _ended(rt, how)
+    state = await rt.load_state(eid, system=True)
+    assert state.status == status
+    result = await rt.record_outcome(eid, decision_id="price", key="csat:1", score=0.4,
+                                     principal=ALICE)
+    assert result.appended
+    [written] = late(await stores[0].read(eid))
+    assert (written.execution_id, written.sequence) == (eid, result.sequence)
+    after = await rt.load_state(eid, system=True)
+    assert after.status == status
+    assert after.outcomes[-1]["key"] == "csat:1"
+    if how == "continue":
+        successor = state.next_execution_id
+        assert successor is not None
+        assert late(await stores[0].read(successor)) == []
+        assert (await rt.load_state(successor, system=True)).status == "completed"
+
+
 async def test_two_concurrent_identical_calls_append_once(stores: Stores) -> None:
     rt = runtime_for(stores)
     eid = await finished(rt)
@@ -212,6 +265,54 @@ async def test_refusals_leave_the_log_byte_for_byte_unchanged(
     before = await dump(stores[0], eid)
     with pytest.raises(error):
         await rt.record_outcome(eid, principal=ALICE, **kwargs)
+    assert await dump(stores[0], eid) == before
+
+
+ORDER: list[tuple[str, str, Principal, dict[str, Any], type[Exception]]] = [
+    # (case, the execution, caller, arguments, the error of the check judged FIRST)
+    ("not found before authorise", "missing", EVE, {"score": 1.0}, ExecutionNotFoundError),
+    ("authorise before shape", "finished", EVE, {"score": math.nan}, AccessDeniedError),
+    ("shape before terminal", "parked", ALICE, {"score": math.nan}, ValidationError),
+    ("terminal before decision exists", "parked", ALICE,
+     {"score": 1.0, "decision_id": "invented"}, ExecutionNotTerminalError),
+    # An outcome for a decision the log never made (another writer's, unstamped): the
+    # same value again is refused for the decision, not answered as a duplicate.
+    ("decision exists before duplicate", "ghost outcome", ALICE,
+     {"score": 1.0, "decision_id": "ghost"}, OutcomeRefusedError),
+]
+
+
+@pytest.mark.parametrize(("case", "which", "who", "kwargs", "error"), ORDER,
+                         ids=[o[0] for o in ORDER])
+async def test_the_order_of_checks_is_the_records(
+        stores: Stores, case: str, which: str, who: Principal, kwargs: dict[str, Any],
+        error: type[Exception]) -> None:
+    """Implementation notes, order of checks: not found -> authorise annotate -> shape
+    -> (inside the loop) terminal -> decision exists -> (decision_id, key). Each case
+    breaks two adjacent checks and expects the earlier one's error; swapping either
+    pair in outcomes.py fails a case (checked by hand, 2026-12-01). Log untouched."""
+    rt = runtime_for(stores)
+    if which == "finished":
+        eid = await finished(rt)
+    elif which == "ghost outcome":
+        eid = await finished(rt)
+        head = await stores[0].head(eid)
+        assert head is not None
+        await stores[0].append(EventEnvelope.make(
+            eid, head + 1, EventType.OUTCOME_RECORDED, 1,
+            {"decisionId": "ghost", "key": "k", "score": 1.0}, kernel=False))
+    elif which == "parked":
+        eid = (await rt.start("gated", 1, principal=ALICE)).execution_id
+        for _ in range(200):
+            if (await rt.load_state(eid, system=True)).parked:
+                break
+            await asyncio.sleep(0.01)
+    else:
+        eid = "no-such-run"
+    before = await dump(stores[0], eid)
+    args = {"decision_id": "price", "key": "k", **kwargs}
+    with pytest.raises(error):
+        await rt.record_outcome(eid, principal=who, **args)
     assert await dump(stores[0], eid) == before
 
 
@@ -354,6 +455,104 @@ async def test_deletes_racing_late_outcomes_read_as_gone(stores: Stores) -> None
                 seen.append("appended")
         assert await stores[0].read(eid) == []
     assert "not found" in seen
+
+
+@flow("rated", version=1)
+async def rated(ctx: Context, _: Any) -> str:
+    await ctx.decide("price", _price)
+    await ctx.outcome("price", "csat", score=0.5)  # the flow's own, in-run
+    return "done"
+
+
+async def test_in_run_and_late_outcomes_share_the_decision_and_key_identity(
+        stores: Stores) -> None:
+    """Review round 1: (decision_id, key) is one identity across in-run and late
+    outcomes: the in-run value again is a duplicate, another value a conflict."""
+    rt = Runtime(stores[0], snapshots=stores[1], flows=[rated])
+    handle = await rt.start("rated", None, principal=ALICE)
+    assert await handle.result(timeout=10) == "done"
+    eid = handle.execution_id
+    before = await dump(stores[0], eid)
+    again = await rt.record_outcome(eid, decision_id="price", key="csat", score=0.5,
+                                    principal=ALICE)
+    assert (again.appended, again.sequence) == (False, None)
+    with pytest.raises(OutcomeRefusedError, match="new key"):
+        await rt.record_outcome(eid, decision_id="price", key="csat", score=0.9,
+                                principal=ALICE)
+    assert await dump(stores[0], eid) == before
+    # A namespaced key is another identity.
+    assert (await rt.record_outcome(eid, decision_id="price", key="late:csat", score=0.9,
+                                    principal=ALICE)).appended
+
+
+async def test_the_existence_oracle_on_a_parked_execution(stores: Stores) -> None:
+    """Review round 1: an authorised caller learns that the execution exists and is not
+    terminal; an unauthorised one is denied before either is revealed (it cannot tell a
+    parked execution from a finished one); not found is judged first (as send does)."""
+    rt = runtime_for(stores)
+    eid = (await rt.start("gated", 1, principal=ALICE)).execution_id
+    for _ in range(200):
+        if (await rt.load_state(eid, system=True)).parked:
+            break
+        await asyncio.sleep(0.01)
+    done = await finished(rt)
+    before = await dump(stores[0], eid)
+    with pytest.raises(ExecutionNotTerminalError, match="parked"):
+        await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
+                                principal=ALICE)
+    denials = []
+    for target in (eid, done):  # the same answer, parked or finished
+        with pytest.raises(AccessDeniedError) as denied:
+            await rt.record_outcome(target, decision_id="price", key="k", score=1.0,
+                                    principal=EVE)
+        denials.append(str(denied.value).replace(target, "<id>"))
+    assert denials[0] == denials[1]
+    assert "parked" not in denials[0]
+    with pytest.raises(ExecutionNotFoundError):
+        await rt.record_outcome("no-such-run", decision_id="price", key="k", score=1.0,
+                                principal=EVE)
+    assert await dump(stores[0], eid) == before
+
+
+async def test_a_live_post_terminal_lease_never_blocks_a_late_outcome(stores: Stores) -> None:
+    """Round 3 A: a holder that took the fence after the end (an at-least-once
+    redispatch, recovery, a dead holder) neither blocks a late outcome nor loses its
+    fence to it: the outcome's append is conditional on the token, never presents it."""
+    rt = runtime_for(stores)
+    eid = await finished(rt)
+    grant = await stores[0].acquire_fence(eid, holder="redispatch", lease_ms=3_600_000)
+    tip = (await stores[0].append_if_unchanged(eid, None)).tip
+    assert tip.lease_expires_at is not None  # a live lease holds it
+    result = await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
+                                     principal=ALICE)
+    assert result.appended
+    after = (await stores[0].append_if_unchanged(eid, None)).tip
+    assert (after.fence, after.holder) == (grant.token, "redispatch")  # not bumped, not taken
+    assert after.head == result.sequence
+
+
+async def test_three_late_outcomes_each_inside_a_ttl_window_do_not_pin_a_compacted_log(
+        stores: Stores) -> None:
+    """Q3: each outcome arrives within the TTL of the previous one (and of the end), the
+    log compacted after each; retention still dates the end from the terminal event."""
+    clock = Clock()
+    rt = runtime_for(stores, clock=clock)
+    eid = await finished(rt)
+    ended = (await stores[0].read(eid))[-1].timestamp
+    ttl = 1_000
+    lifecycle = LogLifecycle(stores[0], stores[1], terminal_ttl_ms=ttl, clock=clock)
+    for i in range(3):
+        clock.now = ended + 300 * (i + 1)
+        assert (await rt.record_outcome(eid, decision_id="price", key=f"k{i}", score=1.0,
+                                        principal=ALICE)).appended
+        await lifecycle.compact(eid)
+        assert await lifecycle.retention_end(eid) == ended
+        assert (await lifecycle.sweep(now=clock.now)).kept == 1
+    log = await stores[0].read(eid)
+    assert log[-1].timestamp == ended + 900  # the newest event is 100 ms old at the sweep
+    assert (await lifecycle.sweep(now=ended + ttl - 1)).deleted == 0
+    assert (await lifecycle.sweep(now=ended + ttl)).deleted == 1
+    assert await stores[0].read(eid) == []
 
 
 # -- Q1: the conditional append, through decorators that misbehave ------------
