@@ -106,9 +106,10 @@ class Runtime:
             pass one spelling or the other, not both.
 
     ``on_event`` reports an event as the run folds it, before its write, so it
-    can report an event that never became durable; ``on_durable_event`` reports
-    only what the log holds (ADR 0147). Counters are in ``stats`` and readable
-    as attributes (``runtime.divergence_warnings``).
+    can report an event that never became durable (a failed, refused or lost
+    write); anything that acts on events should use ``on_durable_event``, which
+    reports only what the log holds (ADR 0147). Counters are in ``stats`` and
+    readable as attributes (``runtime.divergence_warnings``).
     """
 
     def __init__(self, store: EventStore, *, flows: Sequence[FlowDefinition] = (),
