@@ -15,7 +15,7 @@ reports: a code mismatch or a diverged replay is ``failed``, each named in
 ``divergence_parked``; the sweeper then learns of the refusal from the log:
 every tick it lists the executions parked on the divergence gate
 (``diverged``, the first ``shown`` by id, with the skipped steps the park
-names) and logs each one once, when it first sees it.
+names) and logs each as it first appears in that list.
 """
 
 from __future__ import annotations
