@@ -167,8 +167,7 @@ async def test_the_sweeper_names_a_refused_re_drive_with_its_reason(clocked: Any
     assert (sweeper.examined, sweeper.failed) == (1, 1)
 
 
-async def test_an_enqueuing_sweeper_surfaces_diverged_parks_from_the_log(
-        clocked: Any, caplog: pytest.LogCaptureFixture) -> None:
+async def test_an_enqueuing_sweeper_surfaces_diverged_parks_from_the_log(clocked: Any) -> None:
     """Enqueuing, a worker drives (and reports divergence_parked); the sweeper learns of
     the refusal from the log, lists it with its reason and logs it once."""
     store, clock = clocked
@@ -185,12 +184,25 @@ async def test_an_enqueuing_sweeper_surfaces_diverged_parks_from_the_log(
     worker = runtime(store, clock, divergence="fail")  # the worker the drive went to
     assert await worker.drive_if_free(eid)
     await worker.close()
-    with caplog.at_level(logging.WARNING, logger="fleet.recovery"):
+    # A handler on the logger itself, enabled: a logging configuration an earlier test
+    # (or an in-process Celery worker) applied may have disabled or detached it.
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("fleet.recovery")
+    saved = logger.disabled, logger.level
+    logger.disabled = False
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    try:
         await sweeper.tick()
         await sweeper.tick()
+    finally:
+        logger.removeHandler(handler)
+        logger.disabled, logger.level = saved
     assert enqueued == [eid]  # parked: not re-driven
     assert sweeper.stats()["diverged"] == [{"executionId": eid, "reason": "skipped 1: ghost"}]
-    assert [r.getMessage() for r in caplog.records].count(
+    assert [r.getMessage() for r in records].count(
         f"execution {eid} is parked on __fleet_diverged__ (skipped 1: ghost): fix, pin or "
         "migrate its code, then retry_diverged") == 1
     # Retried (the answer written, its drive enqueued elsewhere): no longer listed.
