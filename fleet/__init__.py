@@ -11,6 +11,7 @@ from fleet.kernel.errors import (
     BrokerUnavailableError,
     ConfigurationError,
     CorruptLogError,
+    DispatcherClosedError,
     DuplicateSequenceError,
     DuplicateStepError,
     EvaluationError,
@@ -47,6 +48,7 @@ from fleet.kernel.errors import (
     StoreError,
     StoreUnavailableError,
     ValidationError,
+    WaitTimeoutError,
 )
 from fleet.kernel.events import EVENT_SCHEMA, EventEnvelope, EventType
 from fleet.kernel.flows import Features, FlowDefinition, flow
@@ -70,6 +72,7 @@ __all__ = [
     "Context",
     "CorruptLogError",
     "Decision",
+    "DispatcherClosedError",
     "DuplicateSequenceError",
     "DuplicateStepError",
     "EvaluationError",
@@ -127,6 +130,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "ValidationError",
+    "WaitTimeoutError",
     "flow",
     "fold",
     "fold_log",

@@ -50,6 +50,7 @@ from fleet.kernel.run import ReplayFrontier as ReplayFrontier
 from fleet.kernel.run import Run as Run
 from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.security import AccessPolicy, Principal
+from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.timers import FiredTimer, Timers
 from fleet.kernel.writes import make_events
@@ -207,6 +208,12 @@ class Runtime:
             payload["deadlineAt"] = now + int(definition.deadline * 1000)
         run = await self.engine.begin(execution_id, definition, lease, payload, drive=drive)
         return ExecutionHandle(self, execution_id, run)
+
+    async def start_many(self, requests: Sequence[StartRequest]) -> list[ExecutionHandle]:
+        """Start a batch durably in one store round trip (``fleet.kernel.starts``); none
+        is driven here (as ``start(..., drive=False)``). A handle per request, in order;
+        a bad request refuses the batch before anything is written."""
+        return [ExecutionHandle(self, eid) for eid in await start_many(self, requests)]
 
     async def _lease_for_start(self, execution_id: str) -> Lease | None:
         """The lease to write a new log under; ``None`` once another start has written it.

@@ -8,6 +8,13 @@ parked on the divergence gate are parked, not running, so they are skipped.
 Several replicas are safe: the worker's drive takes the fence only when no
 live lease is held, so a duplicate drive steps aside.
 
+An execution whose drive is merely queued (workers busy with a backlog, or
+catching up after a broker restart) also looks like that. With ``recent``
+(the dispatcher's drive records, decision 0019) the sweeper leaves alone an
+execution whose last drive was enqueued less than ``grace_ms`` ago, doubled for
+each re-enqueue in a row (``queued`` in its stats): a lost message is still
+re-sent, a queued one is not sent again and again.
+
 Refused re-drives are surfaced with their ids and reasons (ADR 0113 fix round
 1 item 2). Driving here, the sweeper reports what ``Runtime.recover_abandoned``
 reports: a code mismatch or a diverged replay is ``failed``, each named in
@@ -21,8 +28,8 @@ names) and logs each as it first appears in that list.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from fleet.kernel.fold import DIVERGED_GATE
 from fleet.kernel.recovery import RecoveryFailure
@@ -33,6 +40,15 @@ Enqueue = Callable[[str], Awaitable[Any]]
 log = logging.getLogger("fleet.recovery")
 
 
+class DriveRecord(Protocol):
+    """When a drive was last enqueued (``fleet.dispatcher.publish.DriveRecord``)."""
+
+    def fresh(self, now_ms: int, grace_ms: int) -> bool: ...
+
+
+Recent = Callable[[Sequence[str]], Awaitable[Mapping[str, DriveRecord]]]
+
+
 class RecoverySweeper(PeriodicService):
     """Finds abandoned and lost executions every ``interval_s`` and re-drives them.
 
@@ -41,6 +57,8 @@ class RecoverySweeper(PeriodicService):
         enqueue: hands a drive to the workers; ``None`` drives in this process.
         grace_ms: a running execution untouched for this long with no live lease
             is abandoned (keeps the sweeper off a start that is being enqueued).
+        recent: the drive records of a page of executions
+            (``Dispatcher.recent_drives``); those still fresh are skipped.
         shown: how many refused re-drives and diverged parks ``stats()`` lists.
     """
 
@@ -48,17 +66,20 @@ class RecoverySweeper(PeriodicService):
 
     def __init__(self, runtime: Runtime, *, enqueue: Enqueue | None = None,
                  interval_s: float = 2.0, grace_ms: int = 5_000, batch: int = 500,
-                 shown: int = 20,
-                 on_error: Callable[[BaseException], Any] | None = None) -> None:
-        super().__init__(interval_s, on_error=on_error)
+                 recent: Recent | None = None, shown: int = 20,
+                 on_error: Callable[[BaseException], Any] | None = None,
+                 **bounds: Any) -> None:
+        super().__init__(interval_s, on_error=on_error, **bounds)
         self.runtime = runtime
         self.enqueue = enqueue
         self.grace_ms = grace_ms
         self.batch = batch
+        self.recent = recent
         self.shown = shown
         self.examined = 0
         self.redriven = 0
         self.skipped = 0
+        self.queued = 0
         self.failed = 0
         # The latest refused re-drive of each execution (driving here), newest last.
         self.failures: dict[str, RecoveryFailure] = {}
@@ -66,32 +87,58 @@ class RecoverySweeper(PeriodicService):
         self.diverged: dict[str, str] = {}
 
     async def tick(self) -> None:
+        if self.enqueue is None:
+            await self._drive_here()
+        else:
+            await self._enqueue(self.enqueue)
+        await self._list_diverged()
+
+    async def _drive_here(self) -> None:
+        """Re-drive in this process: ``recover_abandoned`` page by page."""
         now = self.runtime.clock()
         after: str | None = None
         while True:
-            if self.enqueue is None:
-                report = await self.runtime.recover_abandoned(
-                    now=now, limit=self.batch, updated_before=now - self.grace_ms,
-                    after_id=after)
-                self.examined += report.examined
-                self.redriven += report.recovered
-                self.skipped += report.skipped
-                self.failed += report.failed
-                self._note(report.failures)
-                examined, after = report.examined, report.last_id
-            else:
-                rows = await self.runtime.store.list_executions(
-                    status="running", lease_expired_at=now,
-                    updated_before=now - self.grace_ms, after_id=after, limit=self.batch)
-                for row in rows:
-                    self.examined += 1
-                    await self.enqueue(row.execution_id)
+            report = await self.runtime.recover_abandoned(
+                now=now, limit=self.batch, updated_before=now - self.grace_ms, after_id=after)
+            self.examined += report.examined
+            self.redriven += report.recovered
+            self.skipped += report.skipped
+            self.failed += report.failed
+            self._note(report.failures)
+            if report.examined < self.batch:
+                return
+            after = report.last_id
+
+    async def _enqueue(self, enqueue: Enqueue) -> None:
+        """Hand each abandoned execution's drive to the workers, unless still queued."""
+        now = self.runtime.clock()
+        after: str | None = None
+        while True:
+            rows = await self.runtime.store.list_executions(
+                status="running", lease_expired_at=now, updated_before=now - self.grace_ms,
+                after_id=after, limit=self.batch)
+            records = await self._records(rows)
+            for row in rows:
+                self.examined += 1
+                record = records.get(row.execution_id)
+                if record is not None and record.fresh(now, self.grace_ms):
+                    self.queued += 1  # its drive is still in a queue
+                else:
+                    await enqueue(row.execution_id)
                     self.redriven += 1
-                examined = len(rows)
-                after = rows[-1].execution_id if rows else None
-            if examined < self.batch:
-                break
-        await self._list_diverged()
+            if len(rows) < self.batch:
+                return
+            after = rows[-1].execution_id
+
+    async def _records(self, rows: Sequence[Any]) -> Mapping[str, DriveRecord]:
+        if self.recent is None or self.enqueue is None or not rows:
+            return {}
+        try:
+            return await self.recent([row.execution_id for row in rows])
+        except Exception as exc:  # noqa: BLE001 - without records, re-enqueue (harmless)
+            if self.on_error is not None:
+                self.on_error(exc)
+            return {}
 
     def _note(self, failures: tuple[RecoveryFailure, ...]) -> None:
         for failure in failures:
@@ -101,7 +148,7 @@ class RecoverySweeper(PeriodicService):
             del self.failures[next(iter(self.failures))]
 
     async def _list_diverged(self) -> None:
-        """Refresh ``diverged`` from the index; log each park the first time it is seen."""
+        """Refresh ``diverged`` from the index; log each park as it first appears there."""
         rows = await self.runtime.store.list_executions(
             status="parked", waiting_on=DIVERGED_GATE, limit=self.shown)
         seen: dict[str, str] = {}
@@ -118,11 +165,11 @@ class RecoverySweeper(PeriodicService):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "examined": self.examined, "redriven": self.redriven,
-                "skipped": self.skipped, "failed": self.failed,
+                "skipped": self.skipped, "queued": self.queued, "failed": self.failed,
                 "failures": [{"executionId": f.execution_id, "error": f.error,
                               "reason": f.reason} for f in self.failures.values()],
                 "diverged": [{"executionId": eid, "reason": reason}
                              for eid, reason in self.diverged.items()]}
 
 
-__all__ = ["Enqueue", "RecoverySweeper"]
+__all__ = ["DriveRecord", "Enqueue", "Recent", "RecoverySweeper"]

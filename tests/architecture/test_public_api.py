@@ -10,7 +10,8 @@ from fleet.kernel import errors
 EXPECTED = {
     "EVENT_SCHEMA", "AccessDeniedError", "AccessPolicy", "BrokerUnavailableError",
     "ConfigurationError", "Context",
-    "CorruptLogError", "Decision", "DuplicateSequenceError", "DuplicateStepError",
+    "CorruptLogError", "Decision", "DispatcherClosedError", "DuplicateSequenceError",
+    "DuplicateStepError",
     "EvaluationError",
     "EventEnvelope", "EventType", "ExecutionBusyError", "ExecutionCancelledError",
     "ExecutionFailedError", "ExecutionFinishedError", "ExecutionHandle",
@@ -28,7 +29,7 @@ EXPECTED = {
     "RetryPolicy", "RunOutcome", "Runtime", "RuntimeOptions", "RuntimeStats",
     "SchemaVersionError", "SequenceGapError", "SqliteEventStore",
     "SqliteSnapshotStore", "StaleFenceError", "StepFailedError", "StepFailure", "StoreError",
-    "StoreUnavailableError", "ValidationError", "flow", "fold", "fold_log",
+    "StoreUnavailableError", "ValidationError", "WaitTimeoutError", "flow", "fold", "fold_log",
 }
 
 

@@ -48,6 +48,7 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope, Status, dumps, wall_clock_ms
 from fleet.kernel.store.spi import (
+    AppendRequest,
     ConditionalAppendResult,
     DueTimer,
     ExecutionSummary,
@@ -513,6 +514,43 @@ class SqliteEventStore:
             write.place(conn, tip.head)
 
         await self._db.writer.call(job)
+
+    async def append_many(self, requests: Sequence[AppendRequest],
+                          ) -> list[BaseException | None]:
+        """Every request in one transaction of the writer (a savepoint each), judged alone."""
+        results: list[BaseException | None] = [None] * len(requests)
+        prepared: list[tuple[int, _Write, int | None]] = []
+        for i, (events, fence) in enumerate(requests):
+            try:
+                prepared.append((i, _Write.of(check_batch(events), events), fence))
+            except FleetError as exc:
+                results[i] = exc
+        if not prepared:
+            return results
+
+        def job(conn: sqlite3.Connection) -> list[BaseException | None]:
+            answers: list[BaseException | None] = []
+            for _, write, fence in prepared:
+                conn.execute("SAVEPOINT many")
+                try:
+                    tip = _tip(conn, write.execution_id)
+                    if fence is not None and fence != tip.fence:
+                        raise StaleFenceError(
+                            f"fence {fence} of {write.execution_id!r} was superseded by "
+                            f"{tip.fence}; this writer must stop", presented=fence,
+                            current=tip.fence)
+                    write.place(conn, tip.head)
+                except Exception as exc:  # noqa: BLE001 - this request's verdict only
+                    conn.execute("ROLLBACK TO many")
+                    answers.append(_translate(exc))
+                else:
+                    answers.append(None)
+                conn.execute("RELEASE many")
+            return answers
+
+        for (i, _, _), answer in zip(prepared, await self._db.writer.call(job), strict=True):
+            results[i] = answer
+        return results
 
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,
