@@ -11,7 +11,7 @@ Every event the kernel writes outside a run's journal goes through
 ``fleet.kernel.writes.LogWriter``: stored first, then reported to ``on_event``
 and then ``on_durable_event``, each exactly once and in order; a refused write
 is reported to neither and warned. One test per kind:
-start, resume, send (a plain message and a wake), cancel, a timer fired, a
+start (one and a batch), resume, send (a plain message and a wake), cancel, a timer fired, a
 late outcome, the reopen bootstrap (and its re-slot over a late outcome),
 the denial audit, a continue-as-new successor's start.
 
@@ -41,8 +41,9 @@ from fleet import (
     StoreUnavailableError,
     flow,
 )
+from fleet.kernel.starts import StartRequest
 from fleet.kernel.store.forwarding import ForwardingEventStore
-from fleet.kernel.store.spi import EventStore
+from fleet.kernel.store.spi import AppendRequest, EventStore, append_many
 
 ALICE = Principal("alice", tenant="acme")
 MALLORY = Principal("mallory", tenant="acme")
@@ -90,6 +91,15 @@ class Stamping(ForwardingEventStore):
             self.timeline.note("stored", event)
         return result
 
+    async def append_many(self, requests: Sequence[AppendRequest],
+                          ) -> list[BaseException | None]:
+        answers = await append_many(self.inner, requests)
+        for (events, _), answer in zip(requests, answers, strict=True):
+            if answer is None:
+                for event in events:
+                    self.timeline.note("stored", event)
+        return answers
+
 
 def written_outside_a_run(events: Sequence[EventEnvelope]) -> list[Entry]:
     """The timeline of one write through the write path: stored, then each observer."""
@@ -125,6 +135,23 @@ async def test_write_path_start_reports_execution_started(store: EventStore) -> 
     log = await store.read(handle.execution_id)
     assert kinds(log) == ["EXECUTION_STARTED"]
     assert timeline.since(0) == written_outside_a_run(log)
+
+
+async def test_write_path_start_many_reports_each_execution_started_it_wrote(
+        store: EventStore) -> None:
+    """``Runtime.start_many`` (one ``append_many``): each start it wrote is reported once
+    stored; one that already existed (answered by ``start``) writes and reports nothing."""
+    timeline = Timeline()
+    runtime = _runtime(store, timeline, gate)
+    await runtime.start("wp-gate", None, execution_id="m-old", drive=False)
+    mark = len(timeline.entries)
+    handles = await runtime.start_many([StartRequest("wp-gate", 1, execution_id="m-new"),
+                                        StartRequest("wp-gate", 2, execution_id="m-old")])
+    assert [h.execution_id for h in handles] == ["m-new", "m-old"]
+    new, old = await store.read("m-new"), await store.read("m-old")
+    assert kinds(new) == kinds(old) == ["EXECUTION_STARTED"]
+    assert old[0].payload["input"] is None  # the existing one, untouched
+    assert timeline.since(mark) == written_outside_a_run(new)
 
 
 async def test_write_path_resume_reports_execution_resumed(store: EventStore) -> None:
