@@ -107,9 +107,10 @@ class Runtime:
             pass one spelling or the other, not both.
 
     ``on_event`` reports an event as the run folds it, before its write, so it
-    can report an event that never became durable; ``on_durable_event`` reports
-    only what the log holds (ADR 0147). Counters are in ``stats`` and readable
-    as attributes (``runtime.divergence_warnings``).
+    can report an event that never became durable (a failed, refused or lost
+    write); anything that acts on events should use ``on_durable_event``, which
+    reports only what the log holds (ADR 0147). Counters are in ``stats`` and
+    readable as attributes (``runtime.divergence_warnings``).
     """
 
     def __init__(self, store: EventStore, *, flows: Sequence[FlowDefinition] = (),
@@ -431,10 +432,18 @@ class Runtime:
         """
         return await self.timers.fire_due(now, limit=limit, drive=drive)
 
-    async def recover_abandoned(self, *, now: int | None = None,
-                                limit: int = 100) -> RecoveryReport:
-        """Re-drive running executions whose lease expired (their holder died)."""
-        return await recover_abandoned(self.engine, now=now, limit=limit)
+    async def recover_abandoned(self, *, now: int | None = None, limit: int = 100,
+                                updated_before: int | None = None,
+                                after_id: str | None = None) -> RecoveryReport:
+        """Re-drive running executions whose lease expired (their holder died).
+
+        A re-drive refused for its code or for a diverged replay is counted as
+        failed and named, with its reason, in ``RecoveryReport.failures``
+        (``fleet.kernel.recovery``). ``updated_before`` (ms) skips executions
+        touched since; ``after_id`` pages (``RecoveryReport.last_id``).
+        """
+        return await recover_abandoned(self.engine, now=now, limit=limit,
+                                       updated_before=updated_before, after_id=after_id)
 
     # ------------------------------------------------------------- hand-back
     @property
