@@ -109,6 +109,8 @@ async def test_a_resent_batch_is_refused_and_two_unleased_relays_publish_each_ev
         published = await assert_stream_is_the_log(redis, stream, store)
         assert first.published + second.published == len(published)
         # A batch sent again (a relay that died before it saw the reply): all refused.
+        await first.stop()  # (their own loops would count refusals of their own meanwhile)
+        await second.stop()
         again = await store.read_committed(limit=50)
         before = await redis.xlen(stream)
         present = first.present
