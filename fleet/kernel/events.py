@@ -17,7 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
-from fleet.kernel.errors import CorruptLogError, NotSerializableError
+from fleet.kernel.errors import CorruptLogError, NotSerializableError, UnstorableValueError
+from fleet.kernel.values import has_lone_surrogate, printable
 
 EVENT_SCHEMA = "1.0.0"
 
@@ -390,9 +391,15 @@ def ensure_json(value: Any, what: str) -> Any:
 
     A value that does not survive a JSON round trip (a set, a datetime, NaN, a
     tuple that would come back a list) would make a replay see something other
-    than the live run did, so it is refused before anything is written.
+    than the live run did, so it is refused before anything is written
+    (``NotSerializableError``); so is text no store can encode, a lone surrogate
+    (``UnstorableValueError``, decision 0023).
     """
-    if value is None or isinstance(value, (str, bool, int)):
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, str):
+        if has_lone_surrogate(value):
+            raise UnstorableValueError(_surrogate_message(what))
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -400,8 +407,16 @@ def ensure_json(value: Any, what: str) -> Any:
         return value
     try:
         text = dumps(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise NotSerializableError(
-            f"{what} is not JSON-serialisable ({exc}); return plain dicts, lists, str, "
-            "int, float, bool or None") from exc
+            f"{what} is not JSON-serialisable ({printable(exc, 300)}); return plain dicts, "
+            "lists, str, int, float, bool or None") from exc
+    if has_lone_surrogate(text):
+        raise UnstorableValueError(_surrogate_message(what))
     return json.loads(text)
+
+
+def _surrogate_message(what: str) -> str:
+    return (f"{what} holds text that is not valid Unicode (a lone surrogate, e.g. a file "
+            "name os.listdir could not decode); no store can keep it: decode such text with "
+            "errors='replace' or keep the bytes as base64")

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from conftest import ManualClock
+from conftest import SMALL_LIMIT, ManualClock
 
 from fleet.kernel.errors import StaleFenceError, StoreError, ValidationError
 from fleet.kernel.store.coalescing import CoalescingEventStore
@@ -22,10 +22,13 @@ from fleet.kernel.store.sqlite import SqliteEventStore
 
 
 class TestCoalescedMemoryEventStore(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        store = CoalescingEventStore(MemoryEventStore(clock=clock), max_batch=8)
+        store = CoalescingEventStore(MemoryEventStore(clock=clock, max_event_bytes=SMALL_LIMIT),
+                                     max_batch=8)
         yield store
         await store.close()
 
@@ -34,10 +37,13 @@ class TestCoalescedMemoryEventStore(EventStoreConformance):
 
 
 class TestCoalescedSqliteEventStore(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, tmp_path: Path, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        store = CoalescingEventStore(SqliteEventStore(tmp_path / "fleet.db", clock=clock),
+        store = CoalescingEventStore(SqliteEventStore(tmp_path / "fleet.db", clock=clock,
+                                                      max_event_bytes=SMALL_LIMIT),
                                      max_wait_ms=1)
         yield store
         await store.close()

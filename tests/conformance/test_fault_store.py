@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
-from conftest import ManualClock
+from conftest import SMALL_LIMIT, ManualClock
 
 from fleet.kernel.errors import StoreUnavailableError, ValidationError
 from fleet.kernel.events import EventEnvelope, EventType
@@ -18,10 +18,13 @@ from fleet.kernel.store.spi import EventStore
 
 
 class TestFaultStoreWithFaultsOff(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        store = FaultInjectingEventStore(MemoryEventStore(clock=clock), seed=1)
+        store = FaultInjectingEventStore(
+            MemoryEventStore(clock=clock, max_event_bytes=SMALL_LIMIT), seed=1)
         yield store
         await store.close()
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import asyncpg
 import pytest
-from conftest import ManualClock
+from conftest import SMALL_LIMIT, ManualClock
 from postgres_server import throwaway_database
 
 from fleet.kernel.errors import (
@@ -56,10 +56,13 @@ def fresh_schema() -> str:
 
 
 class TestPostgresEventStore(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, database_url: str, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        store = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4, clock=clock)
+        store = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4, clock=clock,
+                                   max_event_bytes=SMALL_LIMIT)
         yield store
         await store.close()
 
@@ -68,10 +71,13 @@ class TestPostgresEventStore(EventStoreConformance):
 
 
 class TestCoalescedPostgresEventStore(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, database_url: str, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        inner = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4, clock=clock)
+        inner = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4, clock=clock,
+                                   max_event_bytes=SMALL_LIMIT)
         store = CoalescingEventStore(inner, max_batch=16, max_wait_ms=1)
         yield store
         await store.close()

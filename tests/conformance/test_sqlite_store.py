@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from conftest import ManualClock
+from conftest import SMALL_LIMIT, ManualClock
 
 from fleet.kernel.errors import (
     ConfigurationError,
@@ -36,10 +36,13 @@ from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
 
 
 class TestSqliteEventStore(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, tmp_path: Path, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        store = SqliteEventStore(tmp_path / "fleet.db", clock=clock)
+        store = SqliteEventStore(tmp_path / "fleet.db", clock=clock,
+                                 max_event_bytes=SMALL_LIMIT)
         yield store
         await store.close()
 
