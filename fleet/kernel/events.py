@@ -78,7 +78,8 @@ TERMINAL_EVENT: dict[str, EventType] = {
 TERMINAL_STATUSES: frozenset[str] = frozenset(TERMINAL_EVENT)
 TERMINAL_TYPES: frozenset[EventType] = frozenset(TERMINAL_EVENT.values())
 
-# Fields only a kernel-stamped envelope (metadata.kernel = true) may carry.
+# Fields the fold copies only from a kernel-stamped envelope (metadata.kernel = true);
+# the emit guard refuses the two a flow could forge (security.OUTCOME_KERNEL_FIELDS).
 KERNEL_ONLY_FIELDS = frozenset({"recordedBy", "late", "innerSteps", "innerStepsOverflow",
                                 "innerFrom", "scope"})
 

@@ -515,6 +515,10 @@ class Runtime:
     def handed_back(self) -> int:
         return self.stats.handed_back
 
+    @property
+    def refused(self) -> int:
+        return self.stats.refused
+
     # ------------------------------------------------------------- lifecycle
     async def close(self) -> None:
         """Stop local timers and wait for the runs this runtime drives."""
