@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.routing import DRIVE_TASK, check_routes, route_queue
 from fleet.host.kernel import build_runtime, open_store
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
+from fleet.kernel import ids as kernel_ids
 from fleet.kernel.errors import (
     BrokerUnavailableError,
     ConfigurationError,
@@ -56,11 +55,12 @@ class DriveOrder:
 
 
 def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
-    """The execution id an idempotency key names (scoped to tenant and flow)."""
-    if not isinstance(key, str) or not key:
-        raise ValidationError("an idempotency key must be a non-empty string")
-    digest = hashlib.sha256(json.dumps([tenant, flow_id, key]).encode()).hexdigest()
-    return f"idem-{digest[:40]}"
+    """The execution id an idempotency key names (scoped to tenant and flow).
+
+    The kernel's derivation (``fleet.kernel.ids``, decision 0024): ids of this
+    form are reserved, so only a start with the key can create one.
+    """
+    return kernel_ids.idempotent_execution_id(flow_id, key, tenant)
 
 
 class Dispatcher:
@@ -199,11 +199,12 @@ class Dispatcher:
         if execution_id is not None and idempotency_key is not None:
             raise ValidationError("give execution_id or idempotency_key, not both")
         tenant = principal.tenant if principal is not None else None
-        if idempotency_key is not None:
-            execution_id = idempotent_execution_id(flow_id, idempotency_key, tenant)
         runtime = await self.runtime()
+        # The kernel derives the id from the key (and refuses an explicit id of
+        # that form): a squatter cannot pre-create it (decision 0024).
         handle = await runtime.start(flow_id, input, principal=principal,
-                                     execution_id=execution_id, drive=False)
+                                     execution_id=execution_id,
+                                     idempotency_key=idempotency_key, drive=False)
         return DriveOrder(handle.execution_id, flow_id, tenant)
 
     async def write_resume(self, execution_id: str, gate: str, payload: Any = None, *,

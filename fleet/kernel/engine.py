@@ -19,8 +19,11 @@ from typing import Any
 
 from fleet.kernel.access import AccessGuard
 from fleet.kernel.errors import (
+    AccessDeniedError,
     ContinueAsNew,
     DuplicateSequenceError,
+    ExecutionBusyError,
+    ExecutionConflictError,
     ExecutionNotFoundError,
 )
 from fleet.kernel.events import EventEnvelope, EventType, wall_clock_ms
@@ -34,6 +37,7 @@ from fleet.kernel.options import DivergenceMode, RuntimeOptions, RuntimeStats
 from fleet.kernel.results import Results
 from fleet.kernel.run import Run, StopReason
 from fleet.kernel.run_outcome import RunOutcome, Waiting
+from fleet.kernel.security import Principal
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.writes import LogWriter, make_events
 
@@ -243,14 +247,55 @@ class Engine:
             return self.launch(Run(self, definition, self.journal(state, lease),
                                    lease.pass_on()))
 
+    async def existing(self, execution_id: str, flow_id: str,
+                       principal: Principal | None) -> None:
+        """A start found ``execution_id`` taken: fine only for a reader, of the same flow.
+
+        Anyone else gets ``ExecutionConflictError`` (decision 0024): an idempotent
+        start must never hand back another tenant's execution, nor one of
+        another flow. The refused read is counted and reported as a denial.
+        """
+        state = await self.fold(execution_id)
+        if state.sequence < 0:
+            raise ExecutionBusyError(f"execution {execution_id!r} was deleted while this start "
+                                     "looked at it; retry")
+        try:
+            await self.access.check(state, "read", principal, audit=False)
+        except AccessDeniedError as exc:
+            raise ExecutionConflictError(
+                f"execution id {execution_id!r} is taken by another execution; choose another "
+                "id (nothing was written)") from exc
+        if state.flow_id != flow_id:
+            raise ExecutionConflictError(
+                f"execution {execution_id!r} exists for flow {state.flow_id!r}, not "
+                f"{flow_id!r}; choose another id (nothing was written)")
+
+    async def _check_successor(self, run: Run, next_id: str) -> None:
+        state = await self.fold(next_id)
+        if state.sequence < 0:
+            raise ExecutionBusyError(f"the successor {next_id!r} is being started elsewhere; "
+                                     "retry")
+        if state.continued_from != run.state.execution_id \
+                or state.flow_id != run.definition.flow_id:
+            raise ExecutionConflictError(
+                f"the successor id {next_id!r} is taken by an execution that was not continued "
+                f"from {run.state.execution_id!r}; the run cannot continue into it")
+
     async def start_successor(self, run: Run, cont: ContinueAsNew) -> None:
-        """Start ``cont``'s successor (same flow, owner), unless it exists already."""
+        """Start ``cont``'s successor (same flow, owner), unless it exists already.
+
+        An existing successor must be this run's own (a re-drive after a crash
+        between the two writes): one continued from elsewhere is a squat, refused
+        with ``ExecutionConflictError`` (decision 0024).
+        """
         definition = self.flows.latest(run.definition.flow_id) or run.definition
         lease = await self.take_if_free(cont.next_execution_id)
         if lease is None:
+            await self._check_successor(run, cont.next_execution_id)
             return
         async with lease:
             if await self.store.head(cont.next_execution_id) is not None:
+                await self._check_successor(run, cont.next_execution_id)
                 return
             payload: dict[str, Any] = {
                 "flowId": definition.flow_id, "flowVersion": definition.version,

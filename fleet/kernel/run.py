@@ -35,6 +35,7 @@ from fleet.kernel.divergence import DivergenceDetector, skipped_key
 from fleet.kernel.errors import (
     ConfigurationError,
     ContinueAsNew,
+    ExecutionConflictError,
     ExecutionParked,
     FleetError,
     FlowReplayDivergenceError,
@@ -49,6 +50,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.flows import FlowDefinition
 from fleet.kernel.fold import DIVERGED_GATE, ExecutionState
+from fleet.kernel.ids import successor_id
 from fleet.kernel.journal import Journal
 from fleet.kernel.lease import Lease
 from fleet.kernel.observers import Warner
@@ -278,7 +280,15 @@ class Run:
                 # between re-drives this run, which finds the successor and only
                 # writes CONTINUED; a reader following the chain never finds a gap.
                 await journal.barrier()
-                await host.start_successor(self, cont)
+                try:
+                    await host.start_successor(self, cont)
+                except ExecutionConflictError as exc:
+                    return await self._fail(exc, refused=True)
+                except FleetError as exc:
+                    stats.aborted += 1
+                    host.warner.warn(f"run of {state.execution_id!r} stopped: its successor "
+                                     f"could not be started: {type(exc).__name__}: {exc}")
+                    return self.outcome("aborted", cause=exc)
                 journal.commit(EventType.EXECUTION_CONTINUED,
                                {"nextExecutionId": cont.next_execution_id, "input": cont.input})
                 await journal.barrier()
@@ -359,13 +369,13 @@ class Run:
         return self.outcome(kind, cause=cause)
 
     async def _fail(self, cause: BaseException, error: dict[str, Any] | None = None, *,
-                    rebased: bool = False) -> RunOutcome:
+                    rebased: bool = False, refused: bool | None = None) -> RunOutcome:
         """Write ``EXECUTION_FAILED`` with ``cause`` (or ``error``); how the run ended.
 
-        A ``ValidationError`` cause is a refusal that can never succeed: counted
-        in ``refused`` and warned. If the write itself is refused for good (an
-        event committed before it cannot be stored), the failure is written
-        alone on the durable state instead.
+        A ``ValidationError`` cause (or ``refused=True``) is a refusal that can
+        never succeed: counted in ``refused`` and warned. If the write itself is
+        refused for good (an event committed before it cannot be stored), the
+        failure is written alone on the durable state instead.
         """
         stats = self.host.stats
         error = error if error is not None else error_of(cause)
@@ -379,7 +389,7 @@ class Run:
             stats.aborted += 1
             return self._lost_write(aborted.cause)
         stats.failed += 1
-        if isinstance(cause, ValidationError):
+        if refused or (refused is None and isinstance(cause, ValidationError)):
             stats.refused += 1
             self.host.warner.warn(
                 f"execution {self.state.execution_id!r} FAILED: {error['type']}: "
@@ -522,7 +532,4 @@ class Run:
         return inner
 
     def successor_id(self) -> str:
-        base, _, gen = self.state.execution_id.rpartition("~")
-        if base and gen.isdigit():
-            return f"{base}~{int(gen) + 1}"
-        return f"{self.state.execution_id}~1"
+        return successor_id(self.state.execution_id)

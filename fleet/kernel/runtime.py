@@ -28,12 +28,14 @@ from fleet.kernel.errors import (
     ExecutionFinishedError,
     ExecutionNotFoundError,
     FlowNotFoundError,
+    ReservedNameError,
     ValidationError,
 )
 from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE, ExecutionState, fold_log
 from fleet.kernel.gates import check_resumable, indoubt_answer
+from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
 from fleet.kernel.lease import Lease
 from fleet.kernel.migration import resume_as
 from fleet.kernel.observers import EventObserver, Warner, WarnSink
@@ -52,6 +54,7 @@ from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.timers import FiredTimer, Timers
+from fleet.kernel.values import check_text
 from fleet.kernel.writes import make_events
 
 # The divergence mode of a runtime built without ``divergence=`` and not strict
@@ -171,8 +174,16 @@ class Runtime:
     # ------------------------------------------------------------------ start
     async def start(self, flow_id: str | FlowDefinition, input: Any = None, *,
                     principal: Principal | None = None, execution_id: str | None = None,
+                    idempotency_key: str | None = None,
                     drive: bool = True) -> ExecutionHandle:
-        """Start an execution (idempotent by ``execution_id``) and drive it here.
+        """Start an execution (idempotent by ``execution_id`` or ``idempotency_key``), drive it.
+
+        A start that finds its execution already there returns a handle to it,
+        but only to a principal who may read it and only for the same flow;
+        anyone else gets ``ExecutionConflictError`` (decision 0024). An
+        ``idempotency_key`` names an id derived from the principal's tenant, the
+        flow and the key (``fleet.kernel.ids``); an explicit ``execution_id`` may
+        not take a derived form (``idem-...``, ``...~<n>``: ``ReservedNameError``).
 
         With ``drive=False`` the start is made durable and the lease released;
         a worker drives it (the fleet's dispatcher writes first, then enqueues).
@@ -185,15 +196,23 @@ class Runtime:
             raise FlowNotFoundError(f"no flow {flow_id!r} is registered; known flows: {known}")
         await self.engine.access.check(None, "start", principal, audit=False)
         data = ensure_json(input, f"the input of flow {flow_id!r}")
-        if execution_id is None:
-            # A fresh random id cannot exist yet: no need to ask the store.
+        if execution_id is not None and idempotency_key is not None:
+            raise ValidationError("give execution_id or idempotency_key, not both")
+        # A fresh random id cannot exist yet: no need to ask the store.
+        fresh = execution_id is None and idempotency_key is None
+        if idempotency_key is not None:
+            execution_id = idempotent_execution_id(
+                definition.flow_id, idempotency_key, principal.tenant if principal else None)
+        elif execution_id is None:
             execution_id = uuid.uuid4().hex
-        elif not isinstance(execution_id, str) or not execution_id:
-            raise ValidationError("execution_id must be a non-empty string")
-        elif await self.store.head(execution_id) is not None:  # idempotent start
-            return ExecutionHandle(self, execution_id)
+        else:
+            check_explicit_id(execution_id)
+        if not fresh and await self.store.head(execution_id) is not None:
+            await self.engine.existing(execution_id, definition.flow_id, principal)
+            return ExecutionHandle(self, execution_id)  # an idempotent start
         lease = await self._lease_for_start(execution_id)
         if lease is None:  # a concurrent start wrote it
+            await self.engine.existing(execution_id, definition.flow_id, principal)
             return ExecutionHandle(self, execution_id)
         now = self.clock()
         payload: dict[str, Any] = {
@@ -303,6 +322,10 @@ class Runtime:
         """
         if not isinstance(key, str) or not key:
             raise ValidationError("a message key must be a non-empty string")
+        check_text(key, "message key")  # what ctx.receive would refuse is refused here too
+        if key.startswith(RESERVED_PREFIX):
+            raise ReservedNameError(f"message key {key!r} uses the reserved prefix "
+                                    f"{RESERVED_PREFIX}")
         engine = self.engine
         state = await engine.fold(execution_id)
         if state.sequence < 0:
