@@ -20,7 +20,7 @@ from pydantic import ValidationError as PydanticValidationError
 from fleet.kernel.errors import CorruptLogError, NotSerializableError, UnstorableValueError
 from fleet.kernel.values import has_lone_surrogate, printable
 
-EVENT_SCHEMA = "1.0.0"
+EVENT_SCHEMA = "1.1.0"  # 1.1.0: EXECUTION_DENIED.count
 
 
 class EventType(StrEnum):
@@ -253,6 +253,7 @@ class ExecutionDenied(_Payload):
     actor: str | None = None
     tenant: str | None = None
     reason: str = ""
+    count: int | None = None  # denials this record stands for (1.1.0; decision 0007)
 
 
 class Recovered(_Payload):
