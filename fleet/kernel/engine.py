@@ -39,6 +39,7 @@ from fleet.kernel.run import Run, StopReason
 from fleet.kernel.run_outcome import RunOutcome, Waiting
 from fleet.kernel.security import Principal
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
+from fleet.kernel.values import datetime_from_ms
 from fleet.kernel.writes import LogWriter, make_events
 
 # A log that ends on one of these has not been driven since it was (re)opened;
@@ -134,6 +135,43 @@ class Engine:
         """The fence of ``execution_id`` if no live lease holds it; None otherwise."""
         return await Lease.take_if_free(self.store, execution_id, holder=self.holder,
                                         lease_ms=self.lease_ms, warner=self.warner)
+
+    async def lease_for_start(self, execution_id: str) -> Lease | None:
+        """The lease to write a new log under; ``None`` once another start has written it.
+
+        A live lease over an empty log is a start in flight, or one whose write
+        and release were both lost (a store outage) and that its caller is now
+        retrying: answering for it could name an execution that never comes to
+        exist. So wait for the log, or for the lease to lapse and take it.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.lease_ms / 1000 + 1.0
+        delay = 0.01
+        while True:
+            lease = await self.take_if_free(execution_id)
+            if lease is not None:
+                return lease
+            if await self.store.head(execution_id) is not None:
+                return None
+            if loop.time() > deadline:
+                raise ExecutionBusyError(f"a start of {execution_id!r} holds its fence and "
+                                         "has written nothing yet; retry")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    async def why_running(self, state: ExecutionState) -> str:
+        """Who drives a running execution right now, for an error that must be true."""
+        if state.parked or state.terminal:
+            return ""
+        run = self.runs.get(state.execution_id)
+        if run is not None and run.task is not None and not run.task.done():
+            return " (its run is in flight in this runtime and has not parked yet)"
+        summary = await self.store.get_execution(state.execution_id)
+        if summary is not None and summary.lease_expires_at is not None \
+                and summary.lease_expires_at > self.clock():
+            return (f" (held by {summary.holder!r} until "
+                    f"{datetime_from_ms(summary.lease_expires_at).isoformat()})")
+        return " (nobody holds it: a worker or the recovery sweeper will drive it)"
 
     def lease(self, grant: FenceGrant) -> Lease:
         """A lease over a fence the caller already took (the fleet's worker does)."""

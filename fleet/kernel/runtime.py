@@ -18,6 +18,7 @@ import socket
 import uuid
 from collections.abc import Sequence
 from dataclasses import fields
+from datetime import datetime
 from typing import Any
 
 from fleet.kernel.context import RESERVED_PREFIX
@@ -36,7 +37,6 @@ from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE, ExecutionState, fold_log
 from fleet.kernel.gates import check_resumable, indoubt_answer
 from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
-from fleet.kernel.lease import Lease
 from fleet.kernel.migration import resume_as
 from fleet.kernel.observers import EventObserver, Warner, WarnSink
 from fleet.kernel.options import (
@@ -48,13 +48,14 @@ from fleet.kernel.options import (
 )
 from fleet.kernel.outcomes import OutcomeResult, record_outcome
 from fleet.kernel.recovery import RecoveryReport, recover_abandoned
+from fleet.kernel.results import Until
 from fleet.kernel.run import ReplayFrontier as ReplayFrontier
 from fleet.kernel.run import Run as Run
 from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.timers import FiredTimer, Timers
-from fleet.kernel.values import check_text
+from fleet.kernel.values import check_text, ms_from_datetime
 from fleet.kernel.writes import make_events
 
 # The divergence mode of a runtime built without ``divergence=`` and not strict
@@ -78,6 +79,18 @@ class ExecutionHandle:
 
     async def state(self) -> ExecutionState:
         return await self.runtime.load_state(self.execution_id, system=True)
+
+    async def wait(self, until: Until = "terminal",
+                   timeout: float | None = None) -> ExecutionState:
+        """Wait until the execution is parked (``until="parked"``) or has ended; its state.
+
+        ``"parked"`` returns at the first park or end, so a caller can resume the
+        gate it reached (``state.waiting``); ``"terminal"`` at its end (this
+        execution's: ``result()`` follows continuations). ``timeout`` in seconds
+        raises ``TimeoutError``.
+        """
+        return await asyncio.wait_for(self.runtime.engine.results.wait(self.execution_id,
+                                                                       until), timeout)
 
     async def outcome(self) -> RunOutcome | None:
         """How the run this call drove here ended (waits for it to stop).
@@ -210,7 +223,7 @@ class Runtime:
         if not fresh and await self.store.head(execution_id) is not None:
             await self.engine.existing(execution_id, definition.flow_id, principal)
             return ExecutionHandle(self, execution_id)  # an idempotent start
-        lease = await self._lease_for_start(execution_id)
+        lease = await self.engine.lease_for_start(execution_id)
         if lease is None:  # a concurrent start wrote it
             await self.engine.existing(execution_id, definition.flow_id, principal)
             return ExecutionHandle(self, execution_id)
@@ -225,29 +238,6 @@ class Runtime:
             payload["deadlineAt"] = now + int(definition.deadline * 1000)
         run = await self.engine.begin(execution_id, definition, lease, payload, drive=drive)
         return ExecutionHandle(self, execution_id, run)
-
-    async def _lease_for_start(self, execution_id: str) -> Lease | None:
-        """The lease to write a new log under; ``None`` once another start has written it.
-
-        A live lease over an empty log is a start in flight, or one whose write
-        and release were both lost (a store outage) and that its caller is now
-        retrying: answering for it could name an execution that never comes to
-        exist. So wait for the log, or for the lease to lapse and take it.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.lease_ms / 1000 + 1.0
-        delay = 0.01
-        while True:
-            lease = await self.engine.take_if_free(execution_id)
-            if lease is not None:
-                return lease
-            if await self.store.head(execution_id) is not None:
-                return None
-            if loop.time() > deadline:
-                raise ExecutionBusyError(f"a start of {execution_id!r} holds its fence and "
-                                         "has written nothing yet; retry")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.25)
 
     # ------------------------------------------------------------------ drive
     async def drive(self, execution_id: str, *, grant: FenceGrant | None = None,
@@ -284,7 +274,7 @@ class Runtime:
             raise ExecutionNotFoundError(f"no execution {execution_id!r}")
         await engine.access.check(state, "resume", principal, audit=True)
         data = ensure_json(payload, f"the payload for gate {gate!r}")
-        check_resumable(state, gate)
+        check_resumable(state, gate, running=await engine.why_running(state))
         lease = await engine.take_if_free(execution_id)
         if lease is None:
             raise ExecutionBusyError(
@@ -436,21 +426,40 @@ class Runtime:
         """Wait for an execution (and its continuations) to finish; its output."""
         return await self.engine.results.result(execution_id)
 
+    async def wait(self, execution_id: str, *, until: Until = "terminal",
+                   timeout: float | None = None, principal: Principal | None = None,
+                   system: bool = False) -> ExecutionState:
+        """``ExecutionHandle.wait`` by id: its state once parked or ended (authorised as
+        ``read``, like ``load_state``); ``timeout`` in seconds raises ``TimeoutError``."""
+        await self.load_state(execution_id, principal=principal, system=system)
+        return await asyncio.wait_for(self.engine.results.wait(execution_id, until), timeout)
+
     # ------------------------------------------------------ timers, recovery
-    async def fire_due_timers(self, now: int | None = None, *, limit: int = 100,
+    async def fire_due_timers(self, now: datetime | None = None, *, limit: int = 100,
                               drive: bool = True) -> list[FiredTimer]:
-        """Fire every due timer: ``TIMER_FIRED``, then drive. Returns the timers this call fired.
+        """Fire every timer due at ``now``: ``TIMER_FIRED``, then drive. The timers fired.
 
-        With ``drive=False`` the timer is fired (claimed by a conditional fence,
-        so replicas never fire one twice) and the lease released; the caller
-        enqueues the drive of each execution returned (the fleet's timer service).
+        Args:
+            now: An aware ``datetime`` (default: the runtime's clock). A later
+                ``now`` fires timers early: ``datetime.now(timezone.utc) +
+                timedelta(hours=1)`` fires what falls due within the hour. A
+                number or a naive datetime is refused (``ValidationError``): is
+                ``1700000000`` seconds or milliseconds?
+            limit: At most this many timers.
+            drive: With False the timer is fired (claimed by a conditional
+                fence, so replicas never fire one twice) and the lease released;
+                the caller enqueues the drive of each execution returned (the
+                fleet's timer service).
         """
-        return await self.timers.fire_due(now, limit=limit, drive=drive)
+        at = None if now is None else ms_from_datetime(now, "fire_due_timers(now=...)")
+        return await self.timers.fire_due(at, limit=limit, drive=drive)
 
-    async def recover_abandoned(self, *, now: int | None = None,
+    async def recover_abandoned(self, *, now: datetime | None = None,
                                 limit: int = 100) -> RecoveryReport:
-        """Re-drive running executions whose lease expired (their holder died)."""
-        return await recover_abandoned(self.engine, now=now, limit=limit)
+        """Re-drive running executions whose lease expired by ``now`` (an aware ``datetime``;
+        default: the runtime's clock): their holder died."""
+        at = None if now is None else ms_from_datetime(now, "recover_abandoned(now=...)")
+        return await recover_abandoned(self.engine, now=at, limit=limit)
 
     # ------------------------------------------------------------- hand-back
     @property
