@@ -16,6 +16,7 @@ from fleet.kernel.errors import (
     EvaluationError,
     ExecutionBusyError,
     ExecutionCancelledError,
+    ExecutionConflictError,
     ExecutionFailedError,
     ExecutionFinishedError,
     ExecutionNotFoundError,
@@ -46,6 +47,7 @@ from fleet.kernel.errors import (
     StepFailure,
     StoreError,
     StoreUnavailableError,
+    UnstorableValueError,
     ValidationError,
 )
 from fleet.kernel.events import EVENT_SCHEMA, EventEnvelope, EventType
@@ -77,6 +79,7 @@ __all__ = [
     "EventType",
     "ExecutionBusyError",
     "ExecutionCancelledError",
+    "ExecutionConflictError",
     "ExecutionFailedError",
     "ExecutionFinishedError",
     "ExecutionHandle",
@@ -126,6 +129,7 @@ __all__ = [
     "StepFailure",
     "StoreError",
     "StoreUnavailableError",
+    "UnstorableValueError",
     "ValidationError",
     "flow",
     "fold",

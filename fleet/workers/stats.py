@@ -49,7 +49,8 @@ StatsSource = Callable[[], Mapping[str, Number]]
 COUNTERS: tuple[str, ...] = (
     "drives", "completed", "failed", "parked", "stepped_aside", "fenced_out", "recovered",
     "timers_fired", "divergence_warnings", "divergence_parked", "outcomes_attached",
-    "outcomes_dead_lettered", "deliveries", "idle", "aborted", "errors", "handed_back")
+    "outcomes_dead_lettered", "deliveries", "idle", "aborted", "errors", "handed_back",
+    "refused")
 # Gauges: read as they are now, never summed over time.
 GAUGES: tuple[str, ...] = ("stream_lag_ms", "active")
 FIELDS: tuple[str, ...] = COUNTERS + GAUGES

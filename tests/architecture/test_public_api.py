@@ -13,6 +13,7 @@ EXPECTED = {
     "CorruptLogError", "Decision", "DuplicateSequenceError", "DuplicateStepError",
     "EvaluationError",
     "EventEnvelope", "EventType", "ExecutionBusyError", "ExecutionCancelledError",
+    "ExecutionConflictError",
     "ExecutionFailedError", "ExecutionFinishedError", "ExecutionHandle",
     "ExecutionNotFoundError", "ExecutionNotParkedError", "ExecutionNotTerminalError",
     "ExecutionState",
@@ -28,7 +29,8 @@ EXPECTED = {
     "RetryPolicy", "RunOutcome", "Runtime", "RuntimeOptions", "RuntimeStats",
     "SchemaVersionError", "SequenceGapError", "SqliteEventStore",
     "SqliteSnapshotStore", "StaleFenceError", "StepFailedError", "StepFailure", "StoreError",
-    "StoreUnavailableError", "ValidationError", "flow", "fold", "fold_log",
+    "StoreUnavailableError", "UnstorableValueError", "ValidationError", "flow", "fold",
+    "fold_log",
 }
 
 
