@@ -383,9 +383,13 @@ def validate_payload_for(type: EventType, payload: dict[str, Any]) -> None:
         raise CorruptLogError(f"{type} payload is invalid: {exc.errors()[:1]}") from exc
 
 
+# One encoder for every call (json.dumps with options builds a new one each time).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def dumps(value: Any) -> str:
     """Canonical JSON for the log: compact, no NaN/Infinity."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return _ENCODER.encode(value)
 
 
 def ensure_json(value: Any, what: str) -> Any:

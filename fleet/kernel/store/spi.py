@@ -48,7 +48,14 @@ from fleet.kernel.events import (
     Status,
     dumps,
 )
-from fleet.kernel.values import check_int64, check_ms, check_text, printable
+from fleet.kernel.values import (
+    INT64_MAX,
+    INT64_MIN,
+    check_int64,
+    check_ms,
+    check_text,
+    printable,
+)
 
 # The largest event (JSON bytes) a store takes unless built with another limit.
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
@@ -298,17 +305,27 @@ def check_listing(*, status: str | None, flow_id: str | None, tenant: str | None
     check_limit(limit)
 
 
+# The kinds whose payload fields the index keeps (see ``index_change``).
+_INDEXED_KINDS = frozenset({EventType.EXECUTION_STARTED, EventType.EXECUTION_SUSPENDED,
+                            EventType.TIMER_SCHEDULED, EventType.TIMER_FIRED})
+
+
 def encode_event(event: EventEnvelope, max_bytes: int | None) -> str:
     """The stored form of ``event`` (``dumps(event.to_dict())``), or a typed refusal.
 
     Every backend calls this before it writes: the id matches the slot, the
     event is JSON (``NotSerializableError``), valid Unicode, and the keys and
     integers the index keeps are storable (``UnstorableValueError``), and it is
-    within ``max_bytes`` (``PayloadTooLargeError``).
+    within ``max_bytes`` (``PayloadTooLargeError``). On the hot path of every
+    append, so the common case (an ASCII id, small ints) is checked inline.
     """
-    execution_id = check_id(event.execution_id)
-    check_int64(event.sequence, "sequence")
-    check_int64(event.timestamp, "timestamp")
+    execution_id = event.execution_id
+    if type(execution_id) is not str or "\x00" in execution_id \
+            or not execution_id.isascii():
+        check_id(execution_id)
+    for what, number in (("sequence", event.sequence), ("timestamp", event.timestamp)):
+        if type(number) is not int or not INT64_MIN <= number <= INT64_MAX:
+            check_int64(number, what)
     if event.id != f"{execution_id}-{event.sequence}":
         raise ValidationError(f"event id {printable(event.id, 80)!r} does not match "
                               f"{printable(execution_id, 80)!r}-{event.sequence}")
@@ -330,7 +347,8 @@ def encode_event(event: EventEnvelope, max_bytes: int | None) -> str:
             f"event {printable(event.id, 80)!r} ({event.type}) is {size} bytes; this store "
             f"takes events up to {max_bytes} (max_event_bytes): keep large results outside "
             "the log and record a reference", size=size, limit=max_bytes)
-    _check_index_fields(event)
+    if event.type in _INDEXED_KINDS:
+        _check_index_fields(event)
     return body
 
 
