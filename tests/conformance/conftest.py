@@ -6,11 +6,6 @@ import pytest
 
 from fleet.kernel.store.conformance import T0
 
-# The max_event_bytes the suites build their stores with (the memory suite keeps
-# the default, so the default limit is exercised too): small, so an event at the
-# limit is cheap to write.
-SMALL_LIMIT = 64 * 1024
-
 
 class ManualClock:
     """Milliseconds since the epoch that only move when a test says so."""

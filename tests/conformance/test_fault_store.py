@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
-from conftest import SMALL_LIMIT, ManualClock
+from conftest import ManualClock
 
 from fleet.kernel.errors import StoreUnavailableError, ValidationError
 from fleet.kernel.events import EventEnvelope, EventType
@@ -15,6 +15,9 @@ from fleet.kernel.store.conformance import EventStoreConformance, make_event, st
 from fleet.kernel.store.faults import FaultInjectingEventStore
 from fleet.kernel.store.memory import MemoryEventStore
 from fleet.kernel.store.spi import EventStore
+
+# A small max_event_bytes, so the kit's event at the limit is cheap to write.
+SMALL_LIMIT = 64 * 1024
 
 
 class TestFaultStoreWithFaultsOff(EventStoreConformance):

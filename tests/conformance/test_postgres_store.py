@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import asyncpg
 import pytest
-from conftest import SMALL_LIMIT, ManualClock
+from conftest import ManualClock
 from postgres_server import throwaway_database
 
 from fleet.kernel.errors import (
@@ -43,6 +43,8 @@ from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
 
 pytestmark = pytest.mark.integration
 E = EventType
+# A small max_event_bytes, so the kit's event at the limit is cheap to write.
+SMALL_LIMIT = 64 * 1024
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_LIMIT, ManualClock
+from conftest import ManualClock
 
 from fleet.kernel.errors import (
     ConfigurationError,
@@ -33,6 +33,9 @@ from fleet.kernel.store.conformance import (
 )
 from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
 from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+
+# A small max_event_bytes, so the kit's event at the limit is cheap to write.
+SMALL_LIMIT = 64 * 1024
 
 
 class TestSqliteEventStore(EventStoreConformance):
