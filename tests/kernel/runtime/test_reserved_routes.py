@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 from kernel_kit import failed_with, kinds, settle
 
-from fleet import Context, KernelEventForgeryError, ReservedNameError, Runtime, flow
+from fleet import (
+    Context,
+    KernelEventForgeryError,
+    ReservedNameError,
+    Runtime,
+    UnstorableValueError,
+    flow,
+)
 from fleet.kernel.errors import ContinueAsNew, ExecutionParked
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE
 from fleet.kernel.store.spi import EventStore
@@ -92,3 +99,21 @@ async def test_a_continuation_the_body_raises_itself_never_reaches_another_execu
     state = await runtime.load_state("forger")
     assert (state.status, state.next_execution_id) == ("failed", None)
     assert "EXECUTION_CONTINUED" not in kinds(await store.read("forger"))
+
+
+async def test_send_refuses_the_keys_receive_refuses(store: EventStore) -> None:
+    @flow("inbox")
+    async def inbox(ctx: Context, _: Any) -> Any:
+        return await ctx.receive("order")
+
+    runtime = Runtime(store, flows=[inbox])
+    handle = await runtime.start("inbox")
+    await handle.wait(until="parked", timeout=5)
+    before = await store.read(handle.execution_id)
+    with pytest.raises(ReservedNameError):
+        await runtime.send(handle.execution_id, "__fleet_message__", 1)
+    with pytest.raises(UnstorableValueError):
+        await runtime.send(handle.execution_id, "ord\x00er", 1)
+    assert await store.read(handle.execution_id) == before
+    assert await runtime.send(handle.execution_id, "order", 1) is True
+    assert await handle.result(timeout=5) == 1
