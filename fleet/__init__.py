@@ -11,6 +11,7 @@ from fleet.kernel.errors import (
     BrokerUnavailableError,
     ConfigurationError,
     CorruptLogError,
+    DispatcherClosedError,
     DuplicateSequenceError,
     DuplicateStepError,
     EvaluationError,
@@ -49,6 +50,7 @@ from fleet.kernel.errors import (
     StoreUnavailableError,
     UnstorableValueError,
     ValidationError,
+    WaitTimeoutError,
 )
 from fleet.kernel.events import EVENT_SCHEMA, EventEnvelope, EventType
 from fleet.kernel.flows import Features, FlowDefinition, flow
@@ -60,7 +62,8 @@ from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.runtime import ExecutionHandle, Runtime
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
-from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+from fleet.kernel.store.sqlite import SqliteEventStore
+from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 from fleet.kernel.timers import FiredTimer
 
 __all__ = [
@@ -72,6 +75,7 @@ __all__ = [
     "Context",
     "CorruptLogError",
     "Decision",
+    "DispatcherClosedError",
     "DuplicateSequenceError",
     "DuplicateStepError",
     "EvaluationError",
@@ -131,6 +135,7 @@ __all__ = [
     "StoreUnavailableError",
     "UnstorableValueError",
     "ValidationError",
+    "WaitTimeoutError",
     "flow",
     "fold",
     "fold_log",

@@ -8,7 +8,7 @@ every fleet process's parts from it; ``fleet.host.kernel`` its store and Runtime
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -58,11 +58,18 @@ class FleetSettings(BaseSettings):
     broker_max_retries: int | None = Field(
         None, ge=1, description="reconnect attempts before a worker gives up and exits "
         "non-zero (for its supervisor to restart it); unset: retry for as long as it takes")
+    # Deadlines on every broker and Redis call (issue 10 item 4): connect, command, publish.
     broker_connect_timeout_s: float = Field(
         2.0, gt=0, description="a connection attempt to the broker gives up after this")
     broker_socket_timeout_s: float = Field(
         10.0, gt=1, description="Redis: a broker command with no answer fails after this "
         "(a half-open connection); above kombu's 1 s BRPOP")
+    publish_timeout_s: float = Field(
+        10.0, gt=0, description="the longest a dispatcher's publish of drives (connect, send, "
+        "answer) takes before BrokerUnavailableError; the write it follows stands")
+    publish_concurrency: int = Field(
+        16, ge=1, description="publishes in flight at once per dispatcher: Redis connections "
+        "(a redis:// broker) or publishing threads (amqp://)")
     broker_health_check_s: int = Field(
         5, ge=0, description="Redis: an idle broker connection is pinged before use after "
         "this, and a BRPOP overdue by this much is dropped and reconnected; 0: off")
@@ -91,6 +98,12 @@ class FleetSettings(BaseSettings):
         "second from inside the event loop) is older than this: a stuck loop")
     timer_interval_s: float = Field(0.25, gt=0, description="how often due timers are polled")
     recovery_interval_s: float = Field(2.0, gt=0)
+    service_tick_deadline_s: float = Field(
+        60.0, gt=0, description="a timer or recovery tick running longer than this makes "
+        "the service not live (`fleet health --liveness` fails): it is wedged")
+    service_stop_s: float = Field(
+        10.0, ge=0, description="on SIGTERM, how long a service's tick in flight may run "
+        "on before it is cancelled")
     recovery_grace_ms: int = Field(
         5_000, ge=0, description="a running execution with no lease is lost after this")
     publish_events: bool = Field(
@@ -101,6 +114,27 @@ class FleetSettings(BaseSettings):
     rewards_stream: str = "fleet:rewards"
     rewards_dead: str = "fleet:rewards:dead"
     rewards_group: str = "fleet-attachers"
+    # -- signed fleet.dispatch messages (issue 10 item 3; decision 0018) ----------
+    dispatch_keys: dict[str, Any] = Field(
+        default_factory=dict, description='JSON key ring {"<key id>": {"client": "web", '
+        '"secret": "...", "tenants": ["acme"]}}: the keys fleet.dispatch messages are signed '
+        'with (workers verify; a client keeps only its own)')
+    dispatch_keys_file: str | None = Field(
+        None, description="a file holding the same JSON (a mounted Secret); re-read when it "
+        "changes")
+    dispatch_key_id: str | None = Field(
+        None, description="a client's: which key of the ring it signs with")
+    dispatch_allow_unsigned: bool = Field(
+        False, description="workers accept unsigned fleet.dispatch messages (anyone who can "
+        "publish to the broker acts as any principal): a trusted network or a demo only")
+    dispatch_max_age_s: float = Field(
+        300.0, gt=0, description="the longest a signed message may be valid (expires_at - "
+        "issued_at)")
+    dispatch_clock_skew_s: float = Field(
+        30.0, ge=0, description="clock difference tolerated between signer and worker")
+    dispatch_max_bytes: int = Field(
+        1_048_576, ge=1024, description="the largest fleet.dispatch message (JSON bytes) a "
+        "worker reads")
     reward_keys: dict[str, str] = Field(
         default_factory=dict, description='JSON {"producer": "secret"}: HMAC keys')
 

@@ -31,6 +31,7 @@ function and one entry in ``OPENERS``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
@@ -48,7 +49,7 @@ from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import AccessPolicy
 from fleet.kernel.store.spi import EventStore
 from fleet.recovery.sweeper import RecoverySweeper
-from fleet.services.base import Service, run_services
+from fleet.services.base import PeriodicService, Service, run_services
 from fleet.services.health import Heartbeat
 from fleet.streams.attacher import RewardAttacher
 from fleet.streams.publisher import EventPublisher
@@ -155,7 +156,16 @@ async def _open(settings: FleetSettings, name: str, *,
 
 
 def _heartbeat(settings: FleetSettings, role: Role, **options: Any) -> None:
+    service = role.service
+    if isinstance(service, PeriodicService):
+        options.setdefault("stuck", service.stuck)  # a wedged tick fails liveness
     role.services.append(Heartbeat.for_component(settings, role.name, **options))
+
+
+def _bounds(settings: FleetSettings) -> dict[str, Any]:
+    """How long a service's tick may run, and how long it may finish after SIGTERM."""
+    return {"tick_deadline_s": settings.service_tick_deadline_s,
+            "stop_timeout_s": settings.service_stop_s}
 
 
 async def open_worker(settings: FleetSettings, *, slot: int | None = None,
@@ -197,14 +207,16 @@ async def open_timers(settings: FleetSettings, *, heartbeat: bool = True) -> Rol
     """The timer service: fires due timers, enqueues their drives (routed as every drive)."""
     return await _open_enqueuing(settings, "timers", lambda runtime, dispatcher: TimerService(
         runtime, enqueue=dispatcher.enqueue_drive, interval_s=settings.timer_interval_s,
-        on_error=_report("timers")), heartbeat)
+        on_error=_report("timers"), **_bounds(settings)), heartbeat)
 
 
 async def open_recovery(settings: FleetSettings, *, heartbeat: bool = True) -> Role:
     """The recovery sweeper: re-drives running executions nobody holds."""
     return await _open_enqueuing(settings, "recovery", lambda runtime, dispatcher: RecoverySweeper(
-        runtime, enqueue=dispatcher.enqueue_drive, interval_s=settings.recovery_interval_s,
-        grace_ms=settings.recovery_grace_ms, on_error=_report("recovery")), heartbeat)
+        runtime, enqueue=functools.partial(dispatcher.enqueue_drive, redrive=True),
+        recent=dispatcher.recent_drives, interval_s=settings.recovery_interval_s,
+        grace_ms=settings.recovery_grace_ms, on_error=_report("recovery"),
+        **_bounds(settings)), heartbeat)
 
 
 async def open_attacher(settings: FleetSettings, *, heartbeat: bool = True) -> Role:

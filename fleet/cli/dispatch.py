@@ -1,5 +1,12 @@
 """``fleet start``, ``resume``, ``send``, ``cancel``: through the dispatcher (write first,
-then enqueue a drive)."""
+then enqueue a drive).
+
+The write is reported as soon as it is durable (``fleet start`` prints the id
+first), then the drive is published within ``FLEET_PUBLISH_TIMEOUT_S``. A broker
+that refuses or never answers is not a silent success: the command says the
+write stands and the recovery sweeper will drive it, and exits 3 (1: nothing
+was written).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +25,29 @@ from fleet.cli.common import (
     with_options,
 )
 from fleet.config import FleetSettings
-from fleet.dispatcher import Dispatcher
+from fleet.dispatcher import Dispatcher, DriveOrder
+from fleet.kernel.errors import BrokerUnavailableError
+
+#: The exit code of a command whose write stands but whose drive was not enqueued.
+NOT_ENQUEUED = 3
+
+
+class NotEnqueuedError(click.ClickException):
+    """The write is durable, the drive was not published (exit code 3)."""
+
+    exit_code = NOT_ENQUEUED
+
+
+def enqueue_or_explain(dispatcher: Dispatcher, order: DriveOrder, what: str) -> None:
+    """Publish the drive of ``order``; a broker fault ends the command with exit code 3
+    and says what stands and what happens next."""
+    try:
+        dispatcher.publish_sync([order])
+    except BrokerUnavailableError as exc:
+        raise NotEnqueuedError(
+            f"{what} is written, but its drive was not enqueued: {exc.message}. Nothing is "
+            "lost: the recovery sweeper (fleet recovery) drives it after "
+            "FLEET_RECOVERY_GRACE_MS once the broker answers") from exc
 
 
 def dispatch(call: Callable[[Any], Any]) -> Any:
@@ -42,14 +71,26 @@ def start(flow_id: str, input_json: str | None, execution_id: str | None,
     """Start an execution of FLOW_ID on the fleet; prints its id.
 
     The flow's module must be importable here (FLEET_FLOWS): the start records
-    its version and hash.
+    its version and hash. The id is printed once the start is durable; exit
+    code 3 if the broker then did not take its drive (the start stands).
     """
     data = json_arg(input_json, "--input")
     who = principal_from(actor, tenant)
-    eid = dispatch(lambda d: d.start_sync(flow_id, data, principal=who,
-                                           execution_id=execution_id,
-                                           idempotency_key=idempotency_key))
-    click.echo(json.dumps({"executionId": eid}) if as_json else eid)
+    with Dispatcher(FleetSettings()) as dispatcher:
+        order = dispatcher.write_start_sync(flow_id, data, principal=who,
+                                            execution_id=execution_id,
+                                            idempotency_key=idempotency_key)
+        eid = order.execution_id
+        if not as_json:
+            click.echo(eid)  # as soon as it is durable, before the broker is asked
+        try:
+            enqueue_or_explain(dispatcher, order, f"execution {eid}")
+        except NotEnqueuedError:
+            if as_json:
+                click.echo(json.dumps({"executionId": eid, "enqueued": False}))
+            raise
+    if as_json:
+        click.echo(json.dumps({"executionId": eid, "enqueued": True}))
 
 
 @click.command()
@@ -64,7 +105,9 @@ def resume(execution_id: str, gate: str, payload: str | None, actor: str | None,
     """Answer the GATE a parked execution waits on; a worker drives it on."""
     data = json_arg(payload, "--payload")
     who = principal_from(actor, tenant)
-    dispatch(lambda d: d.resume_sync(execution_id, gate, data, principal=who))
+    with Dispatcher(FleetSettings()) as dispatcher:
+        order = dispatcher.write_resume_sync(execution_id, gate, data, principal=who)
+        enqueue_or_explain(dispatcher, order, f"the answer to {gate!r} of {execution_id}")
     click.echo(json.dumps({"executionId": execution_id, "resumed": gate}) if as_json
                else f"resumed {execution_id} at {gate}")
 
@@ -81,7 +124,11 @@ def send(execution_id: str, key: str, payload: str | None, actor: str | None,
     """Deliver a message to the execution's ctx.receive(KEY)."""
     data = json_arg(payload, "--payload")
     who = principal_from(actor, tenant)
-    woke = dispatch(lambda d: d.send_sync(execution_id, key, data, principal=who))
+    with Dispatcher(FleetSettings()) as dispatcher:
+        order = dispatcher.write_send_sync(execution_id, key, data, principal=who)
+        woke = order is not None
+        if order is not None:
+            enqueue_or_explain(dispatcher, order, f"the message {key!r} to {execution_id}")
     if as_json:
         click.echo(json.dumps({"executionId": execution_id, "woke": woke}))
     else:
@@ -104,4 +151,5 @@ def cancel(execution_id: str, reason: str, actor: str | None, tenant: str | None
                else f"cancelled {execution_id}")
 
 
-__all__ = ["cancel", "dispatch", "resume", "send", "start"]
+__all__ = ["NOT_ENQUEUED", "NotEnqueuedError", "cancel", "dispatch", "enqueue_or_explain",
+           "resume", "send", "start"]

@@ -56,7 +56,7 @@ def status(watch: bool, interval: float, inspect_timeout: float, as_json: bool) 
                 click.echo(json.dumps(snapshot.to_dict()))
             else:
                 console.print(_status_view(snapshot))
-            if snapshot.problems and not snapshot.executions and not snapshot.workers:
+            if snapshot.problems:  # what could be read is shown; the exit code says the rest
                 sys.exit(1)
             return
         try:

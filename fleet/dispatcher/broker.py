@@ -1,8 +1,9 @@
 """The dispatcher's Celery app: what every producer of ``fleet.drive`` speaks.
 
 ``producer_app(settings)`` is a Celery app on the fleet's broker with the
-fleet's wire format (JSON), its default queue and its drive router, and the
-settings it was made from (``app.fleet_settings``). It registers no task and
+fleet's wire format (JSON), its default queue and its drive router, deadlines
+on every broker call (``deadline_conf``), and the settings it was made from
+(``app.fleet_settings``). It registers no task and
 starts no worker: publishing a drive needs only the task's name. The workers'
 app (``fleet.workers.make_app``) is this app plus the tasks, the delivery
 settings, the stats bootstep and the process hooks.
@@ -17,6 +18,12 @@ from fleet.dispatcher.routing import DriveRouter, check_routes
 from fleet.host.broker import broker_conf
 from fleet.host.celery_api import Celery, broker_app
 
+#: A publish through Celery (``send_task``) retries twice, briefly: with the connect
+#: and command deadlines of ``broker_conf``, a broker that never answers fails it in
+#: bounded time (issue 10 item 4) rather than after Celery's default retries.
+PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2,
+                 "interval_max": 0.5}
+
 
 class FleetCelery(Celery):  # type: ignore[misc]
     """A Celery app that knows the ``FleetSettings`` it was made from."""
@@ -25,7 +32,8 @@ class FleetCelery(Celery):  # type: ignore[misc]
 
 
 def producer_app(settings: FleetSettings, *, main: str = "fleet-dispatcher",
-                 result_backend: str | None = None, **conf: Any) -> Any:
+                 result_backend: str | None = None, consumes_tasks: bool = False,
+                 **conf: Any) -> Any:
     """A ``FleetCelery`` on ``settings.broker`` that routes drives as the workers expect.
 
     Args:
@@ -33,15 +41,18 @@ def producer_app(settings: FleetSettings, *, main: str = "fleet-dispatcher",
             broker's retry pace and timeouts (``fleet.host.broker.broker_conf``).
         main: The app's name.
         result_backend: Where ``fleet.dispatch`` answers go (None: nowhere).
+        consumes_tasks: Only the workers' app consumes the task queues (and so
+            takes part in kombu's ack emulation; ``broker_app`` says why).
         **conf: Further Celery settings, applied last.
     """
     routes = check_routes(settings.routes)
     # How its broker connections fail and come back (decision 0014), then the caller's.
     app = broker_app(main, settings.broker, app_class=FleetCelery, backend=result_backend,
-                     task_default_queue=settings.queue,
+                     consumes_tasks=consumes_tasks, task_default_queue=settings.queue,
                      task_routes=(DriveRouter(routes, settings.queue),),
                      task_ignore_result=result_backend is None,
-                     **{**broker_conf(settings), **conf})
+                     **{**broker_conf(settings), "task_publish_retry_policy": PUBLISH_RETRY,
+                        **conf})
     app.fleet_settings = settings
     return app
 

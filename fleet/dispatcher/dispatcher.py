@@ -1,48 +1,76 @@
 """The dispatcher: a durable write first, then a ``fleet.drive`` message.
 
-``start``, ``resume`` and ``send`` write what the caller asked for (through
-``Runtime.start/resume/send(..., drive=False)``, which release the lease) and
-then enqueue a drive on the queue the routes choose. If the process dies
-between the two, the execution is running with no lease and no message; the
-recovery sweeper finds it and drives it, so nothing is lost. ``cancel`` needs
-no drive: it fences out whoever holds the run.
+``start``, ``resume`` and ``send`` write what the caller asked for and then
+publish a drive on the queue the routes choose. If the process dies between
+the two, the execution is running with no lease and no message; the recovery
+sweeper finds it and drives it, so nothing is lost. ``cancel`` needs no drive:
+it fences out whoever holds the run.
 
-Starts are idempotent by ``execution_id`` or by ``idempotency_key`` (which
-names an execution id derived from the tenant, the flow and the key): a
-repeated start writes nothing and returns the same id; its drive message is
-a harmless extra (it finds the run held, parked or ended).
+Starts are one store round trip (``Runtime.start_many``: the start is written
+under ``fence=0``, no lease to take or release) and idempotent by
+``execution_id`` or by ``idempotency_key`` (which names an execution id
+derived from the tenant, the flow and the key): a repeated start writes
+nothing and returns the same id; its drive message is a harmless extra (it
+finds the run held, parked or ended). ``start_many`` and ``send_many`` take a
+batch: the starts of a batch are one round trip, and the drives of a batch
+one publish (``fleet.dispatcher.publish``: one Redis pipeline).
 
-Every call has a sync twin (``start_sync`` ...) for code without a loop (a web
-handler, a script). A twin refuses to run inside a running event loop; it
-runs the write on the dispatcher's own loop thread.
+Every method has a sync twin (``start_sync`` ...) for code without a loop (a
+web handler, a script, a thread pool). The twins are safe from any number of
+threads from the first call: they all run on one event loop thread per
+dispatcher, created once under a lock, where the store, the Runtime and the
+publisher live. A twin refuses to run inside a running event loop. ``close``
+(or ``aclose``) lets the calls in flight finish (for up to ``close_timeout``
+seconds), then stops; a call that arrives after, or is cut short by, the close
+raises ``DispatcherClosedError``. Nothing hangs.
+
+An async dispatcher is used from one event loop (the one that first used it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import threading
 import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
-from fleet.dispatcher.routing import DRIVE_TASK, check_routes, route_queue
+from fleet.dispatcher.coalesce import Coalescer
+from fleet.dispatcher.publish import (
+    DrivePublisher,
+    DriveRecord,
+    PublishedDrive,
+    open_publisher,
+    send_drive,
+)
+from fleet.dispatcher.routing import check_routes, route_queue
 from fleet.host.kernel import build_runtime, open_store
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel import ids as kernel_ids
 from fleet.kernel.errors import (
     BrokerUnavailableError,
     ConfigurationError,
+    DispatcherClosedError,
     ExecutionBusyError,
+    ExecutionNotFoundError,
+    FleetError,
     ValidationError,
+    WaitTimeoutError,
 )
+from fleet.kernel.events import TERMINAL_STATUSES
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import Principal
-from fleet.kernel.store.spi import EventStore
+from fleet.kernel.starts import StartRequest
+from fleet.kernel.store.spi import EventStore, ExecutionSummary
 
 log = logging.getLogger("fleet.dispatcher")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +80,27 @@ class DriveOrder:
     execution_id: str
     flow_id: str | None = None
     tenant: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """One start of ``start_many``: what ``start`` takes."""
+
+    flow_id: str
+    input: Any = None
+    principal: Principal | None = None
+    execution_id: str | None = None
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """One message of ``send_many``: what ``send`` takes."""
+
+    execution_id: str
+    key: str
+    payload: Any = None
+    principal: Principal | None = None
 
 
 def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
@@ -64,27 +113,29 @@ def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
 
 
 class Dispatcher:
-    """Start, resume, send and cancel executions a worker fleet drives.
+    """Start, resume, send and cancel executions a worker fleet drives; wait for them.
 
     Build it from settings (it opens its own store and Runtime, built as every
-    fleet process builds them (``fleet.host.kernel``), and its own Celery app
-    (``fleet.dispatcher.broker``), and closes them in ``close``/``aclose``), or
-    hand it a ``runtime`` and an ``app`` (what the worker's ``fleet.dispatch``
-    task, the timer service and the sweeper do). It registers
-    ``settings.flows``: a start records the flow's version and hash, so the
-    flow's module must import here too (or start through ``fleet.dispatch``).
+    fleet process builds them (``fleet.host.kernel``), its own Celery app
+    (``fleet.dispatcher.broker``) and publisher, and closes them in
+    ``close``/``aclose``), or hand it a ``runtime`` and an ``app`` (what the
+    worker's ``fleet.dispatch`` task, the timer service and the sweeper do). It
+    registers ``settings.flows``: a start records the flow's version and hash,
+    so the flow's module must import here too (or start through ``fleet.dispatch``).
 
     Args:
-        settings: Store, flows, broker, queue, routes, lease.
+        settings: Store, flows, broker, queue, routes, lease, publishing.
         runtime: A Runtime to write through (its store is used as it is).
         app: A Celery app of the fleet (``producer_app``, or the workers'
             ``fleet.workers.make_app``).
         busy_timeout: How long ``resume``/``send`` retry while a live lease
             elsewhere holds the execution, in seconds.
+        close_timeout: How long ``close``/``aclose`` wait for calls in flight.
     """
 
     def __init__(self, settings: FleetSettings | None = None, *, runtime: Runtime | None = None,
-                 app: Any = None, busy_timeout: float = 5.0) -> None:
+                 app: Any = None, busy_timeout: float = 5.0,
+                 close_timeout: float = 30.0) -> None:
         if settings is None and (runtime is None or app is None):
             raise ConfigurationError("Dispatcher needs settings, or both a runtime and an app")
         self.settings = settings or getattr(app, "fleet_settings", None)
@@ -94,6 +145,7 @@ class Dispatcher:
         self.routes = check_routes(self.settings.routes)
         self.default_queue = self.settings.queue
         self.busy_timeout = busy_timeout
+        self.close_timeout = close_timeout
         self._runtime = runtime
         self._owns_runtime = runtime is None
         self._store: EventStore | None = None
@@ -102,16 +154,26 @@ class Dispatcher:
         self._thread: EventLoopThread | None = None
         self._app = app
         self._owns_app = app is None
-        self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._publisher: DrivePublisher | None = None
+        self._publisher_loop: asyncio.AbstractEventLoop | None = None
+        self._starts: Coalescer[Start, str] | None = None
+        # One lock for what threads share: the loop thread, the app, the calls in flight.
+        self._guard = threading.Lock()
+        self._idle = threading.Condition(self._guard)
+        self._inflight = 0
+        self._closed = False
         self.enqueued = 0
         self.enqueue_failed = 0
 
     # ------------------------------------------------------------ the parts
     @property
     def app(self) -> Any:
+        """The Celery app drives are built with (made on first use, once)."""
         if self._app is None:
-            assert self.settings is not None
-            self._app = producer_app(self.settings)
+            with self._guard:
+                if self._app is None:
+                    assert self.settings is not None
+                    self._app = producer_app(self.settings)
         return self._app
 
     async def runtime(self) -> Runtime:
@@ -136,79 +198,138 @@ class Dispatcher:
                     self._bound = loop
         return self._runtime
 
+    def _publishing(self) -> DrivePublisher:
+        """The publisher, made on first use in this loop (its connections live there)."""
+        loop = asyncio.get_running_loop()
+        if self._publisher is None:
+            assert self.settings is not None
+            self._publisher = open_publisher(self.app, self.settings)
+            self._publisher_loop = loop
+        elif self._publisher_loop is not loop:
+            raise ConfigurationError(
+                "this Dispatcher publishes from another event loop: use one Dispatcher per "
+                "loop (the sync twins run on the dispatcher's own loop thread)")
+        return self._publisher
+
     def queue_for(self, order: DriveOrder) -> str:
         return route_queue(self.routes, self.default_queue, flow_id=order.flow_id,
                            tenant=order.tenant)
 
+    # --------------------------------------------------------- calls in flight
+    @contextlib.contextmanager
+    def _call(self, what: str) -> Iterator[None]:
+        """Count a call in flight; refuse it once the dispatcher is closing."""
+        with self._guard:
+            if self._closed:
+                raise DispatcherClosedError(
+                    f"Dispatcher.{what}: this dispatcher is closed; nothing was written")
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._idle.notify_all()
+
+    # ------------------------------------------------------------ publishing
+    async def publish(self, orders: Sequence[DriveOrder], *, redrive: bool = False) -> None:
+        """Publish a drive for each order, in one round trip where the broker allows it.
+
+        Raises:
+            BrokerUnavailableError: the broker did not take them within
+                ``FLEET_PUBLISH_TIMEOUT_S`` (retryable; none, some or all may be queued:
+                a drive twice is harmless).
+        """
+        if not orders:
+            return
+        drives = [PublishedDrive(o.execution_id, self.queue_for(o), o.flow_id, o.tenant,
+                                 redrive=redrive) for o in orders]
+        await self._publishing().publish(drives)
+        self.enqueued += len(drives)
+
+    async def enqueue_async(self, order: DriveOrder) -> None:
+        """Publish one drive (``publish([order])``); ``BrokerUnavailableError`` if it failed."""
+        await self.publish([order])
+
     def enqueue(self, order: DriveOrder) -> None:
-        """Publish a ``fleet.drive`` for ``order`` (blocking; call off the loop).
+        """``enqueue_async`` from a thread without a loop (blocking).
+
+        On a dispatcher with its own loop thread this is ``publish_sync``; on one
+        given a runtime (the worker's ``fleet.dispatch``) it is Celery's
+        ``send_task`` in this thread, its retries and connect bounded.
 
         Raises:
             BrokerUnavailableError: the broker did not take it (retryable).
         """
-        queue = self.queue_for(order)
+        if self._owns_runtime:
+            self.publish_sync([order])
+            return
+        drive = PublishedDrive(order.execution_id, self.queue_for(order), order.flow_id,
+                               order.tenant)
         try:
-            self.app.send_task(DRIVE_TASK, args=[order.execution_id],
-                               kwargs={"flow_id": order.flow_id, "tenant": order.tenant},
-                               queue=queue)
+            send_drive(self.app, drive)
         except Exception as exc:
             raise BrokerUnavailableError(
-                f"could not enqueue the drive of {order.execution_id!r} on {queue!r}: "
+                f"could not enqueue the drive of {order.execution_id!r} on {drive.queue!r}: "
                 f"{type(exc).__name__}: {exc}") from exc
         self.enqueued += 1
 
-    def _enqueue_after_write(self, order: DriveOrder) -> None:
-        """Enqueue after a durable write; a broker fault is counted, not raised.
+    async def _publish_after_write(self, orders: Sequence[DriveOrder]) -> None:
+        """Publish after a durable write; a broker fault is counted, not raised.
 
         The write stands, so the execution is running with no lease: the
         recovery sweeper enqueues its drive after its grace period.
         """
         try:
-            self.enqueue(order)
+            await self.publish(orders)
         except BrokerUnavailableError as exc:
-            self.enqueue_failed += 1
-            log.warning("%s; the recovery sweeper will drive it", exc)
+            self.enqueue_failed += len(orders)
+            log.warning("%s; the write stands: the recovery sweeper will drive it", exc)
 
-    async def _enqueue_after_write_async(self, order: DriveOrder) -> None:
-        try:
-            await self.enqueue_async(order)
-        except BrokerUnavailableError as exc:
-            self.enqueue_failed += 1
-            log.warning("%s; the recovery sweeper will drive it", exc)
-
-    async def enqueue_async(self, order: DriveOrder) -> None:
-        """``enqueue`` on a publisher thread, so the loop never blocks on the broker."""
-        if self._publisher is None:
-            self._publisher = concurrent.futures.ThreadPoolExecutor(
-                max_workers=4, thread_name_prefix="fleet-publish")
-        await asyncio.get_running_loop().run_in_executor(self._publisher, self.enqueue, order)
-
-    async def enqueue_drive(self, execution_id: str) -> None:
+    async def enqueue_drive(self, execution_id: str, *, redrive: bool = False) -> None:
         """Enqueue a drive of an execution already written, routed by its flow and tenant.
 
-        The ``enqueue`` the timer service and the recovery sweeper take.
+        The ``enqueue`` the timer service and (with ``redrive=True``, which
+        counts the re-enqueues in a row) the recovery sweeper take.
         """
-        order = await self._order(await self.runtime(), execution_id)
-        await self.enqueue_async(order)
+        with self._call("enqueue_drive"):
+            order = await self._order(await self.runtime(), execution_id)
+            await self.publish([order], redrive=redrive)
+
+    async def recent_drives(self, execution_ids: Sequence[str]) -> dict[str, DriveRecord]:
+        """When a drive of each execution was last enqueued (those with a record)."""
+        return await self._publishing().recent(execution_ids)
 
     # ----------------------------------------------------------- the writes
+    def _start_request(self, item: Start) -> StartRequest:
+        if item.execution_id is not None and item.idempotency_key is not None:
+            raise ValidationError("give execution_id or idempotency_key, not both")
+        # The kernel derives the id from the key (and refuses an explicit id of
+        # that form): a squatter cannot pre-create it (decision 0024).
+        return StartRequest(item.flow_id, item.input, item.principal, item.execution_id,
+                            item.idempotency_key)
+
+    async def write_starts(self, items: Sequence[Start]) -> list[DriveOrder]:
+        """The durable half of ``start_many``: the drives to enqueue next."""
+        requests = [self._start_request(item) for item in items]
+        runtime = await self.runtime()
+        handles = await runtime.start_many(requests)
+        return [DriveOrder(handle.execution_id, request.flow_id,
+                           request.principal.tenant if request.principal else None)
+                for handle, request in zip(handles, requests, strict=True)]
+
     async def write_start(self, flow_id: str, input: Any = None, *,
                           principal: Principal | None = None, execution_id: str | None = None,
                           idempotency_key: str | None = None) -> DriveOrder:
         """The durable half of ``start``: the drive to enqueue next."""
-        if execution_id is not None and idempotency_key is not None:
-            raise ValidationError("give execution_id or idempotency_key, not both")
-        tenant = principal.tenant if principal is not None else None
-        runtime = await self.runtime()
-        # The kernel derives the id from the key (and refuses an explicit id of
-        # that form): a squatter cannot pre-create it (decision 0024).
-        handle = await runtime.start(flow_id, input, principal=principal,
-                                     execution_id=execution_id,
-                                     idempotency_key=idempotency_key, drive=False)
-        return DriveOrder(handle.execution_id, flow_id, tenant)
+        (order,) = await self.write_starts([Start(flow_id, input, principal, execution_id,
+                                                  idempotency_key)])
+        return order
 
     async def write_resume(self, execution_id: str, gate: str, payload: Any = None, *,
                            principal: Principal | None = None) -> DriveOrder:
+        """The durable half of ``resume``: the drive to enqueue next."""
         runtime = await self.runtime()
         await self._while_busy(lambda: runtime.resume(execution_id, gate, payload,
                                                       principal=principal, drive=False))
@@ -230,7 +351,7 @@ class Dispatcher:
             return DriveOrder(execution_id)
         return DriveOrder(execution_id, summary.flow_id, summary.tenant)
 
-    async def _while_busy(self, call: Any) -> Any:
+    async def _while_busy(self, call: Callable[[], Awaitable[T]]) -> T:
         deadline = time.monotonic() + self.busy_timeout
         delay = 0.05
         while True:
@@ -248,42 +369,180 @@ class Dispatcher:
                     idempotency_key: str | None = None) -> str:
         """Start an execution of ``flow_id`` on the fleet; its id.
 
-        Idempotent by ``execution_id`` or ``idempotency_key`` (not both).
+        Idempotent by ``execution_id`` or ``idempotency_key`` (not both). Starts in
+        flight at once are written and published together
+        (``fleet.dispatcher.coalesce``); each gets its own answer.
         """
-        order = await self.write_start(flow_id, input, principal=principal,
-                                       execution_id=execution_id,
-                                       idempotency_key=idempotency_key)
-        await self._enqueue_after_write_async(order)
-        return order.execution_id
+        with self._call("start"):
+            if self._starts is None:
+                self._starts = Coalescer(self._flush_starts)
+            return await self._starts.submit(Start(flow_id, input, principal, execution_id,
+                                                   idempotency_key))
+
+    async def _flush_starts(self, items: Sequence[Start]) -> list[str | BaseException]:
+        """One group of ``start`` calls: one write, one publish; an answer per call."""
+        try:
+            orders = await self.write_starts(items)
+        except FleetError as exc:
+            if exc.retryable or len(items) == 1:
+                return [exc] * len(items)
+            # One bad request refused the group before anything was written:
+            # judge each alone, so it is the only one refused.
+            answers: list[str | BaseException] = []
+            good: list[DriveOrder] = []
+            for item in items:
+                try:
+                    (order,) = await self.write_starts([item])
+                except FleetError as alone:
+                    answers.append(alone)
+                else:
+                    answers.append(order.execution_id)
+                    good.append(order)
+            await self._publish_after_write(list({o.execution_id: o for o in good}.values()))
+            return answers
+        await self._publish_after_write(list({o.execution_id: o for o in orders}.values()))
+        return [order.execution_id for order in orders]
+
+    async def start_many(self, items: Sequence[Start]) -> list[str]:
+        """Start a batch: one store round trip, one publish; the ids, in order.
+
+        Each ``Start`` is what ``start`` takes; idempotency keys hold within the
+        batch too (the same key twice is one execution). A bad item refuses the
+        batch before anything is written.
+        """
+        with self._call("start_many"):
+            orders = await self.write_starts(items)
+            await self._publish_after_write(list({o.execution_id: o for o in orders}.values()))
+            return [order.execution_id for order in orders]
 
     async def resume(self, execution_id: str, gate: str, payload: Any = None, *,
                      principal: Principal | None = None) -> None:
         """Answer the gate a parked execution waits on; a worker drives it on."""
-        order = await self.write_resume(execution_id, gate, payload, principal=principal)
-        await self._enqueue_after_write_async(order)
+        with self._call("resume"):
+            order = await self.write_resume(execution_id, gate, payload, principal=principal)
+            await self._publish_after_write([order])
 
     async def send(self, execution_id: str, key: str, payload: Any = None, *,
                    principal: Principal | None = None) -> bool:
         """Deliver a message to ``ctx.receive(key)``; True when it woke the execution."""
-        order = await self.write_send(execution_id, key, payload, principal=principal)
-        if order is not None:
-            await self._enqueue_after_write_async(order)
-        return order is not None
+        with self._call("send"):
+            order = await self.write_send(execution_id, key, payload, principal=principal)
+            if order is not None:
+                await self._publish_after_write([order])
+            return order is not None
+
+    async def send_many(self, items: Sequence[Send]) -> list[bool]:
+        """Deliver a batch of messages (written concurrently, each as ``send`` writes it);
+        the drives of those that woke their execution go out in one publish. Whether
+        each woke its execution, in order; the first refusal is raised after the rest
+        were written."""
+        with self._call("send_many"):
+            results = await asyncio.gather(*(
+                self.write_send(s.execution_id, s.key, s.payload, principal=s.principal)
+                for s in items), return_exceptions=True)
+            orders = [r for r in results if isinstance(r, DriveOrder)]
+            await self._publish_after_write(list({o.execution_id: o for o in orders}.values()))
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            return [r is not None for r in results]
 
     async def cancel(self, execution_id: str, *, principal: Principal | None = None,
                      reason: str = "") -> None:
         """Cancel an execution wherever it runs (its holder is fenced out)."""
-        runtime = await self.runtime()
-        await runtime.cancel(execution_id, principal=principal, reason=reason)
+        with self._call("cancel"):
+            runtime = await self.runtime()
+            await runtime.cancel(execution_id, principal=principal, reason=reason)
+
+    async def wait(self, execution_id: str, *, until: Literal["parked", "terminal"] = "terminal",
+                   timeout: float | None = None, principal: Principal | None = None,
+                   ) -> ExecutionSummary:
+        """Wait until the execution parks (or ends: a run that ends never parks) or,
+        with ``until="terminal"``, ends; its index row then.
+
+        A worker in another process drives it: the store's index is polled
+        (from every 10 ms up to every 0.5 s). The caller must be allowed to
+        ``read`` it.
+
+        Raises:
+            WaitTimeoutError: not there within ``timeout`` seconds (also a TimeoutError).
+            ExecutionNotFoundError: no such execution.
+            AccessDeniedError: ``principal`` may not read it.
+        """
+        if until not in ("parked", "terminal"):
+            raise ValidationError(f"until must be 'parked' or 'terminal', got {until!r}")
+        with self._call("wait"):
+            runtime = await self.runtime()
+            await runtime.load_state(execution_id, principal=principal)  # read, authorised
+            deadline = None if timeout is None else time.monotonic() + timeout
+            delay = 0.01
+            while True:
+                summary = await runtime.store.get_execution(execution_id)
+                if summary is None:
+                    raise ExecutionNotFoundError(f"no execution {execution_id!r}")
+                if summary.status in TERMINAL_STATUSES or (
+                        until == "parked" and summary.status == "parked"):
+                    return summary
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    raise WaitTimeoutError(
+                        f"execution {execution_id!r} is {summary.status}"
+                        + (f" on {summary.waiting_on!r}" if summary.waiting_on else "")
+                        + f", not {until}, after {timeout:g} s; wait again or raise the "
+                        "timeout", execution_id=execution_id, status=summary.status)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    async def result(self, execution_id: str, *, timeout: float | None = None,
+                     principal: Principal | None = None) -> Any:
+        """The output of an execution started through the fleet, once it completes
+        (following its continuations), as ``ExecutionHandle.result`` gives it.
+
+        Raises:
+            WaitTimeoutError: it did not end within ``timeout`` seconds.
+            ExecutionFailedError, ExecutionCancelledError: how it ended instead.
+        """
+        with self._call("result"):
+            runtime = await self.runtime()
+            await runtime.load_state(execution_id, principal=principal)  # read, authorised
+            try:
+                return await asyncio.wait_for(runtime.result(execution_id), timeout)
+            except TimeoutError:
+                raise WaitTimeoutError(
+                    f"execution {execution_id!r} did not end within {timeout:g} s; wait "
+                    "again or raise the timeout", execution_id=execution_id) from None
 
     async def aclose(self) -> None:
-        """Close what this dispatcher opened (its store; its app's connections)."""
+        """Let calls in flight finish (up to ``close_timeout`` s), then close what this
+        dispatcher opened (its store, its publisher, its app's connections)."""
+        with self._guard:
+            self._closed = True
+        if self._inflight:
+            # On a thread: the calls in flight may be on this very loop.
+            await asyncio.to_thread(self._wait_idle)
+        await self._shutdown()
+
+    def _wait_idle(self) -> None:
+        with self._guard:
+            self._idle.wait_for(lambda: self._inflight == 0, timeout=self.close_timeout)
+
+    async def _shutdown(self) -> None:
         if self._owns_runtime and self._store is not None:
-            await self._store.close()
-            self._store = None
+            store, self._store = self._store, None
             self._runtime = None
             self._bound = None
-        self._close_publishing()
+            await store.close()
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            try:
+                await publisher.aclose()
+            except Exception as exc:  # noqa: BLE001 - closing regardless
+                log.warning("closing the publisher: %s: %s", type(exc).__name__, exc)
+        self._close_app()
+
+    def _close_app(self) -> None:
+        if self._owns_app and self._app is not None:
+            app, self._app = self._app, None
+            app.close()
 
     # ------------------------------------------------------------- sync API
     def _loop_thread(self, what: str) -> EventLoopThread:
@@ -292,60 +551,149 @@ class Dispatcher:
             raise ConfigurationError(
                 f"Dispatcher.{what}: this dispatcher writes through a runtime it was given, "
                 "on that runtime's loop; use the async API there")
-        if self._thread is None:
-            thread = EventLoopThread("fleet-dispatcher")
-            thread.start()
-            self._thread = thread
-        return self._thread
+        with self._guard:
+            if self._closed:
+                raise DispatcherClosedError(
+                    f"Dispatcher.{what}: this dispatcher is closed; nothing was written")
+            if self._thread is None:
+                # Created once, under the lock: every thread's calls share this loop.
+                thread = EventLoopThread("fleet-dispatcher")
+                thread.start()
+                self._thread = thread
+            return self._thread
+
+    def _sync(self, what: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run ``make()`` on the dispatcher's loop thread and wait for it, never forever."""
+        thread = self._loop_thread(what)
+        try:
+            future = thread.submit(make())
+        except ConfigurationError:
+            raise DispatcherClosedError(f"Dispatcher.{what}: this dispatcher is closing; "
+                                        "nothing was written") from None
+        while True:
+            try:
+                return future.result(0.25)
+            except concurrent.futures.CancelledError:
+                raise DispatcherClosedError(
+                    f"Dispatcher.{what}: the dispatcher closed while the call was in "
+                    "flight; it may or may not have written: retry it elsewhere with the "
+                    "same execution id or idempotency key") from None
+            except TimeoutError:
+                if future.done():
+                    raise  # the coroutine's own TimeoutError (WaitTimeoutError)
+                if not thread.is_alive():
+                    future.cancel()
+                    raise DispatcherClosedError(
+                        f"Dispatcher.{what}: the dispatcher's loop stopped while the call "
+                        "was in flight; retry it elsewhere with the same execution id or "
+                        "idempotency key") from None
 
     def start_sync(self, flow_id: str, input: Any = None, *, principal: Principal | None = None,
                    execution_id: str | None = None, idempotency_key: str | None = None) -> str:
         """``start`` for code without an event loop (refused inside one)."""
-        order = self._loop_thread("start_sync").run_coroutine(self.write_start(
+        return self._sync("start_sync", lambda: self.start(
             flow_id, input, principal=principal, execution_id=execution_id,
             idempotency_key=idempotency_key))
-        self._enqueue_after_write(order)
-        return order.execution_id
+
+    def start_many_sync(self, items: Sequence[Start]) -> list[str]:
+        """``start_many`` for code without an event loop (refused inside one)."""
+        return self._sync("start_many_sync", lambda: self.start_many(items))
 
     def resume_sync(self, execution_id: str, gate: str, payload: Any = None, *,
                     principal: Principal | None = None) -> None:
         """``resume`` for code without an event loop (refused inside one)."""
-        order = self._loop_thread("resume_sync").run_coroutine(self.write_resume(
-            execution_id, gate, payload, principal=principal))
-        self._enqueue_after_write(order)
+        self._sync("resume_sync", lambda: self.resume(execution_id, gate, payload,
+                                                      principal=principal))
 
     def send_sync(self, execution_id: str, key: str, payload: Any = None, *,
                   principal: Principal | None = None) -> bool:
         """``send`` for code without an event loop (refused inside one)."""
-        order = self._loop_thread("send_sync").run_coroutine(self.write_send(
-            execution_id, key, payload, principal=principal))
-        if order is not None:
-            self._enqueue_after_write(order)
-        return order is not None
+        return self._sync("send_sync", lambda: self.send(execution_id, key, payload,
+                                                         principal=principal))
+
+    def send_many_sync(self, items: Sequence[Send]) -> list[bool]:
+        """``send_many`` for code without an event loop (refused inside one)."""
+        return self._sync("send_many_sync", lambda: self.send_many(items))
 
     def cancel_sync(self, execution_id: str, *, principal: Principal | None = None,
                     reason: str = "") -> None:
         """``cancel`` for code without an event loop (refused inside one)."""
-        self._loop_thread("cancel_sync").run_coroutine(self.cancel(
-            execution_id, principal=principal, reason=reason))
+        self._sync("cancel_sync", lambda: self.cancel(execution_id, principal=principal,
+                                                      reason=reason))
+
+    def wait_sync(self, execution_id: str, *, until: Literal["parked", "terminal"] = "terminal",
+                  timeout: float | None = None, principal: Principal | None = None,
+                  ) -> ExecutionSummary:
+        """``wait`` for code without an event loop (refused inside one)."""
+        return self._sync("wait_sync", lambda: self.wait(execution_id, until=until,
+                                                         timeout=timeout, principal=principal))
+
+    def result_sync(self, execution_id: str, *, timeout: float | None = None,
+                    principal: Principal | None = None) -> Any:
+        """``result`` for code without an event loop (refused inside one)."""
+        return self._sync("result_sync", lambda: self.result(execution_id, timeout=timeout,
+                                                             principal=principal))
+
+    def enqueue_drive_sync(self, execution_id: str, *, redrive: bool = False) -> None:
+        """``enqueue_drive`` for code without an event loop (refused inside one)."""
+        self._sync("enqueue_drive_sync", lambda: self.enqueue_drive(execution_id,
+                                                                    redrive=redrive))
+
+    def publish_sync(self, orders: Sequence[DriveOrder], *, redrive: bool = False) -> None:
+        """``publish`` for code without an event loop (refused inside one)."""
+        self._sync("publish_sync", lambda: self._publish_tracked(orders, redrive))
+
+    async def _publish_tracked(self, orders: Sequence[DriveOrder], redrive: bool) -> None:
+        with self._call("publish"):
+            await self.publish(orders, redrive=redrive)
+
+    def write_start_sync(self, flow_id: str, input: Any = None, *,
+                         principal: Principal | None = None, execution_id: str | None = None,
+                         idempotency_key: str | None = None) -> DriveOrder:
+        """``write_start`` for code without an event loop (refused inside one)."""
+        return self._sync("write_start_sync", lambda: self._tracked("write_start",
+                          self.write_start(flow_id, input, principal=principal,
+                                           execution_id=execution_id,
+                                           idempotency_key=idempotency_key)))
+
+    def write_resume_sync(self, execution_id: str, gate: str, payload: Any = None, *,
+                          principal: Principal | None = None) -> DriveOrder:
+        """``write_resume`` for code without an event loop (refused inside one)."""
+        return self._sync("write_resume_sync", lambda: self._tracked("write_resume",
+                          self.write_resume(execution_id, gate, payload, principal=principal)))
+
+    def write_send_sync(self, execution_id: str, key: str, payload: Any = None, *,
+                        principal: Principal | None = None) -> DriveOrder | None:
+        """``write_send`` for code without an event loop (refused inside one)."""
+        return self._sync("write_send_sync", lambda: self._tracked("write_send",
+                          self.write_send(execution_id, key, payload, principal=principal)))
+
+    async def _tracked(self, what: str, call: Coroutine[Any, Any, T]) -> T:
+        try:
+            with self._call(what):
+                return await call
+        finally:
+            call.close()  # a call refused before it ran is closed, never left unawaited
 
     def close(self) -> None:
-        """Close the sync twins' loop thread and what it opened (refused inside a loop)."""
+        """Let calls in flight finish (up to ``close_timeout`` s), then close the loop
+        thread and what it opened; later calls raise ``DispatcherClosedError``
+        (refused inside a running loop: use ``aclose`` there)."""
         refuse_inside_loop("Dispatcher.close")
-        if self._thread is not None:
-            self._thread.run_coroutine(self.aclose())
-            self._thread.stop()
-            self._thread = None
-        else:
-            self._close_publishing()
-
-    def _close_publishing(self) -> None:
-        if self._publisher is not None:
-            self._publisher.shutdown(wait=True)
-            self._publisher = None
-        if self._owns_app and self._app is not None:
-            self._app.close()
-            self._app = None
+        with self._guard:
+            self._closed = True
+        self._wait_idle()
+        with self._guard:
+            thread, self._thread = self._thread, None
+        if thread is None:
+            self._close_app()
+            return
+        try:
+            thread.run_coroutine(self._shutdown(), timeout=self.close_timeout)
+        except Exception as exc:  # noqa: BLE001 - the loop stops regardless
+            log.warning("closing the dispatcher: %s: %s", type(exc).__name__, exc)
+        finally:
+            thread.stop()
 
     async def __aenter__(self) -> Dispatcher:
         return self
@@ -360,4 +708,4 @@ class Dispatcher:
         self.close()
 
 
-__all__ = ["Dispatcher", "DriveOrder", "idempotent_execution_id"]
+__all__ = ["Dispatcher", "DriveOrder", "Send", "Start", "idempotent_execution_id"]

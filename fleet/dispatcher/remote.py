@@ -12,14 +12,17 @@ keyword arguments (or one JSON object as the only positional argument)::
     {"op": "send", "execution_id": "...", "key": "payment", "payload": {...}}
     {"op": "cancel", "execution_id": "...", "reason": "customer left"}
 
-A worker validates it (pydantic), writes, enqueues the drive, and answers (the
-task's result, if the app has a result backend) with a ``DispatchReply``:
-``{"ok": true, "op", "execution_id", "enqueued", "woke"}`` or ``{"ok": false,
-"error": {"type", "code", "message", "retryable", "details"}}``. A bad message
-is answered, never raised: it does not crash or wedge the worker.
-
-The principal is taken from the message as given: whoever can write to the
-broker can act as any principal, so the broker is the trust boundary here.
+Each message is signed with a client key (``fleet.dispatcher.signing``:
+``kid``, ``issued_at``, ``expires_at``, ``nonce``, ``signature`` beside these
+fields; decision 0018). A worker checks the signature, the times, the nonce
+and that the key may speak for the principal's tenant before anything is
+written; then it validates the request (pydantic), writes, enqueues the drive,
+and answers (the task's result, if the app has a result backend) with a
+``DispatchReply``: ``{"ok": true, "op", "execution_id", "enqueued", "woke"}``
+or ``{"ok": false, "error": {"type", "code", "message", "retryable",
+"details"}}``. A refused or bad message is answered, never raised (and so never
+retried): it does not crash or wedge the worker. The kernel then authorises
+the principal against the execution as for any caller.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
 from fleet.dispatcher.dispatcher import Dispatcher, DriveOrder
+from fleet.dispatcher.signing import DispatchRefusedError, DispatchVerifier, invalid, refusal
 from fleet.kernel.errors import FleetError
 from fleet.kernel.security import Principal
 
@@ -97,43 +101,59 @@ class DispatchReply(BaseModel):
     error: DispatchError | None = None
 
 
-def parse_request(args: Any, kwargs: Any) -> DispatchRequest:
-    """The request in a message: keyword arguments, or one object as the only argument."""
-    if args:
-        if len(args) != 1 or kwargs or not isinstance(args[0], dict):
-            raise ValueError("fleet.dispatch takes keyword arguments, or one JSON object as "
-                             "its only positional argument")
-        return DispatchRequest.model_validate(args[0])
-    return DispatchRequest.model_validate(kwargs or {})
-
-
-def handle_dispatch(dispatcher: Dispatcher, run_on_loop: RunOnLoop, args: Any,
-                    kwargs: Any) -> dict[str, Any]:
-    """Validate, write (on the loop), enqueue (here); the reply as JSON. Never raises."""
+def handle_dispatch(dispatcher: Dispatcher, run_on_loop: RunOnLoop, args: Any, kwargs: Any,
+                    verifier: DispatchVerifier) -> dict[str, Any]:
+    """Verify, validate, write (on the loop), enqueue (here); the reply as JSON. Never raises."""
+    message: dict[str, Any] | None = None
     try:
-        request = parse_request(args, kwargs)
-    except PydanticValidationError as exc:
-        details = [{"loc": list(map(str, e.get("loc", ()))), "msg": e.get("msg", ""),
-                    "type": e.get("type", "")} for e in exc.errors()]
-        reasons = "; ".join(f"{'.'.join(d['loc']) or 'request'}: {d['msg']}"
-                            for d in details[:5])
-        return _refusal(None, "RequestValidationError", "validation",
-                        f"fleet.dispatch: invalid request: {reasons}", details=details)
-    except ValueError as exc:
-        return _refusal(None, "RequestValidationError", "validation", str(exc))
+        message = verifier.message_of(args, kwargs)
+        entry = verifier.authenticate(message)
+        try:
+            request = DispatchRequest.model_validate(verifier.request_fields(message))
+        except PydanticValidationError as exc:
+            verifier.refuse(invalid(exc), message)
+            details = [{"loc": list(map(str, e.get("loc", ()))), "msg": e.get("msg", ""),
+                        "type": e.get("type", "")} for e in exc.errors()]
+            reasons = "; ".join(f"{'.'.join(d['loc']) or 'request'}: {d['msg']}"
+                                for d in details[:5])
+            return _refusal(None, "RequestValidationError", "validation",
+                            f"fleet.dispatch: invalid request: {reasons}", details=details)
+        if (entry is not None and request.op == "start" and not request.execution_id
+                and not request.idempotency_key):
+            raise refusal("invalid", "a signed start names its execution (execution_id or "
+                          "idempotency_key), so a replayed message is the same start")
+        who = request.who()
+        verifier.check_scope(entry, who.tenant if who else None, who is not None)
+    except DispatchRefusedError as exc:
+        verifier.refuse(exc, message)
+        return _refusal(None, type(exc).__name__, exc.code, exc.message,
+                        details=[{"reason": exc.reason}])
     try:
-        order, woke = run_on_loop(_write(dispatcher, request))
+        order, woke = run_on_loop(_claim_and_write(dispatcher, verifier, entry, message,
+                                                   request))
         if order is not None:
             dispatcher.enqueue(order)
+    except DispatchRefusedError as exc:  # replayed
+        verifier.refuse(exc, message)
+        return _refusal(request, type(exc).__name__, exc.code, exc.message,
+                        details=[{"reason": exc.reason}])
     except FleetError as exc:
         return _refusal(request, type(exc).__name__, exc.code, exc.message,
                         retryable=exc.retryable)
     except Exception as exc:  # noqa: BLE001 - answered, not raised: the worker goes on
         return _refusal(request, type(exc).__name__, "internal", str(exc)[:2000],
                         retryable=True)
+    verifier.accepted += 1
     execution_id = order.execution_id if order is not None else request.execution_id
     return DispatchReply(ok=True, op=request.op, execution_id=execution_id,
                          enqueued=order is not None, woke=woke).model_dump(mode="json")
+
+
+async def _claim_and_write(dispatcher: Dispatcher, verifier: DispatchVerifier, entry: Any,
+                           message: dict[str, Any],
+                           request: DispatchRequest) -> tuple[DriveOrder | None, bool | None]:
+    await verifier.claim_nonce(entry, message)  # last: a forged message uses up nothing
+    return await _write(dispatcher, request)
 
 
 async def _write(dispatcher: Dispatcher,
@@ -168,5 +188,4 @@ def _refusal(request: DispatchRequest | None, type_: str, code: str, message: st
                             details=details or [])).model_dump(mode="json")
 
 
-__all__ = ["DispatchError", "DispatchReply", "DispatchRequest", "handle_dispatch",
-           "parse_request"]
+__all__ = ["DispatchError", "DispatchReply", "DispatchRequest", "handle_dispatch"]

@@ -36,8 +36,12 @@ def celery_version() -> tuple[int, int, int]:
     return int(major), int(minor), int(micro)
 
 
+# The broker URL schemes kombu serves with its Redis transport.
+_REDIS_SCHEMES = ("redis", "rediss", "sentinel", "valkey", "valkeys")
+
+
 def broker_app(main: str, broker: str, *, app_class: Any = None, backend: str | None = None,
-               **conf: Any) -> Any:
+               consumes_tasks: bool = False, **conf: Any) -> Any:
     """A Celery app on ``broker`` that speaks the fleet's wire format (JSON only).
 
     What every fleet producer and reader of the broker shares: the dispatcher's
@@ -45,12 +49,24 @@ def broker_app(main: str, broker: str, *, app_class: Any = None, backend: str | 
     ``fleet.workers.app``); ``fleet status`` inspects workers through a bare one.
     Its broker connections are ``fleet.host.broker.FleetConnection``s (they
     survive a broker restart; ``broker_conf(settings)`` sets their pace).
+
+    Only a worker consumes the task queues (``consumes_tasks=True``, which
+    ``fleet.workers.make_app`` passes), so only a worker takes part in kombu's
+    Redis ack emulation: the ``unacked`` hash of taken messages and the restore
+    of those a dead consumer left. kombu would otherwise have any process that
+    reads a queue, Flower and ``fleet status`` reading their reply queues,
+    restore other consumers' messages onto the task queues; off, their Redis
+    users need neither the ``unacked*`` keys nor the right to push onto a queue
+    (decision 0017).
     """
     app = (app_class or Celery)(main, broker=broker, backend=backend, amqp=FLEET_AMQP)
     app.conf.update(task_serializer="json", result_serializer="json",
                     accept_content=["json"], result_accept_content=["json"],
                     broker_connection_retry_on_startup=True, worker_hijack_root_logger=False)
     app.conf.update(conf)
+    if not consumes_tasks and broker.split("://", 1)[0].lower() in _REDIS_SCHEMES:
+        app.conf.broker_transport_options = {**(app.conf.broker_transport_options or {}),
+                                             "ack_emulation": False}
     return app
 
 

@@ -37,6 +37,8 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     ├── ExecutionFailedError          handle.result() of a failed execution
     ├── ExecutionCancelledError       handle.result() of a cancelled execution
     ├── BrokerUnavailableError        a drive could not be enqueued (retryable)
+    ├── DispatcherClosedError         a call on a Dispatcher that is closed or closing
+    ├── WaitTimeoutError              an execution did not reach the state waited for in time
     ├── StoreError                    the store could not do what it was asked
     │   ├── StaleFenceError           an append under a superseded fence token
     │   ├── DuplicateSequenceError    the slot is taken (the plain-append CAS)
@@ -249,6 +251,22 @@ class ExecutionCancelledError(FleetError):
 
 class BrokerUnavailableError(FleetError):
     code = "broker_unavailable"
+    retryable = True
+
+
+class DispatcherClosedError(FleetError):
+    """The Dispatcher was closed (or is closing): it takes no more calls. A call cut
+    short by the close may or may not have written: retry it on another dispatcher
+    with the same execution id or idempotency key."""
+
+    code = "dispatcher_closed"
+
+
+class WaitTimeoutError(FleetError, TimeoutError):
+    """``wait``/``result`` gave up: the execution did not get there within ``timeout``.
+    Also a ``TimeoutError``. Waiting again can succeed."""
+
+    code = "wait_timeout"
     retryable = True
 
 

@@ -19,6 +19,7 @@ from fleet.kernel.errors import (
     ExecutionFailedError,
     ExecutionNotFoundError,
     ValidationError,
+    WaitTimeoutError,
 )
 from fleet.kernel.fold import ExecutionState
 from fleet.kernel.run import Run
@@ -87,7 +88,21 @@ class Results:
                 f"execution {execution_id!r} failed: {error.get('type', '')}: "
                 f"{error.get('message', '')}", error=error)
 
-    async def wait(self, execution_id: str, until: Until) -> ExecutionState:
+    async def wait(self, execution_id: str, until: Until,
+                   timeout: float | None = None) -> ExecutionState:
+        """``until`` within ``timeout`` seconds, or ``WaitTimeoutError`` saying where it is."""
+        try:
+            return await asyncio.wait_for(self._wait(execution_id, until), timeout)
+        except TimeoutError:
+            state = await self.fold(execution_id)
+            on = (state.waiting or {}).get("on")
+            where = state.status + (f" on {on!r}" if on else "")
+            raise WaitTimeoutError(
+                f"execution {execution_id!r} is {where}, not {until}, after {timeout:g} s; "
+                "wait again or raise the timeout", execution_id=execution_id,
+                status=state.status) from None
+
+    async def _wait(self, execution_id: str, until: Until) -> ExecutionState:
         """The state of ``execution_id`` once it is parked (``until="parked"``) or has ended.
 
         ``"parked"`` returns at the first park or end (an ended execution never

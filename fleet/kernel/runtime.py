@@ -53,6 +53,7 @@ from fleet.kernel.run import ReplayFrontier as ReplayFrontier
 from fleet.kernel.run import Run as Run
 from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.security import AccessPolicy, Principal
+from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.timers import FiredTimer, Timers
 from fleet.kernel.values import check_text, ms_from_datetime
@@ -86,11 +87,10 @@ class ExecutionHandle:
 
         ``"parked"`` returns at the first park or end, so a caller can resume the
         gate it reached (``state.waiting``); ``"terminal"`` at its end (this
-        execution's: ``result()`` follows continuations). ``timeout`` in seconds
-        raises ``TimeoutError``.
+        execution's: ``result()`` follows continuations). Past ``timeout`` seconds:
+        ``WaitTimeoutError`` (a ``TimeoutError``) saying where it is.
         """
-        return await asyncio.wait_for(self.runtime.engine.results.wait(self.execution_id,
-                                                                       until), timeout)
+        return await self.runtime.engine.results.wait(self.execution_id, until, timeout)
 
     async def outcome(self) -> RunOutcome | None:
         """How the run this call drove here ended (waits for it to stop).
@@ -238,6 +238,12 @@ class Runtime:
             payload["deadlineAt"] = now + int(definition.deadline * 1000)
         run = await self.engine.begin(execution_id, definition, lease, payload, drive=drive)
         return ExecutionHandle(self, execution_id, run)
+
+    async def start_many(self, requests: Sequence[StartRequest]) -> list[ExecutionHandle]:
+        """Start a batch durably in one store round trip (``fleet.kernel.starts``); none
+        is driven here (as ``start(..., drive=False)``). A handle per request, in order;
+        a bad request refuses the batch before anything is written."""
+        return [ExecutionHandle(self, eid) for eid in await start_many(self, requests)]
 
     # ------------------------------------------------------------------ drive
     async def drive(self, execution_id: str, *, grant: FenceGrant | None = None,
@@ -430,9 +436,9 @@ class Runtime:
                    timeout: float | None = None, principal: Principal | None = None,
                    system: bool = False) -> ExecutionState:
         """``ExecutionHandle.wait`` by id: its state once parked or ended (authorised as
-        ``read``, like ``load_state``); ``timeout`` in seconds raises ``TimeoutError``."""
+        ``read``, like ``load_state``); past ``timeout`` seconds ``WaitTimeoutError``."""
         await self.load_state(execution_id, principal=principal, system=system)
-        return await asyncio.wait_for(self.engine.results.wait(execution_id, until), timeout)
+        return await self.engine.results.wait(execution_id, until, timeout)
 
     # ------------------------------------------------------ timers, recovery
     async def fire_due_timers(self, now: datetime | None = None, *, limit: int = 100,

@@ -28,7 +28,12 @@ from fleet.kernel.errors import DuplicateSequenceError
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.lease import Lease
 from fleet.kernel.observers import Observers
-from fleet.kernel.store.spi import ConditionalAppendResult, EventStore, TipObservation
+from fleet.kernel.store.spi import (
+    ConditionalAppendResult,
+    EventStore,
+    TipObservation,
+    append_many,
+)
 
 
 async def append_events(store: EventStore, events: Sequence[EventEnvelope], *,
@@ -82,6 +87,21 @@ class LogWriter:
             raise
         if self.observers is not None:
             self.observers.stored(events)
+
+    async def create_many(self, starts: Sequence[EventEnvelope]) -> list[BaseException | None]:
+        """Write each sequence-0 event (a new execution's ``EXECUTION_STARTED``) under
+        fence 0, all in one ``append_many`` (``Runtime.start_many``); report those stored.
+
+        An answer per event: None (written) or the store's refusal for it alone
+        (``StaleFenceError``: its fence was ever taken; ``DuplicateSequenceError``: it
+        exists). Only what landed is reported.
+        """
+        answers = await append_many(self.store, [([event], 0) for event in starts])
+        stored = [event for event, answer in zip(starts, answers, strict=True)
+                  if answer is None]
+        if stored and self.observers is not None:
+            self.observers.stored(stored)
+        return answers
 
     async def observe(self, execution_id: str) -> TipObservation:
         """The tip a conditional write compares (``append_if_unchanged`` with no event)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -39,19 +40,34 @@ class PeriodicService:
 
     A tick that raises is counted and logged through ``on_error``; the loop
     goes on (a transient store or broker fault must not kill the service).
+
+    A tick is bounded twice over. Running longer than ``tick_deadline_s`` makes
+    ``stuck()`` say so, and the service's heartbeat then reports it not live
+    (``fleet health --liveness`` fails, Kubernetes restarts it): every store and
+    broker call has its own deadline, so a tick that outlives this one is wedged.
+    ``stop`` lets a tick in flight finish for up to ``stop_timeout_s`` and then
+    cancels it, so SIGTERM is honoured within that time whatever the tick waits on.
     """
 
     name = "periodic"
     requires: tuple[str, ...] = ()
 
     def __init__(self, interval_s: float, *,
-                 on_error: Callable[[BaseException], Any] | None = None) -> None:
+                 on_error: Callable[[BaseException], Any] | None = None,
+                 tick_deadline_s: float | None = None, stop_timeout_s: float = 10.0) -> None:
         if interval_s <= 0:
             raise ConfigurationError(f"{self.name}: interval must be > 0 seconds")
+        if (tick_deadline_s is not None and tick_deadline_s <= 0) or stop_timeout_s < 0:
+            raise ConfigurationError(f"{self.name}: tick_deadline_s must be > 0 and "
+                                     "stop_timeout_s >= 0")
         self.interval_s = interval_s
         self.on_error = on_error
+        self.tick_deadline_s = tick_deadline_s
+        self.stop_timeout_s = stop_timeout_s
         self.ticks = 0
         self.errors = 0
+        self.cut_short = 0
+        self._tick_began: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
 
@@ -66,6 +82,7 @@ class PeriodicService:
 
     async def _loop(self) -> None:
         while not self._stopping.is_set():
+            self._tick_began = time.monotonic()
             try:
                 await self.tick()
                 self.ticks += 1
@@ -73,17 +90,37 @@ class PeriodicService:
                 self.errors += 1
                 if self.on_error is not None:
                     self.on_error(exc)
+            finally:
+                self._tick_began = None
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self.interval_s)
 
+    def stuck(self) -> str | None:
+        """Why this service is not live (a tick past ``tick_deadline_s``), or None."""
+        began = self._tick_began
+        if began is None or self.tick_deadline_s is None:
+            return None
+        running = time.monotonic() - began
+        if running <= self.tick_deadline_s:
+            return None
+        return (f"{self.name}: a tick has run for {running:.0f} s (deadline "
+                f"{self.tick_deadline_s:g} s)")
+
     async def stop(self) -> None:
         self._stopping.set()
-        if self._task is not None:
-            await self._task
-            self._task = None
+        task, self._task = self._task, None
+        if task is None:
+            return
+        done, _ = await asyncio.wait({task}, timeout=self.stop_timeout_s)
+        if not done:
+            # The tick waits on something that does not answer: end it now.
+            self.cut_short += 1
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def stats(self) -> dict[str, Any]:
-        return {"ticks": self.ticks, "errors": self.errors}
+        return {"ticks": self.ticks, "errors": self.errors, "cut_short": self.cut_short}
 
 
 def start_order(services: Sequence[Service]) -> list[Service]:

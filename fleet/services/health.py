@@ -71,18 +71,23 @@ class Heartbeat:
         interval_s: Seconds between beats.
         on_beat: Called on the loop after each beat (the worker polls its
             shutdown flag there); an exception it raises is logged.
+        stuck: Says why the process is not live although its loop runs (a
+            service's tick past its deadline), or None; written into the
+            heartbeat, where ``check_heartbeat`` fails on it.
     """
 
     requires: tuple[str, ...] = ()
 
     def __init__(self, path: Path, *, interval_s: float = BEAT_INTERVAL_S,
-                 on_beat: Callable[[], Any] | None = None, name: str = "heartbeat") -> None:
+                 on_beat: Callable[[], Any] | None = None, name: str = "heartbeat",
+                 stuck: Callable[[], str | None] | None = None) -> None:
         if interval_s <= 0:
             raise ConfigurationError("Heartbeat: interval_s must be > 0")
         self.name = name
         self.path = path
         self.interval_s = interval_s
         self.on_beat = on_beat
+        self.stuck = stuck
         self.beats = 0
         self.errors = 0
         self._task: asyncio.Task[None] | None = None
@@ -110,7 +115,14 @@ class Heartbeat:
 
     def beat(self) -> None:
         """Write the file now (atomically: a reader never sees half of it)."""
-        body = json.dumps({"pid": os.getpid(), "at": time.time()})
+        beat: dict[str, Any] = {"pid": os.getpid(), "at": time.time()}
+        try:
+            reason = self.stuck() if self.stuck is not None else None
+        except Exception as exc:  # noqa: BLE001 - a broken check is itself a reason
+            reason = f"the stuck check failed: {type(exc).__name__}: {exc}"
+        if reason:
+            beat["stuck"] = reason
+        body = json.dumps(beat)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,6 +221,7 @@ def check_heartbeat(settings: FleetSettings, component: str, *,
                      "FLEET_HEARTBEAT_DIR?)")
     at = time.time() if now is None else now
     oldest: tuple[float, Path, Any] | None = None
+    reasons: list[str | None] = []
     for path in paths:
         try:
             data = json.loads(path.read_text())
@@ -218,6 +231,7 @@ def check_heartbeat(settings: FleetSettings, component: str, *,
                 beat, data = path.stat().st_mtime, {}
             except OSError:
                 continue  # removed meanwhile: a child that stopped
+        reasons.append(data.get("stuck") if isinstance(data, dict) else None)
         if oldest is None or beat < oldest[0]:
             oldest = (beat, path, data.get("pid"))
     if oldest is None:
@@ -225,6 +239,10 @@ def check_heartbeat(settings: FleetSettings, component: str, *,
     beat, path, pid = oldest
     age = max(0.0, at - beat)
     who = f"pid {pid}, " if pid is not None else ""
+    stuck = next((reason for reason in reasons if reason), None)
+    if stuck:
+        return Check("heartbeat", False, f"the {component} is not live: {stuck} "
+                     f"({who}{path.name})")
     if age > limit:
         return Check("heartbeat", False, f"the {component}'s event loop is stuck or gone: its "
                      f"heartbeat is {age:.1f} s old (limit {limit:g} s; {who}{path})")

@@ -11,9 +11,12 @@ inspecting needs no tasks) open between reads, for ``fleet status --watch``.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fleet.config import FleetSettings
 from fleet.host.broker import broker_conf
@@ -22,6 +25,8 @@ from fleet.host.kernel import open_store
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel.errors import FleetError
 from fleet.kernel.store.spi import CountsExecutions, EventStore
+
+T = TypeVar("T")
 
 STATES: tuple[str, ...] = ("running", "parked", "completed", "failed", "cancelled",
                            "continued")
@@ -101,6 +106,27 @@ def worker_statuses(app: Any, *, timeout: float = 1.0) -> list[WorkerStatus]:
     return workers
 
 
+def within(deadline_s: float, call: Callable[[], T], what: str) -> T:
+    """``call()`` on a daemon thread, abandoned after ``deadline_s``: a broker that
+    accepts connections but never answers cannot hold a command past it (kombu
+    reconnects forever on its own)."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"fleet-{what}", daemon=True).start()
+    try:
+        return future.result(deadline_s)
+    except concurrent.futures.TimeoutError:
+        if future.done():
+            raise
+        raise TimeoutError(f"no answer within {deadline_s:g} s") from None
+
+
 class StatusReader:
     """Reads ``FleetStatus`` again and again over one store and one app (sync).
 
@@ -113,6 +139,10 @@ class StatusReader:
         refuse_inside_loop("StatusReader")
         self.settings = settings
         self.inspect_timeout = inspect_timeout
+        #: The longest a read waits for the broker: the workers' answers, plus the
+        #: connect and one command's deadline.
+        self.broker_deadline_s = (inspect_timeout + settings.broker_connect_timeout_s
+                                  + settings.broker_socket_timeout_s)
         self._loop = EventLoopThread("fleet-status")
         self._loop.start()
         self._store: EventStore | None = None
@@ -137,7 +167,10 @@ class StatusReader:
             if self._app is None:
                 self._app = broker_app("fleet-status", self.settings.broker,
                                        **broker_conf(self.settings))
-            workers = worker_statuses(self._app, timeout=self.inspect_timeout)
+            app = self._app
+            workers = within(self.broker_deadline_s,
+                             lambda: worker_statuses(app, timeout=self.inspect_timeout),
+                             "status-inspect")
         except Exception as exc:  # noqa: BLE001 - shown, and the rest still reported
             problems.append(f"broker: {type(exc).__name__}: {exc}")
         return FleetStatus(counts, tuple(workers), tuple(problems), capped=capped)
@@ -151,8 +184,11 @@ class StatusReader:
                 pass
         self._loop.stop()
         if self._app is not None:
-            self._app.close()
-            self._app = None
+            app, self._app = self._app, None
+            try:
+                within(self.settings.broker_connect_timeout_s, app.close, "status-close")
+            except Exception:  # noqa: BLE001 - a wedged broker connection is left behind
+                pass
 
     def __enter__(self) -> StatusReader:
         return self
@@ -162,4 +198,4 @@ class StatusReader:
 
 
 __all__ = ["STATES", "WORKER_FIELDS", "FleetStatus", "StatusReader", "WorkerStatus",
-           "execution_counts", "worker_statuses"]
+           "execution_counts", "within", "worker_statuses"]

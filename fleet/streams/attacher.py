@@ -126,7 +126,12 @@ class RewardAttacher:
         """An attacher on ``settings.redis_url`` with its streams, group and keys."""
         if not settings.redis_url:
             raise ConfigurationError("the reward attacher needs FLEET_REDIS_URL")
-        client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0)
+        # Every read is bounded (a Redis that accepts and never answers must not
+        # wedge the attacher): its longest block plus the command deadline.
+        block_s = int(kwargs.get("block_ms", 1000)) / 1000
+        client = aioredis.Redis.from_url(
+            settings.redis_url, socket_connect_timeout=settings.broker_connect_timeout_s,
+            socket_timeout=block_s + settings.broker_socket_timeout_s)
         kwargs.setdefault("keys", settings.reward_keys)
         kwargs.setdefault("stream", settings.rewards_stream)
         kwargs.setdefault("group", settings.rewards_group)

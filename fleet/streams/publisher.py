@@ -119,8 +119,9 @@ class EventPublisher:
         """A publisher on ``settings.redis_url`` / ``events_stream`` / ``events_maxlen``."""
         if not settings.redis_url:
             raise ConfigurationError("the event publisher needs FLEET_REDIS_URL")
-        client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0,
-                                         socket_timeout=10.0)
+        client = aioredis.Redis.from_url(
+            settings.redis_url, socket_connect_timeout=settings.broker_connect_timeout_s,
+            socket_timeout=settings.broker_socket_timeout_s)
         kwargs.setdefault("stream", settings.events_stream)
         kwargs.setdefault("maxlen", settings.events_maxlen)
         return cls(client, close_client=True, **kwargs)

@@ -34,8 +34,9 @@ class TimerService(PeriodicService):
 
     def __init__(self, runtime: Runtime, *, enqueue: Enqueue | None = None,
                  interval_s: float = 0.25, batch: int = 500,
-                 on_error: Callable[[BaseException], Any] | None = None) -> None:
-        super().__init__(interval_s, on_error=on_error)
+                 on_error: Callable[[BaseException], Any] | None = None,
+                 **bounds: Any) -> None:
+        super().__init__(interval_s, on_error=on_error, **bounds)
         self.runtime = runtime
         self.enqueue = enqueue
         self.batch = batch

@@ -54,7 +54,7 @@ def make_app(settings: FleetSettings, *, main: str = "fleet",
         It is the dispatcher's ``producer_app`` (broker, wire format, routes)
         with what a worker adds.
     """
-    app = producer_app(settings, main=main, result_backend=result_backend)
+    app = producer_app(settings, main=main, result_backend=result_backend, consumes_tasks=True)
     app.conf.update(
         task_acks_late=True, task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,

@@ -18,6 +18,9 @@ handed_back              runs let go at shutdown (lease released, re-enqueued)
 outcomes_attached        late outcomes attached (the reward attacher, if here)
 outcomes_dead_lettered   reward messages dead-lettered (the attacher, if here)
 stream_lag_ms            the events stream's publishing lag (the publisher)
+dispatch_refused         fleet.dispatch messages refused (forged, unsigned,
+                         expired, replayed, out of scope...; the log says why)
+dispatch_accepted        fleet.dispatch messages verified and carried out
 =======================  ===================================================
 
 and ``deliveries``, ``idle`` (nothing to do: already parked or ended),
@@ -50,7 +53,7 @@ COUNTERS: tuple[str, ...] = (
     "drives", "completed", "failed", "parked", "stepped_aside", "fenced_out", "recovered",
     "timers_fired", "divergence_warnings", "divergence_parked", "outcomes_attached",
     "outcomes_dead_lettered", "deliveries", "idle", "aborted", "errors", "handed_back",
-    "refused")
+    "dispatch_refused", "dispatch_accepted", "refused")
 # Gauges: read as they are now, never summed over time.
 GAUGES: tuple[str, ...] = ("stream_lag_ms", "active")
 FIELDS: tuple[str, ...] = COUNTERS + GAUGES

@@ -11,7 +11,15 @@ publishes a new drive of the execution, on the same route, before it returns
 (``fleet.workers.shutdown``).
 
 ``fleet.dispatch(**request)`` is the dispatcher for producers that are not
-Python (``fleet.dispatcher.remote``).
+Python (``fleet.dispatcher.remote``): each message is verified first (its
+signature by a client key, its times, its nonce, the key's tenants:
+``fleet.dispatcher.signing``); a refusal is answered, counted
+(``dispatch_refused`` in the worker's stats) and logged, never retried.
+
+``fleet.drive`` carries no principal and needs no signature because it never
+changes an execution's answer: it only drives what the log already holds (a
+parked or finished execution is left as it is, a held one steps aside), so a
+forged drive is at worst a wasted delivery.
 """
 
 from __future__ import annotations
@@ -22,8 +30,10 @@ from typing import Any
 from fleet.dispatcher.dispatcher import Dispatcher
 from fleet.dispatcher.remote import handle_dispatch
 from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK
+from fleet.dispatcher.signing import DispatchVerifier
 from fleet.kernel.errors import StoreUnavailableError
 from fleet.workers.process import HANDED_BACK, open_process
+from fleet.workers.stats import register_stats_source
 
 log = logging.getLogger("fleet.workers")
 
@@ -38,10 +48,17 @@ def register_tasks(app: Any) -> None:
             requeue_handed_back(app, execution_id, flow_id, tenant)
         return outcome
 
+    verifiers: list[DispatchVerifier] = []  # one per process, made at the first message
+
     def dispatch(*args: Any, **kwargs: Any) -> dict[str, Any]:
         process = open_process(app.fleet_settings)
+        if not verifiers:
+            verifier = DispatchVerifier.from_settings(app.fleet_settings)
+            register_stats_source("dispatch", verifier.stats)
+            verifiers.append(verifier)
         dispatcher = Dispatcher(runtime=process.runtime, app=app)
-        return handle_dispatch(dispatcher, process.loop.run_coroutine, args, kwargs)
+        return handle_dispatch(dispatcher, process.loop.run_coroutine, args, kwargs,
+                               verifiers[0])
 
     # A store outage is retried a few times (short countdowns, far below the
     # Redis visibility timeout); after that the recovery sweeper re-drives it.

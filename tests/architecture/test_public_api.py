@@ -10,7 +10,8 @@ from fleet.kernel import errors
 EXPECTED = {
     "EVENT_SCHEMA", "AccessDeniedError", "AccessPolicy", "BrokerUnavailableError",
     "ConfigurationError", "Context",
-    "CorruptLogError", "Decision", "DuplicateSequenceError", "DuplicateStepError",
+    "CorruptLogError", "Decision", "DispatcherClosedError", "DuplicateSequenceError",
+    "DuplicateStepError",
     "EvaluationError",
     "EventEnvelope", "EventType", "ExecutionBusyError", "ExecutionCancelledError",
     "ExecutionConflictError",
@@ -29,8 +30,8 @@ EXPECTED = {
     "RetryPolicy", "RunOutcome", "Runtime", "RuntimeOptions", "RuntimeStats",
     "SchemaVersionError", "SequenceGapError", "SqliteEventStore",
     "SqliteSnapshotStore", "StaleFenceError", "StepFailedError", "StepFailure", "StoreError",
-    "StoreUnavailableError", "UnstorableValueError", "ValidationError", "flow", "fold",
-    "fold_log",
+    "StoreUnavailableError", "UnstorableValueError", "ValidationError", "WaitTimeoutError",
+    "flow", "fold", "fold_log",
 }
 
 

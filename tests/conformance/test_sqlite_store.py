@@ -32,7 +32,8 @@ from fleet.kernel.store.conformance import (
     started,
 )
 from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
-from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+from fleet.kernel.store.sqlite import SqliteEventStore
+from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 
 # A small max_event_bytes, so the kit's event at the limit is cheap to write.
 SMALL_LIMIT = 64 * 1024

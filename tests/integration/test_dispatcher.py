@@ -26,14 +26,24 @@ from postgres_server import throwaway_database
 from redis_server import url_with_db
 
 from fleet.config import FleetSettings
-from fleet.dispatcher import Dispatcher
-from fleet.kernel.errors import ConfigurationError, ExecutionCancelledError, ValidationError
+from fleet.dispatcher import Dispatcher, Send, Start
+from fleet.dispatcher.signing import sign_dispatch
+from fleet.kernel.errors import (
+    AccessDeniedError,
+    ConfigurationError,
+    ExecutionCancelledError,
+    ExecutionNotFoundError,
+    ValidationError,
+    WaitTimeoutError,
+)
 from fleet.kernel.security import Principal
 from fleet.workers import make_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 REDIS_DB = 14
+SECRET = "test-secret-for-the-dispatcher-tests"
+KEYS = {"producer-1": {"client": "node-producer", "secret": SECRET, "tenants": ["*"]}}
 
 
 @dataclass
@@ -53,7 +63,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         settings = FleetSettings(database_url=database_url, broker_url=broker, queue=queue,
                                  flows=ALL.split(","), lease_ms=1500)
         env = fleet_env(database_url=database_url, broker_url=broker, queue=queue, flows=ALL,
-                        extra={"FLEET_TEST_RESULT_BACKEND": broker})
+                        extra={"FLEET_TEST_RESULT_BACKEND": broker,
+                               "FLEET_DISPATCH_KEYS": json.dumps(KEYS)})
         app = make_app(settings)
         (worker,) = start_workers([("dispatch", [queue])], env,
                                   tmp_path_factory.mktemp("dispatcher"), app,
@@ -206,6 +217,10 @@ async def test_fleet_dispatch_from_a_raw_message_and_typed_errors_for_bad_ones(
 
     def send(kwargs: dict[str, Any] | None = None,
              args: list[Any] | None = None) -> dict[str, Any]:
+        # Signed as decision 0018 says (a producer in any language computes the same).
+        kwargs = sign_dispatch(kwargs, key_id="producer-1", secret=SECRET) if kwargs else None
+        args = [sign_dispatch(a, key_id="producer-1", secret=SECRET) if isinstance(a, dict)
+                else a for a in args] if args else None
         return _reply(fleet.redis, _publish_raw(broker, queue, _message(kwargs, args)))
 
     principal = {"actor": "billing", "tenant": "acme"}
@@ -244,7 +259,8 @@ async def test_fleet_dispatch_from_a_raw_message_and_typed_errors_for_bad_ones(
         "op": "resume", "execution_id": eid, "gate": "approval", "principal": principal})
     assert finished["error"]["code"] == "execution_finished"
     mixed = await asyncio.to_thread(send, {"op": "cancel", "execution_id": eid}, [1])
-    assert mixed["error"]["code"] == "validation"
+    assert mixed["error"]["code"] == "dispatch_refused"
+    assert mixed["error"]["details"] == [{"reason": "malformed"}]
     # The worker is still serving after the bad ones.
     fine = await asyncio.to_thread(send, {"op": "start", "flow_id": "fleet-three", "input": 0})
     async with Dispatcher(fleet.settings) as dispatcher:
@@ -257,3 +273,44 @@ def test_the_worker_log_has_no_task_failure(fleet: Fleet) -> None:
     log = fleet.worker.log()
     assert "raised unexpected" not in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_wait_result_and_every_sync_twin_from_plain_code(fleet: Fleet) -> None:
+    """Issue 15 item 3 (the dispatcher's half): wait for a state, a result, with sync twins
+    for all of it, for executions a worker process drives."""
+    owner = Principal("ops", tenant="acme")
+    stranger = Principal("eve", tenant="other")
+    with Dispatcher(fleet.settings) as dispatcher:
+        gated = dispatcher.start_sync("fleet-gate", 1, principal=owner)
+        parked = dispatcher.wait_sync(gated, until="parked", timeout=30, principal=owner)
+        assert (parked.status, parked.waiting_on) == ("parked", "approval")
+        with pytest.raises(WaitTimeoutError) as waited:
+            dispatcher.wait_sync(gated, until="terminal", timeout=0.3, principal=owner)
+        assert isinstance(waited.value, TimeoutError)
+        assert "parked on 'approval'" in str(waited.value)
+        with pytest.raises(WaitTimeoutError):
+            dispatcher.result_sync(gated, timeout=0.3, principal=owner)
+        with pytest.raises(AccessDeniedError):
+            dispatcher.result_sync(gated, timeout=1, principal=stranger)
+        with pytest.raises(ValidationError):
+            dispatcher.wait_sync(gated, until="bogus", principal=owner)  # type: ignore[arg-type]
+        with pytest.raises(ExecutionNotFoundError):
+            dispatcher.wait_sync("no-such-execution", timeout=1)
+        order = dispatcher.write_resume_sync(gated, "approval", "yes", principal=owner)
+        dispatcher.publish_sync([order])
+        assert dispatcher.result_sync(gated, timeout=30, principal=owner) == {
+            "before": 2, "approved": "yes"}
+        done = dispatcher.wait_sync(gated, timeout=1, principal=owner)
+        assert done.status == "completed"
+
+        receivers = dispatcher.start_many_sync([Start("fleet-receive", n, principal=owner)
+                                                for n in (1, 2)])
+        for eid in receivers:
+            dispatcher.wait_sync(eid, until="parked", timeout=30, principal=owner)
+        woke = dispatcher.send_many_sync([Send(eid, "ping", {"to": eid}, principal=owner)
+                                          for eid in receivers])
+        assert woke == [True, True]
+        for n, eid in zip((1, 2), receivers, strict=True):
+            assert dispatcher.result_sync(eid, timeout=30, principal=owner) == {
+                "before": n + 1, "message": {"to": eid}}
+        dispatcher.enqueue_drive_sync(receivers[0])  # a harmless extra: it finds it ended

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import redis
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CELERY = str(Path(sys.executable).with_name("celery"))
@@ -84,14 +86,26 @@ class WorkerProcess:
         return self.proc.poll() is None
 
     def wait_ready(self, app: Any, timeout: float = 30.0) -> None:
+        """Until the worker answers a ping through ``app``.
+
+        A ping whose connection the broker closed (a restarted broker: the
+        app's pooled connection is stale) raises a connection error; the next
+        one reconnects, so that counts as "not yet", like no answer.
+        """
+        errors = (*connection_errors(app), OSError, redis.exceptions.ConnectionError)
         deadline = time.monotonic() + timeout
+        last: BaseException | None = None
         while time.monotonic() < deadline:
             if not self.alive():
                 raise AssertionError(f"worker {self.name} exited:\n{self.log()[-4000:]}")
-            if app.control.ping(destination=[self.nodename], timeout=0.5):
-                return
-        raise AssertionError(f"worker {self.name} did not answer a ping in {timeout} s:\n"
-                             f"{self.log()[-4000:]}")
+            try:
+                if app.control.ping(destination=[self.nodename], timeout=0.5):
+                    return
+            except errors as exc:
+                last = exc
+                time.sleep(0.1)
+        raise AssertionError(f"worker {self.name} did not answer a ping in {timeout} s "
+                             f"(last error: {last!r}):\n{self.log()[-4000:]}")
 
     def stats(self, app: Any, timeout: float = 3.0) -> dict[str, Any]:
         """``stats()["fleet"]`` of this worker, through ``celery inspect stats``."""
@@ -130,6 +144,12 @@ class WorkerProcess:
         if not self._log.closed:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
+
+
+def connection_errors(app: Any) -> tuple[type[BaseException], ...]:
+    """What the app's broker transport raises for a lost connection."""
+    with app.connection_for_write() as conn:
+        return (*tuple(conn.connection_errors), ConnectionError)
 
 
 def start_workers(specs: list[tuple[str, list[str]]], env: Mapping[str, str], log_dir: Path,

@@ -23,6 +23,7 @@ import pytest
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher
 from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK
+from fleet.dispatcher.signing import sign_dispatch
 from fleet.host.celery_api import signals
 from fleet.kernel.store.spi import ExecutionSummary
 from fleet.workers import make_app
@@ -30,6 +31,7 @@ from fleet.workers.process import WorkerProcess, local_process
 
 FLOWS = ["worker_unit_flows:double", "worker_unit_flows:gate"]
 QUEUES = ["q-in-process", "q-in-process-doubles"]
+SECRET = "unit-test-dispatch-key-0123456789"
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +41,8 @@ def in_process_settings(tmp_path_factory: pytest.TempPathFactory) -> FleetSettin
         database_url=f"sqlite:///{data / 'fleet.db'}", broker_url="memory://",
         redis_url=None, publish_events=False, flows=FLOWS, lease_ms=60_000,
         queue=QUEUES[0], routes={"flow:unit-double": QUEUES[1]}, worker_drives=4,
-        heartbeat_dir=str(data / "beats"))
+        heartbeat_dir=str(data / "beats"),
+        dispatch_keys={"unit": {"client": "unit", "secret": SECRET, "tenants": ["*"]}})
 
 
 @pytest.fixture(scope="session")
@@ -147,7 +150,8 @@ def test_fleet_dispatch_writes_then_enqueues_a_drive_the_worker_runs(
     signals.task_prerun.connect(deliveries, weak=False)
 
     def dispatch(**request: Any) -> dict[str, Any]:
-        reply: dict[str, Any] = app.send_task(DISPATCH_TASK, kwargs=request).get(
+        signed = sign_dispatch(request, key_id="unit", secret=SECRET)  # decision 0018
+        reply: dict[str, Any] = app.send_task(DISPATCH_TASK, kwargs=signed).get(
             timeout=10, interval=0.01)
         return reply
 

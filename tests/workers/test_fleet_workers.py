@@ -19,8 +19,9 @@ import worker_unit_flows as flows
 
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher, DriveRouter, check_routes, idempotent_execution_id
-from fleet.dispatcher.remote import DispatchRequest, parse_request
+from fleet.dispatcher.remote import DispatchRequest
 from fleet.dispatcher.routing import route_queue
+from fleet.dispatcher.signing import DispatchRefusedError, DispatchVerifier
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.flows import load_flow
@@ -198,12 +199,17 @@ def test_load_flow_names_what_is_wrong() -> None:
 # -- fleet.dispatch --------------------------------------------------------------
 
 def test_dispatch_requests_are_validated_per_op() -> None:
-    assert parse_request([], {"op": "start", "flow_id": "f"}).op == "start"
-    assert parse_request([{"op": "cancel", "execution_id": "e"}], {}).op == "cancel"
+    verifier = DispatchVerifier(None, allow_unsigned=True)
+
+    def parse(args: list[Any], kwargs: dict[str, Any]) -> DispatchRequest:
+        return DispatchRequest.model_validate(verifier.message_of(args, kwargs))
+
+    assert parse([], {"op": "start", "flow_id": "f"}).op == "start"
+    assert parse([{"op": "cancel", "execution_id": "e"}], {}).op == "cancel"
     for args, kwargs in (([], {"op": "resume", "execution_id": "e"}),
                          ([], {"op": "start"}), ([], {"op": "start", "flow_id": "f", "x": 1}),
                          ([1], {}), ([{"op": "cancel", "execution_id": "e"}], {"op": "x"})):
-        with pytest.raises(ValueError):  # noqa: PT011 - pydantic's and ours alike
-            parse_request(args, kwargs)
+        with pytest.raises((ValueError, DispatchRefusedError)):
+            parse(args, kwargs)
     who = DispatchRequest(op="start", flow_id="f", principal={"actor": "a", "tenant": "t"})
     assert who.who() == Principal("a", tenant="t")

@@ -7,8 +7,8 @@ turn, and whatever queues while the in-flight flushes run, which is the
 batching that matters under load) and hands them to the inner store at once.
 Every other call goes straight to the inner store.
 
-On a store that implements ``append_many`` (``PostgresEventStore``: one
-statement, one commit) a flush is one transaction. Each request is still
+On a store that implements ``append_many`` (``spi.AppendsMany``; Postgres: one
+statement, one commit; SQLite: one transaction) a flush is one transaction. Each request is still
 judged alone: a stale fence, a taken slot or a gap refuses that request only
 and writes nothing of it, never its neighbours. On any other store the
 requests of a flush run concurrently, one execution's in order.
@@ -26,27 +26,22 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
-from fleet.kernel.errors import StoreError, ValidationError
+from fleet.kernel.errors import FleetError, StoreError, ValidationError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.forwarding import ForwardingEventStore
 from fleet.kernel.store.spi import (
+    AppendRequest,
+    AppendsMany,
     EventStore,
+    append_many,
     check_batch,
 )
 
 __all__ = ["AppendRequest", "CoalescingEventStore", "GroupAppender"]
 
-AppendRequest = tuple[Sequence[EventEnvelope], "int | None"]
-
-
-@runtime_checkable
-class GroupAppender(Protocol):
-    """A store that commits many appends in one transaction, judging each alone."""
-
-    async def append_many(self, requests: Sequence[AppendRequest],
-                          ) -> list[BaseException | None]: ...
+#: The store a flush commits through in one transaction (``spi.AppendsMany``).
+GroupAppender = AppendsMany
 
 
 @dataclass(slots=True)
@@ -144,26 +139,30 @@ class CoalescingEventStore(ForwardingEventStore):
                 pending.future.set_exception(result)
 
     async def _commit(self, batch: list[_Pending]) -> list[BaseException | None]:
-        if isinstance(self.inner, GroupAppender):
-            return await self.inner.append_many([(p.events, p.fence) for p in batch])
-        # No group commit below: run executions concurrently, each one in order.
-        results: list[BaseException | None] = [None] * len(batch)
-        lanes: dict[str, list[int]] = {}
-        for i, pending in enumerate(batch):
-            lanes.setdefault(pending.events[0].execution_id, []).append(i)
+        # One transaction where the inner store has ``append_many`` (every built-in
+        # one does); otherwise executions concurrently, each one in order.
+        return await append_many(self.inner, [(p.events, p.fence) for p in batch])
 
-        async def lane(indexes: list[int]) -> None:
-            for i in indexes:
-                pending = batch[i]
-                try:
-                    if len(pending.events) == 1:
-                        await self.inner.append(pending.events[0], fence=pending.fence)
-                    else:
-                        await self.inner.append_batch(pending.events, fence=pending.fence)
-                except Exception as exc:  # noqa: BLE001 - the request's own verdict
-                    results[i] = exc
-
-        await asyncio.gather(*(lane(indexes) for indexes in lanes.values()))
+    async def append_many(self, requests: Sequence[AppendRequest],
+                          ) -> list[BaseException | None]:
+        """Queue every request at once, so they share a flush (or a few); each judged alone."""
+        futures: list[asyncio.Future[None] | None] = []
+        results: list[BaseException | None] = [None] * len(requests)
+        for i, (events, fence) in enumerate(requests):
+            try:
+                check_batch(events)
+            except FleetError as exc:
+                results[i] = exc
+                futures.append(None)
+                continue
+            futures.append(self._enqueue(list(events), fence))
+        answers = await asyncio.gather(*(f for f in futures if f is not None),
+                                       return_exceptions=True)
+        it = iter(answers)
+        for i, future in enumerate(futures):
+            if future is not None:
+                answer = next(it)
+                results[i] = answer if isinstance(answer, BaseException) else None
         return results
 
     # -- everything else goes straight through ------------------------------------

@@ -48,7 +48,13 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.store.conformance_values import SnapshotValueConformance, ValueConformance
-from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore, TipObservation
+from fleet.kernel.store.spi import (
+    EventStore,
+    Snapshot,
+    SnapshotStore,
+    TipObservation,
+    append_many,
+)
 
 __all__ = ["HOSTILE_STRINGS", "T0", "EventStoreConformance", "SnapshotStoreConformance",
            "make_event", "started"]
@@ -214,6 +220,102 @@ class EventStoreConformance(ValueConformance):
         await _log(store, "h", 3)
         assert await store.head("h") == 2
         assert await store.head("H") is None  # ids are case-sensitive
+
+    # -- many appends in one call (spi.AppendsMany) -----------------------------
+
+    async def test_append_many_judges_each_request_alone(self, store: EventStore) -> None:
+        """One call, many executions: each request is written or refused as its own
+        append would be, and a refusal writes nothing of it and nothing else fails."""
+        kept = await _log(store, "m-kept", 1)
+        await _log(store, "m-fenced", 1)
+        grant = await store.acquire_fence("m-fenced", holder="w", lease_ms=60_000)
+        requests: list[tuple[list[EventEnvelope], int | None]] = [
+            ([started("m-new")], None),
+            ([started("m-pair"), make_event("m-pair", 1)], 0),
+            ([make_event("m-kept", 1)], None),
+            ([make_event("m-kept", 5)], None),                      # a gap
+            ([started("m-kept", owner="intruder")], None),          # the slot is taken
+            ([make_event("m-fenced", 1)], grant.token - 1),         # a superseded token
+            ([make_event("m-fenced", 1)], grant.token),
+            ([], None),                                              # no events
+            ([make_event("m-bad", 0), make_event("m-other", 1)], None),  # two executions
+        ]
+        results = await append_many(store, requests)
+        assert len(results) == len(requests)
+        assert results[0] is None
+        assert results[1] is None
+        assert results[2] is None
+        assert isinstance(results[3], SequenceGapError)
+        assert isinstance(results[4], DuplicateSequenceError)
+        assert isinstance(results[5], StaleFenceError)
+        assert results[6] is None
+        assert isinstance(results[7], ValidationError)
+        assert isinstance(results[8], (ValidationError, SequenceGapError))
+        assert await store.read("m-new") == [started("m-new")]
+        assert await store.head("m-pair") == 1
+        assert _wire(await store.read("m-kept")) == _wire([*kept, make_event("m-kept", 1)])
+        assert await store.head("m-fenced") == 1
+        for nobody in ("m-bad", "m-other"):
+            assert await store.head(nobody) is None
+        summary = await store.get_execution("m-new")
+        assert summary is not None
+        assert (summary.flow_id, summary.tenant, summary.owner, summary.status) == (
+            "flow", "acme", "alice", "running")
+        kept_row = await store.get_execution("m-kept")
+        assert kept_row is not None
+        assert kept_row.owner == "alice"
+
+    async def test_append_many_with_fence_zero_creates_only_the_never_fenced(
+            self, store: EventStore) -> None:
+        """``fence=0`` is "nobody ever held it": a start that never waits on a lease,
+        and never writes over a start in flight or a deleted execution's holder."""
+        await store.acquire_fence("z-held", holder="starting", lease_ms=60_000)
+        await _log(store, "z-tomb", 1)
+        await store.acquire_fence("z-tomb", holder="zombie", lease_ms=60_000)
+        assert await store.delete_execution("z-tomb") is True
+        results = await append_many(store, [([started("z-fresh")], 0),
+                                            ([started("z-held")], 0),
+                                            ([started("z-tomb")], 0)])
+        assert results[0] is None
+        assert isinstance(results[1], StaleFenceError)
+        assert isinstance(results[2], StaleFenceError)
+        assert await store.head("z-fresh") == 0
+        assert await store.head("z-held") is None
+        assert await store.head("z-tomb") is None
+        # Written with fence 0, the execution is still free to take.
+        grant = await store.acquire_fence_if("z-fresh", holder="w", lease_ms=60_000)
+        assert grant is not None
+        assert grant.token >= 1
+        again = await append_many(store, [([started("z-fresh")], 0)])
+        assert isinstance(again[0], StaleFenceError)
+
+    async def test_append_many_keeps_one_executions_requests_in_order(
+            self, store: EventStore) -> None:
+        results = await append_many(store, [([started("o")], 0)] + [
+            ([make_event("o", s)], None) for s in range(1, 6)] + [
+            ([make_event("o", 6), make_event("o", 7, E.EXECUTION_SUSPENDED)], None)])
+        assert results == [None] * 7
+        assert [e.sequence for e in await store.read("o")] == list(range(8))
+        summary = await store.get_execution("o")
+        assert summary is not None
+        assert (summary.head, summary.status, summary.waiting_on) == (7, "parked", "approval")
+        assert await append_many(store, []) == []
+
+    async def test_append_many_of_many_new_executions_with_hostile_ids(
+            self, store: EventStore) -> None:
+        ids = [f"many-{i}-{text}" for i, text in enumerate(HOSTILE_STRINGS)]
+        ids += [f"many-plain-{i}" for i in range(200)]
+        results = await append_many(store, [([started(i, tenant=f"t{n % 3}")], 0)
+                                            for n, i in enumerate(ids)])
+        assert results == [None] * len(ids)
+        for n, execution_id in enumerate(ids):
+            assert await store.read(execution_id) == [started(execution_id,
+                                                              tenant=f"t{n % 3}")]
+        listed = await store.list_executions(tenant="t1", limit=1000)
+        assert sorted(row.execution_id for row in listed) == sorted(
+            i for n, i in enumerate(ids) if n % 3 == 1)
+        twice = await append_many(store, [([started(ids[0])], 0), ([started(ids[0])], 0)])
+        assert all(isinstance(r, (DuplicateSequenceError, StaleFenceError)) for r in twice)
 
     # -- fences --------------------------------------------------------------
 

@@ -33,7 +33,8 @@ from fleet.kernel.errors import ConfigurationError, MissingDependencyError
 from fleet.kernel.store.coalescing import CoalescingEventStore
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.spi import DEFAULT_MAX_EVENT_BYTES, EventStore, SnapshotStore
-from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+from fleet.kernel.store.sqlite import SqliteEventStore
+from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 
 if TYPE_CHECKING:
     from fleet.kernel.store.postgres import PostgresEventStore

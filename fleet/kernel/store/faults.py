@@ -23,9 +23,11 @@ from fleet.kernel.errors import StoreUnavailableError, ValidationError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.forwarding import ForwardingEventStore
 from fleet.kernel.store.spi import (
+    AppendRequest,
     ConditionalAppendResult,
     EventStore,
     TipObservation,
+    append_many,
 )
 
 __all__ = ["FaultInjectingEventStore", "InjectedFault", "WritePredicate"]
@@ -121,6 +123,27 @@ class FaultInjectingEventStore(ForwardingEventStore):
             return
         await self._fault(events)
         await self.inner.append_batch(events, fence=fence)
+
+    async def append_many(self, requests: Sequence[AppendRequest],
+                          ) -> list[BaseException | None]:
+        """Each request draws its own fate, in order; those let through go to the inner
+        store in one ``append_many``. A rejected or hung one writes nothing."""
+        results: list[BaseException | None] = [None] * len(requests)
+        passed: list[int] = []
+        for i, (events, _) in enumerate(requests):
+            if not events:
+                passed.append(i)  # the inner store refuses the shape, with its own error
+                continue
+            try:
+                await self._fault(events)
+            except StoreUnavailableError as exc:
+                results[i] = exc
+                continue
+            passed.append(i)
+        answers = await append_many(self.inner, [requests[i] for i in passed])
+        for i, answer in zip(passed, answers, strict=True):
+            results[i] = answer
+        return results
 
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.spi import (
+    AppendRequest,
     ConditionalAppendResult,
     CountsExecutions,
     DueTimer,
@@ -19,6 +20,7 @@ from fleet.kernel.store.spi import (
     ExecutionSummary,
     FenceGrant,
     TipObservation,
+    append_many,
 )
 
 
@@ -34,6 +36,11 @@ class ForwardingEventStore:
     async def append_batch(self, events: Sequence[EventEnvelope], *,
                            fence: int | None = None) -> None:
         await self.inner.append_batch(events, fence=fence)
+
+    async def append_many(self, requests: Sequence[AppendRequest],
+                          ) -> list[BaseException | None]:
+        """The inner store's ``append_many`` (one round trip), or one request at a time."""
+        return await append_many(self.inner, requests)
 
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from fleet.kernel.errors import (
     DuplicateSequenceError,
+    FleetError,
     SequenceGapError,
     StaleFenceError,
     ValidationError,
@@ -31,6 +32,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
 from fleet.kernel.store.spi import (
     DEFAULT_MAX_EVENT_BYTES,
+    AppendRequest,
     ConditionalAppendResult,
     DueTimer,
     ExecutionSummary,
@@ -115,6 +117,23 @@ class MemoryEventStore:
         await _tick()
         self._check_fence(execution_id, fence)
         self._write(execution_id, events)
+
+    async def append_many(self, requests: Sequence[AppendRequest],
+                          ) -> list[BaseException | None]:
+        """Every request in one step (one tick), each judged alone, in order."""
+        await _tick()
+        results: list[BaseException | None] = []
+        for events, fence in requests:
+            try:
+                execution_id = check_batch(events)
+                self._encode(events)
+                self._check_fence(execution_id, fence)
+                self._write(execution_id, events)
+            except FleetError as exc:
+                results.append(exc)
+            else:
+                results.append(None)
+        return results
 
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,

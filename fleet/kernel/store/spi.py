@@ -28,6 +28,7 @@ limit) is a constructor argument of every backend.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -213,6 +214,66 @@ class CountsExecutions(Protocol):
     async def count_executions(self) -> dict[str, int]:
         """``{status: executions}`` for every status with at least one execution."""
         ...
+
+
+#: One request of ``append_many``: a contiguous batch of one execution's events and
+#: the fence token it is written under (``None``: unfenced; ``0``: "never fenced").
+AppendRequest = tuple[Sequence[EventEnvelope], "int | None"]
+
+
+@runtime_checkable
+class AppendsMany(Protocol):
+    """Optional: many appends, of many executions, in one round trip.
+
+    Each request is judged exactly as ``append_batch(events, fence=fence)``
+    would judge it, alone: the answer for each is ``None`` (written) or the
+    error its own append would have raised (``StaleFenceError``,
+    ``DuplicateSequenceError``, ``SequenceGapError``, ``ValidationError``...),
+    and one request's refusal never fails or undoes another's. Requests of one
+    execution apply in the order given. A fault of the whole call (a lost
+    connection) may be raised instead, or given as every request's answer.
+
+    Every built-in store and decorator has it (Postgres: one statement and one
+    commit; SQLite: one transaction; memory: one step), and the conformance
+    kit checks it through ``append_many`` below, which serves a store that
+    lacks it one request at a time. The group-commit decorator flushes
+    through it; ``Runtime.start_many`` writes a batch of starts with it.
+    """
+
+    async def append_many(self, requests: Sequence[AppendRequest],
+                          ) -> list[BaseException | None]: ...
+
+
+async def append_many(store: EventStore, requests: Sequence[AppendRequest],
+                      ) -> list[BaseException | None]:
+    """``store.append_many(requests)``, or the same answers one request at a time
+    (executions concurrently, each one's requests in order) for a store without it."""
+    if isinstance(store, AppendsMany):
+        return await store.append_many(requests)
+    return await append_each(store, requests)
+
+
+async def append_each(store: EventStore, requests: Sequence[AppendRequest],
+                      ) -> list[BaseException | None]:
+    """``append_many``'s answers through ``append``/``append_batch``, one request at a time."""
+    results: list[BaseException | None] = [None] * len(requests)
+    lanes: dict[str, list[int]] = {}
+    for i, (events, _) in enumerate(requests):
+        lanes.setdefault(events[0].execution_id if events else "", []).append(i)
+
+    async def lane(indexes: list[int]) -> None:
+        for i in indexes:
+            events, fence = requests[i]
+            try:
+                if len(events) == 1:
+                    await store.append(events[0], fence=fence)
+                else:
+                    await store.append_batch(events, fence=fence)
+            except Exception as exc:  # noqa: BLE001 - the request's own verdict
+                results[i] = exc
+
+    await asyncio.gather(*(lane(indexes) for indexes in lanes.values()))
+    return results
 
 
 @runtime_checkable

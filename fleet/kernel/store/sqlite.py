@@ -29,7 +29,6 @@ surrogate or ``OverflowError`` for an integer past int64 (decision 0023).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import queue
 import sqlite3
@@ -54,11 +53,11 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
 from fleet.kernel.store.spi import (
     DEFAULT_MAX_EVENT_BYTES,
+    AppendRequest,
     ConditionalAppendResult,
     DueTimer,
     ExecutionSummary,
     FenceGrant,
-    Snapshot,
     TipObservation,
     check_batch,
     check_id,
@@ -67,12 +66,11 @@ from fleet.kernel.store.spi import (
     check_listing,
     creation_anchor,
     encode_event,
-    encode_state,
     index_change,
 )
 from fleet.kernel.values import check_int64, check_ms, check_text
 
-__all__ = ["SCHEMA_VERSION", "SqliteEventStore", "SqliteSnapshotStore"]
+__all__ = ["SCHEMA_VERSION", "SqliteEventStore", "open_database"]
 
 SCHEMA_VERSION = 1
 _GROUP_LIMIT = 512  # requests per transaction; bounds the latency of the last one
@@ -382,6 +380,12 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def open_database(path: str | os.PathLike[str]) -> _Database:
+    """The writer and reader threads of the file ``path``, shared by every store on it
+    (``SqliteSnapshotStore`` takes its share here); ``release()`` it when done."""
+    return _Database.acquire(path)
+
+
 # --------------------------------------------------------------------------
 # The jobs: plain functions of a connection, run on the writer or the reader.
 # --------------------------------------------------------------------------
@@ -528,6 +532,44 @@ class SqliteEventStore:
             write.place(conn, tip.head)
 
         await self._db.writer.call(job)
+
+    async def append_many(self, requests: Sequence[AppendRequest],
+                          ) -> list[BaseException | None]:
+        """Every request in one transaction of the writer (a savepoint each), judged alone."""
+        results: list[BaseException | None] = [None] * len(requests)
+        prepared: list[tuple[int, _Write, int | None]] = []
+        for i, (events, fence) in enumerate(requests):
+            try:
+                prepared.append((i, _Write.of(check_batch(events), events,
+                                              self._max_event_bytes), fence))
+            except FleetError as exc:
+                results[i] = exc
+        if not prepared:
+            return results
+
+        def job(conn: sqlite3.Connection) -> list[BaseException | None]:
+            answers: list[BaseException | None] = []
+            for _, write, fence in prepared:
+                conn.execute("SAVEPOINT many")
+                try:
+                    tip = _tip(conn, write.execution_id)
+                    if fence is not None and fence != tip.fence:
+                        raise StaleFenceError(
+                            f"fence {fence} of {write.execution_id!r} was superseded by "
+                            f"{tip.fence}; this writer must stop", presented=fence,
+                            current=tip.fence)
+                    write.place(conn, tip.head)
+                except Exception as exc:  # noqa: BLE001 - this request's verdict only
+                    conn.execute("ROLLBACK TO many")
+                    answers.append(_translate(exc))
+                else:
+                    answers.append(None)
+                conn.execute("RELEASE many")
+            return answers
+
+        for (i, _, _), answer in zip(prepared, await self._db.writer.call(job), strict=True):
+            results[i] = answer
+        return results
 
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,
@@ -737,58 +779,3 @@ def _summary(row: tuple[Any, ...]) -> ExecutionSummary:
                             owner=owner, status=status, waiting_on=waiting_on,
                             started_at=started_at, updated_at=updated_at, head=head,
                             fence=token or 0, holder=holder, lease_expires_at=lease)
-
-
-class SqliteSnapshotStore:
-    """A ``SnapshotStore`` in the ``snapshots`` table of a SQLite file.
-
-    Opened on the same path as a ``SqliteEventStore`` it shares that store's
-    writer and reader threads.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._db = _Database.acquire(path)
-        self._closed = False
-
-    async def save(self, snapshot: Snapshot) -> None:
-        state = encode_state(snapshot)
-
-        def job(conn: sqlite3.Connection) -> None:
-            conn.execute("INSERT OR REPLACE INTO snapshots VALUES (?, ?, ?)",
-                         (snapshot.execution_id, snapshot.sequence, state))
-
-        await self._db.writer.call(job)
-
-    async def load(self, execution_id: str) -> Snapshot | None:
-        check_id(execution_id)
-
-        def job(conn: sqlite3.Connection) -> Snapshot | None:
-            row = conn.execute("SELECT sequence, state FROM snapshots WHERE execution_id = ?",
-                               (execution_id,)).fetchone()
-            if row is None:
-                return None
-            try:
-                state = json.loads(row[1])
-            except (TypeError, ValueError) as exc:
-                raise CorruptLogError(f"snapshot of {execution_id!r} is not JSON: {exc}",
-                                      execution_id=execution_id) from exc
-            if not isinstance(state, dict):
-                raise CorruptLogError(f"snapshot of {execution_id!r} is not an object",
-                                      execution_id=execution_id)
-            return Snapshot(execution_id, int(row[0]), state)
-
-        return await self._db.reader.call(job)
-
-    async def delete(self, execution_id: str) -> None:
-        check_id(execution_id)
-
-        def job(conn: sqlite3.Connection) -> None:
-            conn.execute("DELETE FROM snapshots WHERE execution_id = ?", (execution_id,))
-
-        await self._db.writer.call(job)
-
-    async def close(self) -> None:
-        """Release this store's share of the file's threads."""
-        if not self._closed:
-            self._closed = True
-            await self._db.release()

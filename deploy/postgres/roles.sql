@@ -1,0 +1,65 @@
+-- fleet's two database roles: one changes the schema, one only reads and writes rows.
+--
+--   migrator  the fleet-db-upgrade Job (`fleet db upgrade`, Secret key
+--             migration-database-url): owns fleet's schema and everything in it,
+--             may create schemas in this database. Nothing else uses it.
+--   runtime   every long-running process (worker, timers, recovery, attacher,
+--             their wait-for-schema gates; Secret key database-url): SELECT,
+--             INSERT, UPDATE, DELETE on fleet's tables and EXECUTE on its
+--             functions, nothing more. It cannot create, alter, drop, truncate
+--             or grant anything, so a compromised worker cannot change the
+--             schema, replace the append functions or take the data out of the
+--             migrator's hands.
+--
+-- Run it once per database, connected to that database as its owner or a
+-- superuser (re-running it is harmless: it creates what is missing and grants
+-- again):
+--
+--   psql "postgresql://admin@db.example.com/fleet" \
+--        -v migrator=fleet_migrator -v runtime=fleet_runtime -f deploy/postgres/roles.sql
+--
+-- then give the roles passwords without putting them on a command line
+-- (psql's \password prompts and sends a SCRAM hash), or map them to your
+-- cloud's IAM authentication:
+--
+--   \password fleet_migrator
+--   \password fleet_runtime
+--
+-- Both URLs name the same schema (?schema=fleet): the migrator creates it on
+-- the first `fleet db upgrade`, and whatever the migrator creates from then on
+-- the default privileges below hand to the runtime role. Tested against a real
+-- server by tests/deploy/test_db_roles.py.
+\set ON_ERROR_STOP on
+
+SELECT format('CREATE ROLE %I LOGIN', :'migrator')
+WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'migrator') \gexec
+SELECT format('CREATE ROLE %I LOGIN', :'runtime')
+WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'runtime') \gexec
+
+-- Nobody else creates objects in this database: before PostgreSQL 15 every role
+-- may create tables in `public`, and every role may make temporary tables.
+REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+SELECT format('REVOKE CREATE, TEMPORARY ON DATABASE %I FROM PUBLIC', current_database()) \gexec
+SELECT format('GRANT CONNECT ON DATABASE %I TO %I, %I',
+              current_database(), :'migrator', :'runtime') \gexec
+SELECT format('GRANT CREATE ON DATABASE %I TO %I', current_database(), :'migrator') \gexec
+
+-- What the migrator creates from now on: the runtime role may use it, rows only.
+ALTER DEFAULT PRIVILEGES FOR ROLE :"migrator" GRANT USAGE ON SCHEMAS TO :"runtime";
+ALTER DEFAULT PRIVILEGES FOR ROLE :"migrator"
+    GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO :"runtime";
+ALTER DEFAULT PRIVILEGES FOR ROLE :"migrator" GRANT USAGE, SELECT ON SEQUENCES TO :"runtime";
+ALTER DEFAULT PRIVILEGES FOR ROLE :"migrator" REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
+ALTER DEFAULT PRIVILEGES FOR ROLE :"migrator" GRANT EXECUTE ON FUNCTIONS TO :"runtime";
+
+-- What the migrator already owns (a re-run, or a schema handed over with
+-- `REASSIGN OWNED BY <old owner> TO <migrator>`): the same grants.
+SELECT format('GRANT USAGE ON SCHEMA %I TO %I', n.nspname, :'runtime')
+       || format('; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA %I TO %I',
+                 n.nspname, :'runtime')
+       || format('; GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA %I TO %I',
+                 n.nspname, :'runtime')
+       || format('; REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA %I FROM PUBLIC', n.nspname)
+       || format('; GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA %I TO %I', n.nspname, :'runtime')
+FROM pg_namespace AS n JOIN pg_roles AS r ON r.oid = n.nspowner
+WHERE r.rolname = :'migrator' \gexec

@@ -1,0 +1,187 @@
+"""Key rings: the one format for every HMAC key the fleet checks (decision 0018).
+
+A key ring is a JSON object keyed by **key id**; each entry names the client
+that holds the key, the secret, and the tenants the client may speak for::
+
+    {
+      "web-2026-11": {"client": "web", "secret": "…", "tenants": ["acme", "globex"]},
+      "web-2026-12": {"client": "web", "secret": "…", "tenants": ["acme", "globex"]},
+      "ops-1":       {"client": "ops", "secret": "…", "tenants": ["*"]}
+    }
+
+* **Rotation**: a client may hold several valid keys at once (one id each):
+  add the new key, move the client to it, remove the old one. A message names
+  the key it was signed with (``kid``), so both verify during the switch.
+* **Scope**: ``tenants`` lists the tenants the client may act for; ``"*"`` is
+  every tenant and also a principal with no tenant (an operator's key). A
+  client without ``"*"`` may not act for a tenantless principal.
+* **Shorthand**: ``{"id": "secret"}`` is ``{"id": {"client": "id", "secret":
+  "secret", "tenants": ["*"]}}`` (the shape ``FLEET_REWARD_KEYS`` has today,
+  so issue 15's "one key-file format for every reward command and ``fleet up``"
+  can read both).
+
+Secrets are UTF-8 text of at least ``MIN_SECRET_BYTES`` bytes. A ring comes
+from a setting's JSON (``FLEET_DISPATCH_KEYS``) or a file
+(``FLEET_DISPATCH_KEYS_FILE``, e.g. a mounted Kubernetes Secret); a file is
+read again when it changes, so a rotation needs no restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fleet.kernel.errors import ConfigurationError
+
+log = logging.getLogger("fleet.keys")
+
+__all__ = ["ANY_TENANT", "MIN_SECRET_BYTES", "KeyEntry", "KeyRing", "KeySource"]
+
+ANY_TENANT = "*"
+MIN_SECRET_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    """One key: its id, the client holding it, its secret, the tenants it speaks for."""
+
+    key_id: str
+    client: str
+    secret: bytes
+    tenants: frozenset[str]
+
+    def speaks_for(self, tenant: str | None) -> bool:
+        """Whether this key may act for a principal of ``tenant`` (None: no tenant)."""
+        if ANY_TENANT in self.tenants:
+            return True
+        return tenant is not None and tenant in self.tenants
+
+
+class KeyRing:
+    """Key ids -> ``KeyEntry``; build with ``parse`` (checks every entry)."""
+
+    def __init__(self, entries: Mapping[str, KeyEntry]) -> None:
+        self._entries = dict(entries)
+
+    def __contains__(self, key_id: object) -> bool:
+        return key_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key_id: str) -> KeyEntry | None:
+        return self._entries.get(key_id)
+
+    def ids(self) -> list[str]:
+        return sorted(self._entries)
+
+    @classmethod
+    def parse(cls, data: Any, *, where: str = "the key ring",
+              min_secret_bytes: int = MIN_SECRET_BYTES) -> KeyRing:
+        """A ring from decoded JSON; ``ConfigurationError`` saying what is wrong where."""
+        if not isinstance(data, Mapping):
+            raise ConfigurationError(
+                f"{where} must be a JSON object of key id -> {{\"client\", \"secret\", "
+                f"\"tenants\"}}, got {type(data).__name__}; example: "
+                '{"web-1": {"client": "web", "secret": "<32 random bytes, hex>", '
+                '"tenants": ["acme"]}}')
+        entries: dict[str, KeyEntry] = {}
+        for key_id, raw in data.items():
+            entries[key_id] = _entry(key_id, raw, where, min_secret_bytes)
+        return cls(entries)
+
+    @classmethod
+    def loads(cls, text: str, *, where: str = "the key ring") -> KeyRing:
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigurationError(f"{where} is not JSON: {exc}") from exc
+        return cls.parse(data, where=where)
+
+
+def _entry(key_id: Any, raw: Any, where: str, min_secret_bytes: int) -> KeyEntry:
+    if not isinstance(key_id, str) or not key_id or len(key_id) > 200:
+        raise ConfigurationError(f"{where}: key id {key_id!r} must be 1-200 characters")
+    if isinstance(raw, str):  # the shorthand: {"id": "secret"}
+        raw = {"client": key_id, "secret": raw, "tenants": [ANY_TENANT]}
+    if not isinstance(raw, Mapping):
+        raise ConfigurationError(f"{where}: key {key_id!r} must be an object with client, "
+                                 "secret and tenants (or a secret string)")
+    unknown = set(raw) - {"client", "secret", "tenants"}
+    if unknown:
+        raise ConfigurationError(f"{where}: key {key_id!r} has unknown fields "
+                                 f"{sorted(unknown)}; it takes client, secret, tenants")
+    client, secret, tenants = raw.get("client"), raw.get("secret"), raw.get("tenants")
+    if not isinstance(client, str) or not client:
+        raise ConfigurationError(f"{where}: key {key_id!r} names no client")
+    if not isinstance(secret, str) or len(secret.encode()) < min_secret_bytes:
+        raise ConfigurationError(
+            f"{where}: key {key_id!r} needs a secret of at least {min_secret_bytes} bytes "
+            "(e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)")
+    if (not isinstance(tenants, list) or not tenants
+            or not all(isinstance(t, str) and t for t in tenants)):
+        raise ConfigurationError(
+            f"{where}: key {key_id!r} needs \"tenants\": a non-empty list of tenant names, "
+            f"or [\"{ANY_TENANT}\"] for every tenant")
+    return KeyEntry(key_id, client, secret.encode(), frozenset(tenants))
+
+
+class KeySource:
+    """The current ring from a JSON value or a file, the file re-read when it changes.
+
+    Args:
+        data: The decoded JSON of a setting (``FLEET_DISPATCH_KEYS``); or None.
+        path: A file holding the same JSON (``FLEET_DISPATCH_KEYS_FILE``); or None.
+        setting: The setting's name, for error messages.
+    """
+
+    def __init__(self, data: Any = None, path: str | os.PathLike[str] | None = None, *,
+                 setting: str = "FLEET_DISPATCH_KEYS", check_every_s: float = 1.0) -> None:
+        if data and path:
+            raise ConfigurationError(f"give {setting} or {setting}_FILE, not both")
+        self.setting = setting
+        self.path = Path(path) if path else None
+        self._check_every = check_every_s
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int] | None = None
+        self._checked = 0.0
+        if self.path is not None:
+            self._ring = self._read()
+        else:
+            self._ring = KeyRing.parse(data or {}, where=setting)
+
+    def _read(self) -> KeyRing:
+        assert self.path is not None
+        try:
+            stat = self.path.stat()
+            text = self.path.read_text()
+        except OSError as exc:
+            raise ConfigurationError(f"{self.setting}_FILE: cannot read {self.path}: "
+                                     f"{exc.strerror or exc}") from exc
+        self._stamp = (stat.st_mtime_ns, stat.st_size)
+        return KeyRing.loads(text, where=f"{self.setting}_FILE ({self.path})")
+
+    def ring(self) -> KeyRing:
+        """The ring now (a changed file is read again; a broken one keeps the last)."""
+        if self.path is None:
+            return self._ring
+        now = time.monotonic()
+        if now - self._checked < self._check_every:
+            return self._ring
+        with self._lock:
+            self._checked = now
+            try:
+                stat = self.path.stat()
+                if (stat.st_mtime_ns, stat.st_size) != self._stamp:
+                    self._ring = self._read()
+            except (OSError, ConfigurationError) as exc:
+                # Keep the ring we have; a half-written file is read again next time.
+                log.warning("keeping the previous key ring: %s", exc)
+        return self._ring

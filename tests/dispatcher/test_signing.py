@@ -1,0 +1,180 @@
+"""Signed fleet.dispatch messages and key rings, checked piece by piece (no servers).
+
+The same refusals against a real worker process, real Redis and real Flower are
+in ``tests/integration/test_dispatch_signing.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleet.dispatcher.signing import (
+    REFUSALS,
+    DispatchRefusedError,
+    DispatchVerifier,
+    canonical_dispatch_body,
+    sign_dispatch,
+)
+from fleet.host.keys import KeyRing, KeySource
+from fleet.kernel.errors import ConfigurationError
+
+SECRET = "0123456789abcdef0123456789abcdef"
+OTHER = "fedcba9876543210fedcba9876543210"
+RING = {"web-1": {"client": "web", "secret": SECRET, "tenants": ["acme"]},
+        "web-2": {"client": "web", "secret": OTHER, "tenants": ["acme"]},
+        "ops-1": {"client": "ops", "secret": "o" * 32, "tenants": ["*"]}}
+CANCEL = {"op": "cancel", "execution_id": "exec-1",
+          "principal": {"actor": "alice", "tenant": "acme"}, "reason": "customer left"}
+VECTOR_BODY = ('{"execution_id":"exec-1","expires_at":1767225660000,"issued_at":1767225600000,'
+               '"kid":"web-1","nonce":"n-1","op":"cancel","principal":{"actor":"alice",'
+               '"tenant":"acme"},"reason":"customer left"}')
+VECTOR_MAC = "63be86d374d9b7f95022269381ff57b86aede64cdc7ec182084761dd2a3f29f0"
+
+
+def verifier(**options: Any) -> DispatchVerifier:
+    return DispatchVerifier(KeySource(RING), **options)
+
+
+def refused(reason: str) -> Any:
+    return pytest.raises(DispatchRefusedError, match=rf"refused \({reason}\)")
+
+
+def test_the_documented_signature_vector() -> None:
+    """The vector in decision 0018, and the same bytes through openssl (another language)."""
+    signed = sign_dispatch(CANCEL, key_id="web-1", secret=SECRET, ttl_s=60,
+                           now_ms=1_767_225_600_000, nonce="n-1")
+    assert canonical_dispatch_body(signed).decode() == VECTOR_BODY
+    assert signed["signature"] == VECTOR_MAC
+    openssl = subprocess.run(["openssl", "dgst", "-sha256", "-hmac", SECRET],
+                             input=VECTOR_BODY.encode(), capture_output=True, check=True)
+    assert openssl.stdout.decode().split()[-1] == VECTOR_MAC
+    decision = (Path(__file__).resolve().parents[2] / "docs" / "decisions"
+                / "0018-dispatch-signing-and-key-rings.md").read_text()
+    assert VECTOR_BODY in decision
+    assert VECTOR_MAC in decision
+
+
+def test_a_signed_message_verifies_under_either_key_of_a_rotation() -> None:
+    check = verifier()
+    for kid, secret in (("web-1", SECRET), ("web-2", OTHER)):
+        signed = sign_dispatch(CANCEL, key_id=kid, secret=secret)
+        entry = check.authenticate(signed)
+        assert entry is not None
+        assert (entry.key_id, entry.client) == (kid, "web")
+        check.check_scope(entry, "acme", True)
+
+
+def test_every_refusal_reason(tmp_path: Path) -> None:
+    check = verifier(max_bytes=4096, max_age_s=300, skew_s=30)
+    good = sign_dispatch(CANCEL, key_id="web-1", secret=SECRET)
+    now = good["issued_at"]
+    cases: list[tuple[str, Any]] = [
+        ("oversized", lambda: check.message_of([], {**CANCEL, "reason": "x" * 5000})),
+        ("malformed", lambda: check.message_of([1, 2], {})),
+        ("malformed", lambda: check.message_of([], {"x": {1, 2}})),
+        ("unsigned", lambda: check.authenticate(CANCEL)),
+        ("unsigned", lambda: check.authenticate({**good, "signature": ""})),
+        ("unknown_key", lambda: check.authenticate({**good, "kid": "nobody"})),
+        ("unknown_key", lambda: check.authenticate({**good, "kid": ["web-1"]})),
+        ("bad_signature", lambda: check.authenticate(
+            sign_dispatch(CANCEL, key_id="web-1", secret=OTHER))),          # forged
+        ("bad_signature", lambda: check.authenticate({**good, "reason": "tampered"})),
+        ("bad_signature", lambda: check.authenticate(
+            {**good, "principal": {"actor": "alice", "tenant": "globex"}})),  # swapped
+        ("bad_signature", lambda: check.authenticate({**good, "signature": "é" * 64})),
+        ("bad_signature", lambda: check.authenticate({**good, "extra": 1})),
+        ("malformed", lambda: check.authenticate({**good, "input": float("nan")})),
+        ("expired", lambda: check.authenticate(good, now_ms=now + 61_000 + 30_001)),
+        ("not_yet_valid", lambda: check.authenticate(good, now_ms=now - 30_001)),
+        ("too_long_lived", lambda: check.authenticate(
+            sign_dispatch(CANCEL, key_id="web-1", secret=SECRET, ttl_s=301))),
+        ("out_of_scope", lambda: check.check_scope(check.authenticate(
+            sign_dispatch({**CANCEL, "principal": {"actor": "bob", "tenant": "globex"}},
+                          key_id="web-1", secret=SECRET)), "globex", True)),
+        ("out_of_scope", lambda: check.check_scope(check.authenticate(good), None, False)),
+    ]
+    for reason, call in cases:
+        with refused(reason):
+            call()
+        assert reason in REFUSALS
+    assert check.authenticate(good) is not None  # the untouched message still verifies
+    operator = check.authenticate(sign_dispatch(CANCEL, key_id="ops-1", secret="o" * 32))
+    check.check_scope(operator, None, False)  # "*": any tenant, and none
+
+
+async def test_a_nonce_is_used_once() -> None:
+    check = verifier()
+    signed = sign_dispatch(CANCEL, key_id="web-1", secret=SECRET)
+    entry = check.authenticate(signed)
+    await check.claim_nonce(entry, signed)
+    with refused("replayed"):
+        await check.claim_nonce(entry, signed)
+    again = sign_dispatch(CANCEL, key_id="web-1", secret=SECRET)  # a new nonce
+    await check.claim_nonce(check.authenticate(again), again)
+
+
+def test_unsigned_messages_pass_only_when_allowed_and_half_signed_ones_never() -> None:
+    lax = verifier(allow_unsigned=True)
+    assert lax.authenticate(CANCEL) is None
+    with refused("unsigned"):
+        lax.authenticate({**CANCEL, "kid": "web-1"})  # claims a key but carries no signature
+    with refused("unsigned"):
+        DispatchVerifier(None).authenticate(CANCEL)
+    with refused("unknown_key"):  # no ring at all: nothing verifies
+        DispatchVerifier(None).authenticate(sign_dispatch(CANCEL, key_id="web-1",
+                                                          secret=SECRET))
+
+
+def test_a_signed_start_always_names_its_execution() -> None:
+    signed = sign_dispatch({"op": "start", "flow_id": "f"}, key_id="web-1", secret=SECRET)
+    assert len(signed["execution_id"]) == 32
+    keyed = sign_dispatch({"op": "start", "flow_id": "f", "idempotency_key": "k"},
+                          key_id="web-1", secret=SECRET)
+    assert "execution_id" not in keyed
+
+
+def test_key_rings_refuse_what_would_be_unsafe_and_say_so(tmp_path: Path) -> None:
+    bad: list[tuple[Any, str]] = [
+        ([], "must be a JSON object"),
+        ({"k": {"client": "c", "secret": "short", "tenants": ["a"]}}, "at least 16 bytes"),
+        ({"k": {"client": "c", "secret": SECRET}}, "tenants"),
+        ({"k": {"client": "c", "secret": SECRET, "tenants": []}}, "tenants"),
+        ({"k": {"secret": SECRET, "tenants": ["a"]}}, "names no client"),
+        ({"k": {"client": "c", "secret": SECRET, "tenants": ["a"], "admin": True}}, "unknown"),
+        ({"": SECRET}, "key id"),
+    ]
+    for data, match in bad:
+        with pytest.raises(ConfigurationError, match=match):
+            KeyRing.parse(data)
+    shorthand = KeyRing.parse({"crm": SECRET}).get("crm")
+    assert shorthand is not None
+    assert (shorthand.client, shorthand.tenants) == ("crm", frozenset({"*"}))
+    with pytest.raises(ConfigurationError, match="not JSON"):
+        KeyRing.loads("{nope")
+    with pytest.raises(ConfigurationError, match="not both"):
+        KeySource(RING, tmp_path / "keys.json")
+    with pytest.raises(ConfigurationError, match="cannot read"):
+        KeySource(None, tmp_path / "missing.json")
+
+
+def test_a_key_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"web-1": RING["web-1"]}))
+    source = KeySource(None, path, check_every_s=0)
+    check = DispatchVerifier(source)
+    new = sign_dispatch(CANCEL, key_id="web-2", secret=OTHER)
+    with refused("unknown_key"):
+        check.authenticate(new)
+    path.write_text(json.dumps({"web-1": RING["web-1"], "web-2": RING["web-2"]}))
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 1_000_000))
+    assert check.authenticate(new) is not None  # rotated in without a restart
+    path.write_text("{half a file")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2_000_000))
+    assert check.authenticate(new) is not None  # a broken file keeps the last good ring
