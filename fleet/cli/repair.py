@@ -53,14 +53,15 @@ def repair_terminal_event(execution_ids: tuple[str, ...], db: str | None,
     if as_json:
         for r in reports:
             click.echo(json.dumps({"executionId": r.execution_id, "action": r.action,
-                                   "sequence": r.sequence, "type": r.type}))
+                                   "sequence": r.sequence, "type": r.type,
+                                   "endedAt": r.ended_at}))
         return
     table = Table(title="terminal-event repair" + ("" if apply else " (dry run: --apply)"))
-    for col in ("execution", "action", "sequence", "type"):
+    for col in ("execution", "action", "sequence", "type", "ended at (ms)"):
         table.add_column(col)
     for r in reports:
         table.add_row(r.execution_id, r.action, "" if r.sequence is None else str(r.sequence),
-                      r.type or "")
+                      r.type or "", "" if r.ended_at is None else str(r.ended_at))
     console.print(table)
 
 

@@ -57,7 +57,8 @@ from fleet.kernel.fold import DIVERGED_GATE, ExecutionState, Frame
 JUDGE_ALL = frozenset({EventType.EXECUTION_SUSPENDED, EventType.EXECUTION_CONTINUED,
                        EventType.EXECUTION_COMPLETED})
 JUDGE_BEFORE = frozenset({EventType.STEP_STARTED, EventType.EFFECT_INDOUBT})
-__all__ = ["DIVERGED_GATE", "DivergenceDetector", "skipped_key"]
+JUDGED = JUDGE_ALL | JUDGE_BEFORE  # the appends a refusal can come before
+__all__ = ["DIVERGED_GATE", "JUDGED", "DivergenceDetector", "skipped_key"]
 
 
 def skipped_key(skipped: Sequence[str], limit: int = 20) -> str:

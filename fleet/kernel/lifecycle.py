@@ -9,11 +9,14 @@
   place: the checkpoint holds ``_decisions`` and ``_outcomes``, and
   ``fleet.learning.evidence_events`` rebuilds them.
 - **Repair** (``restore_terminal_event``): a log compacted by an older kernel
-  lost its terminal event; the repair writes one (empty payload, the folded
-  ``updatedAt``, ``metadata.restoredTerminal``) above the checkpoint, under a
-  freshly acquired fence. Dry by default, idempotent; run it quiesced. It
-  writes through ``LogWriter`` with no observers: ADR 0147 does not report
-  maintenance paths.
+  lost its terminal event (the checkpoint absorbed it); the repair writes one
+  (empty payload, ``metadata.restoredTerminal``) above everything on the log,
+  under a freshly acquired fence, dated from the CHECKPOINT's ``updatedAt``:
+  the time of the terminal event it absorbed. Never the folded ``updatedAt``:
+  a late outcome an older fleet accepted above the checkpoint moved that, and
+  dating the end from it is the retention extension ADR 0116 exists to
+  prevent. Dry by default, idempotent; run it quiesced. It writes through
+  ``LogWriter`` with no observers: ADR 0147 does not report maintenance paths.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class RepairReport:
     action: str  # "intact" | "would-write" | "written"
     sequence: int | None = None
     type: str | None = None
+    ended_at: int | None = None  # the timestamp written: when the execution ended (ms)
 
 
 class LogLifecycle:
@@ -163,7 +167,7 @@ class LogLifecycle:
     async def restore_terminal_event(self, execution_id: str, *,
                                      apply: bool = False) -> RepairReport:
         """Write back the terminal event an older compaction removed (dry unless ``apply``)."""
-        state, _snap, events = await self._state(execution_id)
+        state, snap, events = await self._state(execution_id)
         if not state.terminal:
             raise ExecutionStateError(
                 f"execution {execution_id!r} is {state.status}; only a finished execution "
@@ -175,17 +179,20 @@ class LogLifecycle:
         if any(e.type in TERMINAL_TYPES for e in events):
             return RepairReport(execution_id, "intact")
         type_ = TERMINAL_EVENT[state.status]
+        # A terminal fold with no terminal event on the log: the checkpoint absorbed
+        # it, so the checkpoint's updatedAt is when it was written (see the module).
+        ended = ExecutionState.from_dict(snap.state).updated_at if snap is not None else None
+        ended_at = ended if ended is not None else (state.updated_at or self.clock())
         if not apply:
             head = await self.store.head(execution_id)
             return RepairReport(execution_id, "would-write",
-                                None if head is None else head + 1, type_.value)
+                                None if head is None else head + 1, type_.value, ended_at)
         async with await Lease.take(self.store, execution_id, holder=self.holder,
                                     lease_ms=30_000, warner=Warner(None)) as lease:
             head = await self.store.head(execution_id)
             if head is None:
                 raise ExecutionNotFoundError(f"no execution {execution_id!r}")
-            event = EventEnvelope.make(execution_id, head + 1, type_,
-                                       state.updated_at or self.clock(), {},
+            event = EventEnvelope.make(execution_id, head + 1, type_, ended_at, {},
                                        metadata={"restoredTerminal": True})
             await LogWriter(self.store, None).write(lease, [event])
-        return RepairReport(execution_id, "written", event.sequence, type_.value)
+        return RepairReport(execution_id, "written", event.sequence, type_.value, ended_at)

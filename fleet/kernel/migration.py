@@ -4,7 +4,9 @@
 version of its flow. ``strategy="replay-check"`` (the default) refuses when
 the target would orphan a recorded frame (ADR 0113 D4): a frame passes when
 its id, its family (the part before the first ``#``) or one of the target's
-``step_families`` is declared. ``discard`` drops frames so they run again. A
+``step_families`` is declared. A target that declares nothing passes no
+frame: replay-check refuses it for any execution with recorded frames (use
+``force`` to migrate anyway, or declare the steps). ``discard`` drops frames so they run again. A
 finished execution is reopened (ADR 0104's REOPEN).
 
 The bootstrap (the ``EXECUTION_MIGRATED`` that re-points the execution) is
@@ -77,13 +79,13 @@ def _declared(step_id: str, steps: frozenset[str],
 def orphaned_frames(frames: Iterable[str], definition: FlowDefinition) -> list[OrphanedFamily]:
     """Frames ``definition`` would not recognise, one entry per family with a count.
 
-    A definition that declares no steps and no families accepts every frame
-    (there is nothing to check against).
+    A definition that declares no steps and no families recognises no frame:
+    every recorded frame is an orphan (the record's rule read literally; issue
+    13 item 5 and decision 0013: it used to accept every frame, so replay-check
+    vouched for a migration it had checked nothing of).
     """
     steps = frozenset(definition.steps)
     families = definition.step_families
-    if not steps and not families:
-        return []
     counts: Counter[str] = Counter()
     examples: dict[str, list[str]] = {}
     for step_id in frames:
@@ -124,10 +126,13 @@ async def resume_as(engine: Engine, execution_id: str, *, version: int | None = 
         orphans = orphaned_frames((f for f in state.frames if f not in dropped), target)
         if orphans:
             listed = ", ".join(str(o) for o in orphans)
+            undeclared = "" if target.steps or target.step_families else (
+                " (it declares no steps and no step_families, so replay-check can vouch for "
+                "none of them)")
             raise MigrationRefusedError(
                 f"version {target.version} of {target.flow_id!r} does not declare recorded "
-                f"frames: {listed}. Declare them (steps= or step_families=), discard them, or "
-                "pass strategy='force'")
+                f"frames: {listed}{undeclared}. Declare them (steps= or step_families=), "
+                "discard them, or pass strategy='force'")
     async with await engine.take(execution_id) as lease:
         # The migration supersedes a run of it here: that run is fenced out.
         await engine.stop_local(execution_id, "superseded")

@@ -44,8 +44,13 @@ The options, by group (every one has a default):
 **Observers** (ADR 0147)
 
 - ``on_event``: every event as the run folds it, before its write: immediate,
-  and able to report an event that never became durable (a write that later
-  fails). Use ``on_durable_event`` where the truth matters.
+  and able to report an event that NEVER BECAME DURABLE (a write that later
+  fails, is refused because another holder took the execution, or dies with
+  its process; the lost sequence is reused, so nothing on the event shows
+  it). A surface built on it can show a phantom. Use ``on_durable_event``
+  for anything that acts on an event. Events written outside a run (resume,
+  send, cancel, a fired timer, a late outcome, a reopen, a denial audit)
+  reach it only once stored.
 - ``on_durable_event``: every event this runtime wrote, once the store has it;
   never a lost, rejected or fenced write.
 - ``on_warn``: a warning (a broken observer, a refused write, a divergence):

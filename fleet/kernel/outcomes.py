@@ -6,8 +6,13 @@ that moves the tip makes it re-observe and re-judge, within a bound.
 
 Order of checks, exactly as the record states: not found; authorise
 ``annotate`` against the recorded owner; shape; then, inside the conditional
-loop: terminal, the decision exists, ``(decision_id, key)`` idempotent, the
-per-execution cap. A denial appends nothing.
+loop: terminal, the decision exists, ``(decision_id, key)`` idempotent (a
+duplicate is answered even at the cap), the per-execution cap; last, the
+slot: a finished log an older kernel compacted (its terminal event folded
+into the checkpoint, or its fold above the stored head) is refused until
+``fleet repair terminal-event`` restores the end. A denial appends nothing.
+Every refusal inside the loop is confirmed against a fresh observation of the
+tip: a log deleted meanwhile is not found, a log that moved is judged again.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from fleet.kernel.errors import (
     OutcomeContendedError,
     OutcomeRefusedError,
 )
-from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.events import TERMINAL_TYPES, EventEnvelope, EventType
 from fleet.kernel.fold import ExecutionState, fold_log
 from fleet.kernel.security import Principal, check_outcome_shape
 
@@ -73,15 +78,22 @@ async def record_outcome(engine: Engine, execution_id: str, *, decision_id: str,
         observed = await _fold_to(engine, execution_id, tip.head)
         if observed is None:  # the log grew between the observation and the read
             continue
-        state = observed
-        _judge(state, execution_id, decision_id, key, score, success)
-        if _duplicate(state, decision_id, key, score, success):
-            return OutcomeResult(False)
-        if state.sequence > tip.head:
-            raise OutcomeRefusedError(
-                f"execution {execution_id!r} folds to sequence {state.sequence} above its "
-                f"stored head {tip.head} (compacted by an old kernel); run "
-                "`fleet repair terminal-event` first")
+        try:
+            _judge(observed.state, execution_id, decision_id, key, score, success)
+            if _duplicate(observed.state, decision_id, key, score, success):
+                return OutcomeResult(False)
+            _check_slot(observed, execution_id, tip.head)
+        except (ExecutionNotTerminalError, OutcomeRefusedError):
+            # A refusal is judged on a read made after the observation: confirm the
+            # log it read is still the one observed. A delete in between reads as an
+            # empty (or checkpoint-only) log, which is "gone", not "pending" (issue
+            # 13 item 6); a log that moved is judged again.
+            now = await engine.writer.observe(execution_id)
+            if now.head is None:
+                raise ExecutionNotFoundError(f"no execution {execution_id!r}") from None
+            if (now.head, now.fence, now.anchor) != (tip.head, tip.fence, tip.anchor):
+                continue
+            raise
         event = EventEnvelope.make(execution_id, tip.head + 1, EventType.OUTCOME_RECORDED,
                                    engine.clock(), dict(body))
         result = await engine.writer.write_if_unchanged(event, tip)
@@ -93,18 +105,56 @@ async def record_outcome(engine: Engine, execution_id: str, *, decision_id: str,
         f"the log of {execution_id!r} kept moving ({MAX_ATTEMPTS} tries); retry later")
 
 
-async def _fold_to(engine: Engine, execution_id: str, head: int) -> ExecutionState | None:
+@dataclass(frozen=True, slots=True)
+class _Observed:
+    """The fold at an observed head, and whether the log still holds its end."""
+
+    state: ExecutionState
+    checkpoint: int | None     # the sequence of the checkpoint folded in, if any
+    terminal_on_log: bool      # a terminal event was read (above the checkpoint)
+
+
+async def _fold_to(engine: Engine, execution_id: str, head: int) -> _Observed | None:
+    """Checkpoint + the events above it, as of ``head``; None if the log grew past it.
+
+    A checkpoint ABOVE ``head`` is folded too, never ignored: that is the shape a
+    store without a high-water head keeps after an older kernel compacted a
+    finished log, and ``_check_slot`` refuses it (ignoring it folded sequence 0
+    alone and answered "not terminal").
+    """
     base: ExecutionState | None = None
     after = -1
     if engine.snapshots is not None:
         snap = await engine.snapshots.load(execution_id)
-        if snap is not None and snap.sequence <= head:
+        if snap is not None:
             base = ExecutionState.from_dict(snap.state)
             after = snap.sequence
     events = await engine.store.read(execution_id, after=after)
     if events and events[-1].sequence > head:
         return None
-    return fold_log(events, base)
+    return _Observed(fold_log(events, base), None if base is None else after,
+                     any(e.type in TERMINAL_TYPES for e in events))
+
+
+def _check_slot(observed: _Observed, execution_id: str, head: int) -> None:
+    """Refuse a finished log an older kernel compacted (ADR 0116 round 3 P3 item 1,
+    round 4 item 5): the outcome's one valid slot is ``head + 1``, and a log whose
+    terminal event was folded into its checkpoint could not date its end after it."""
+    state = observed.state
+    repair = "run `fleet repair terminal-event` (LogLifecycle.restore_terminal_event) first"
+    if state.sequence > head:
+        raise OutcomeRefusedError(
+            f"execution {execution_id!r} folds to sequence {state.sequence} above its "
+            f"stored head {head} (compacted by an older kernel); {repair}")
+    if state.terminal and not observed.terminal_on_log:
+        # Only a checkpoint taken AT the terminal event leaves a terminal fold with no
+        # terminal event above it; this kernel's compaction stops just below it (Q3).
+        # Appending here would leave retention nothing to date the end from but the
+        # late outcome itself.
+        raise OutcomeRefusedError(
+            f"execution {execution_id!r} is {state.status} but its terminal event was "
+            f"compacted into the checkpoint at sequence {observed.checkpoint} by an older "
+            f"kernel; {repair}")
 
 
 def _judge(state: ExecutionState, execution_id: str, decision_id: str, key: str,

@@ -31,7 +31,7 @@ from contextvars import ContextVar
 from typing import Any, Literal, Protocol, TypeVar
 
 from fleet.kernel.context import Context
-from fleet.kernel.divergence import DivergenceDetector, skipped_key
+from fleet.kernel.divergence import JUDGED, DivergenceDetector, skipped_key
 from fleet.kernel.errors import (
     ConfigurationError,
     ContinueAsNew,
@@ -200,6 +200,11 @@ class Run:
         self.stop_at_frontier = False
         # Set by the kernel before it cancels this run's task (hand-back, cancel, resume_as).
         self.stop: StopReason | None = None
+        # Whether the re-run is past any refusal of its replay: at once unless the
+        # detector refuses (fail mode), else once it accepted judged live work
+        # (``past_replay``: recovery counts a refused re-drive as failed, ADR 0113).
+        self._accepted = self.detector is None or self.detector.mode != "fail"
+        self._past_replay: asyncio.Future[None] | None = None
         # The run-control interrupts the kernel raised for this run (``issue``).
         self._issued: list[RunInterrupt] = []
 
@@ -238,6 +243,28 @@ class Run:
                 renewal.stop()
                 if self.journal.failed is not None:
                     lease.write_failed(self.journal.failed)
+
+    def past_replay(self) -> asyncio.Future[None]:
+        """Resolved once the re-run is past the refusal of its replay (ADR 0113).
+
+        At once when nothing can refuse it (no detector, or one that only warns);
+        in ``fail`` mode once its first judged live work (a step, an in-doubt step,
+        a park, a continuation, the end) was accepted. A refusal comes before that,
+        so a caller waiting on this or on the run's end learns whether the replay
+        was refused without waiting for the live work. (A refusal is still possible
+        later in two narrow cases: a parallel scope's set compared at its close,
+        and frames ranked after a restarted recorded step.)
+        """
+        if self._past_replay is None:
+            self._past_replay = asyncio.get_running_loop().create_future()
+            if self._accepted:
+                self._past_replay.set_result(None)
+        return self._past_replay
+
+    def _accept(self) -> None:
+        self._accepted = True
+        if self._past_replay is not None and not self._past_replay.done():
+            self._past_replay.set_result(None)
 
     def _alive(self) -> bool:
         return self.journal.failed is None and (self.task is None or not self.task.done())
@@ -483,6 +510,8 @@ class Run:
             self._diverged(skipped)
         if self.stop_at_frontier:
             raise ReplayFrontier(kind, ident)
+        if not self._accepted and kind in JUDGED:
+            self._accept()
 
     @property
     def refused(self) -> FlowReplayDivergenceError | None:

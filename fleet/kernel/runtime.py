@@ -122,9 +122,10 @@ class Runtime:
             pass one spelling or the other, not both.
 
     ``on_event`` reports an event as the run folds it, before its write, so it
-    can report an event that never became durable; ``on_durable_event`` reports
-    only what the log holds (ADR 0147). Counters are in ``stats`` and readable
-    as attributes (``runtime.divergence_warnings``).
+    can report an event that never became durable (a failed, refused or lost
+    write); anything that acts on events should use ``on_durable_event``, which
+    reports only what the log holds (ADR 0147). Counters are in ``stats`` and
+    readable as attributes (``runtime.divergence_warnings``).
     """
 
     def __init__(self, store: EventStore, *, flows: Sequence[FlowDefinition] = (),
@@ -460,12 +461,22 @@ class Runtime:
         at = None if now is None else ms_from_datetime(now, "fire_due_timers(now=...)")
         return await self.timers.fire_due(at, limit=limit, drive=drive)
 
-    async def recover_abandoned(self, *, now: datetime | None = None,
-                                limit: int = 100) -> RecoveryReport:
-        """Re-drive running executions whose lease expired by ``now`` (an aware ``datetime``;
-        default: the runtime's clock): their holder died."""
+    async def recover_abandoned(self, *, now: datetime | None = None, limit: int = 100,
+                                updated_before: datetime | None = None,
+                                after_id: str | None = None) -> RecoveryReport:
+        """Re-drive running executions whose lease expired by ``now`` (their holder died).
+
+        ``now`` and ``updated_before`` are aware datetimes (``now`` defaults to
+        the runtime's clock; ``updated_before`` skips executions touched since, a
+        grace period); ``after_id`` pages (``RecoveryReport.last_id``). A re-drive
+        refused for its code or for a diverged replay is counted as failed and
+        named, with its reason, in ``RecoveryReport.failures``.
+        """
         at = None if now is None else ms_from_datetime(now, "recover_abandoned(now=...)")
-        return await recover_abandoned(self.engine, now=at, limit=limit)
+        before = None if updated_before is None else ms_from_datetime(
+            updated_before, "recover_abandoned(updated_before=...)")
+        return await recover_abandoned(self.engine, now=at, limit=limit, updated_before=before,
+                                       after_id=after_id)
 
     # ------------------------------------------------------------- hand-back
     @property

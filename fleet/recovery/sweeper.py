@@ -14,17 +14,31 @@ catching up after a broker restart) also looks like that. With ``recent``
 execution whose last drive was enqueued less than ``grace_ms`` ago, doubled for
 each re-enqueue in a row (``queued`` in its stats): a lost message is still
 re-sent, a queued one is not sent again and again.
+
+Refused re-drives are surfaced with their ids and reasons (ADR 0113 fix round
+1 item 2). Driving here, the sweeper reports what ``Runtime.recover_abandoned``
+reports: a code mismatch or a diverged replay is ``failed``, each named in
+``failures``. Enqueuing, a worker drives and its task result says
+``divergence_parked``; the sweeper then learns of the refusal from the log:
+every tick it lists the executions parked on the divergence gate
+(``diverged``, the first ``shown`` by id, with the skipped steps the park
+names) and logs each as it first appears in that list.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from fleet.kernel.fold import DIVERGED_GATE
+from fleet.kernel.recovery import RecoveryFailure
 from fleet.kernel.runtime import Runtime
+from fleet.kernel.values import datetime_from_ms
 from fleet.services.base import PeriodicService
 
 Enqueue = Callable[[str], Awaitable[Any]]
+log = logging.getLogger("fleet.recovery")
 
 
 class DriveRecord(Protocol):
@@ -46,13 +60,14 @@ class RecoverySweeper(PeriodicService):
             is abandoned (keeps the sweeper off a start that is being enqueued).
         recent: the drive records of a page of executions
             (``Dispatcher.recent_drives``); those still fresh are skipped.
+        shown: how many refused re-drives and diverged parks ``stats()`` lists.
     """
 
     name = "recovery"
 
     def __init__(self, runtime: Runtime, *, enqueue: Enqueue | None = None,
                  interval_s: float = 2.0, grace_ms: int = 5_000, batch: int = 500,
-                 recent: Recent | None = None,
+                 recent: Recent | None = None, shown: int = 20,
                  on_error: Callable[[BaseException], Any] | None = None,
                  **bounds: Any) -> None:
         super().__init__(interval_s, on_error=on_error, **bounds)
@@ -61,12 +76,43 @@ class RecoverySweeper(PeriodicService):
         self.grace_ms = grace_ms
         self.batch = batch
         self.recent = recent
+        self.shown = shown
         self.examined = 0
         self.redriven = 0
         self.skipped = 0
         self.queued = 0
+        self.failed = 0
+        # The latest refused re-drive of each execution (driving here), newest last.
+        self.failures: dict[str, RecoveryFailure] = {}
+        # Executions parked on the divergence gate: id -> the steps its park names.
+        self.diverged: dict[str, str] = {}
 
     async def tick(self) -> None:
+        if self.enqueue is None:
+            await self._drive_here()
+        else:
+            await self._enqueue(self.enqueue)
+        await self._list_diverged()
+
+    async def _drive_here(self) -> None:
+        """Re-drive in this process: ``recover_abandoned`` page by page."""
+        now = self.runtime.clock()
+        after: str | None = None
+        while True:
+            report = await self.runtime.recover_abandoned(
+                now=datetime_from_ms(now), limit=self.batch,
+                updated_before=datetime_from_ms(now - self.grace_ms), after_id=after)
+            self.examined += report.examined
+            self.redriven += report.recovered
+            self.skipped += report.skipped
+            self.failed += report.failed
+            self._note(report.failures)
+            if report.examined < self.batch:
+                return
+            after = report.last_id
+
+    async def _enqueue(self, enqueue: Enqueue) -> None:
+        """Hand each abandoned execution's drive to the workers, unless still queued."""
         now = self.runtime.clock()
         after: str | None = None
         while True:
@@ -79,13 +125,9 @@ class RecoverySweeper(PeriodicService):
                 record = records.get(row.execution_id)
                 if record is not None and record.fresh(now, self.grace_ms):
                     self.queued += 1  # its drive is still in a queue
-                elif self.enqueue is not None:
-                    await self.enqueue(row.execution_id)
-                    self.redriven += 1
-                elif await self.runtime.drive_if_free(row.execution_id):
-                    self.redriven += 1
                 else:
-                    self.skipped += 1
+                    await enqueue(row.execution_id)
+                    self.redriven += 1
             if len(rows) < self.batch:
                 return
             after = rows[-1].execution_id
@@ -100,9 +142,36 @@ class RecoverySweeper(PeriodicService):
                 self.on_error(exc)
             return {}
 
+    def _note(self, failures: tuple[RecoveryFailure, ...]) -> None:
+        for failure in failures:
+            self.failures.pop(failure.execution_id, None)  # re-inserted as the newest
+            self.failures[failure.execution_id] = failure
+        while len(self.failures) > self.shown:
+            del self.failures[next(iter(self.failures))]
+
+    async def _list_diverged(self) -> None:
+        """Refresh ``diverged`` from the index; log each park as it first appears there."""
+        rows = await self.runtime.store.list_executions(
+            status="parked", waiting_on=DIVERGED_GATE, limit=self.shown)
+        seen: dict[str, str] = {}
+        for row in rows:
+            reason = self.diverged.get(row.execution_id)
+            if reason is None:
+                state = await self.runtime.load_state(row.execution_id, system=True)
+                reason = str((state.waiting or {}).get("correlationKey") or "")
+                log.warning("execution %s is parked on %s (%s): fix, pin or migrate its "
+                            "code, then retry_diverged", row.execution_id, DIVERGED_GATE,
+                            reason)
+            seen[row.execution_id] = reason
+        self.diverged = seen
+
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "examined": self.examined, "redriven": self.redriven,
-                "skipped": self.skipped, "queued": self.queued}
+                "skipped": self.skipped, "queued": self.queued, "failed": self.failed,
+                "failures": [{"executionId": f.execution_id, "error": f.error,
+                              "reason": f.reason} for f in self.failures.values()],
+                "diverged": [{"executionId": eid, "reason": reason}
+                             for eid, reason in self.diverged.items()]}
 
 
 __all__ = ["DriveRecord", "Enqueue", "Recent", "RecoverySweeper"]

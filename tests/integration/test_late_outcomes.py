@@ -8,6 +8,7 @@ docs/decisions/0009-adr-0116-tests.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -163,6 +164,58 @@ async def test_refused_while_running_and_the_holder_still_appends(stores: Stores
     assert await handle.result(timeout=10) == "done"
 
 
+@flow("ends", version=1)
+async def ends(ctx: Context, how: str) -> str:
+    await ctx.decide("price", _price)
+    if how == "fail":
+        raise RuntimeError("the flow's own failure")
+    if how == "continue":
+        await ctx.continue_as_new("done")
+    if how == "wait":
+        await ctx.wait("approval")
+    return "done"
+
+
+async def _ended(rt: Runtime, how: str) -> str:
+    handle = await rt.start("ends", how, principal=ALICE)
+    eid = handle.execution_id
+    if how == "wait":
+        for _ in range(200):
+            if (await rt.load_state(eid, system=True)).parked:
+                break
+            await asyncio.sleep(0.01)
+        await rt.cancel(eid, principal=ALICE)
+    else:
+        with contextlib.suppress(Exception):
+            await handle.result(timeout=10)
+    return eid
+
+
+@pytest.mark.parametrize(("how", "status"), [
+    ("fail", "failed"), ("wait", "cancelled"), ("continue", "continued")])
+async def test_late_outcomes_attach_to_failed_cancelled_and_continued_executions(
+        stores: Stores, how: str, status: str) -> None:
+    """D1 and the R1b note: every terminal status takes a late outcome, status unchanged;
+    a continued one takes it on the id the caller named, never the head of the chain."""
+    rt = Runtime(stores[0], snapshots=stores[1], flows=[ends])
+    eid = await _ended(rt, how)
+    state = await rt.load_state(eid, system=True)
+    assert state.status == status
+    result = await rt.record_outcome(eid, decision_id="price", key="csat:1", score=0.4,
+                                     principal=ALICE)
+    assert result.appended
+    [written] = late(await stores[0].read(eid))
+    assert (written.execution_id, written.sequence) == (eid, result.sequence)
+    after = await rt.load_state(eid, system=True)
+    assert after.status == status
+    assert after.outcomes[-1]["key"] == "csat:1"
+    if how == "continue":
+        successor = state.next_execution_id
+        assert successor is not None
+        assert late(await stores[0].read(successor)) == []
+        assert (await rt.load_state(successor, system=True)).status == "completed"
+
+
 async def test_two_concurrent_identical_calls_append_once(stores: Stores) -> None:
     rt = runtime_for(stores)
     eid = await finished(rt)
@@ -212,6 +265,54 @@ async def test_refusals_leave_the_log_byte_for_byte_unchanged(
     before = await dump(stores[0], eid)
     with pytest.raises(error):
         await rt.record_outcome(eid, principal=ALICE, **kwargs)
+    assert await dump(stores[0], eid) == before
+
+
+ORDER: list[tuple[str, str, Principal, dict[str, Any], type[Exception]]] = [
+    # (case, the execution, caller, arguments, the error of the check judged FIRST)
+    ("not found before authorise", "missing", EVE, {"score": 1.0}, ExecutionNotFoundError),
+    ("authorise before shape", "finished", EVE, {"score": math.nan}, AccessDeniedError),
+    ("shape before terminal", "parked", ALICE, {"score": math.nan}, ValidationError),
+    ("terminal before decision exists", "parked", ALICE,
+     {"score": 1.0, "decision_id": "invented"}, ExecutionNotTerminalError),
+    # An outcome for a decision the log never made (another writer's, unstamped): the
+    # same value again is refused for the decision, not answered as a duplicate.
+    ("decision exists before duplicate", "ghost outcome", ALICE,
+     {"score": 1.0, "decision_id": "ghost"}, OutcomeRefusedError),
+]
+
+
+@pytest.mark.parametrize(("case", "which", "who", "kwargs", "error"), ORDER,
+                         ids=[o[0] for o in ORDER])
+async def test_the_order_of_checks_is_the_records(
+        stores: Stores, case: str, which: str, who: Principal, kwargs: dict[str, Any],
+        error: type[Exception]) -> None:
+    """Implementation notes, order of checks: not found -> authorise annotate -> shape
+    -> (inside the loop) terminal -> decision exists -> (decision_id, key). Each case
+    breaks two adjacent checks and expects the earlier one's error; swapping either
+    pair in outcomes.py fails a case (checked by hand, 2026-12-01). Log untouched."""
+    rt = runtime_for(stores)
+    if which == "finished":
+        eid = await finished(rt)
+    elif which == "ghost outcome":
+        eid = await finished(rt)
+        head = await stores[0].head(eid)
+        assert head is not None
+        await stores[0].append(EventEnvelope.make(
+            eid, head + 1, EventType.OUTCOME_RECORDED, 1,
+            {"decisionId": "ghost", "key": "k", "score": 1.0}, kernel=False))
+    elif which == "parked":
+        eid = (await rt.start("gated", 1, principal=ALICE)).execution_id
+        for _ in range(200):
+            if (await rt.load_state(eid, system=True)).parked:
+                break
+            await asyncio.sleep(0.01)
+    else:
+        eid = "no-such-run"
+    before = await dump(stores[0], eid)
+    args = {"decision_id": "price", "key": "k", **kwargs}
+    with pytest.raises(error):
+        await rt.record_outcome(eid, principal=who, **args)
     assert await dump(stores[0], eid) == before
 
 
@@ -289,6 +390,168 @@ async def test_a_deleted_execution_is_not_found(stores: Stores) -> None:
     await stores[0].delete_execution(eid)
     with pytest.raises(ExecutionNotFoundError):
         await rt.record_outcome(eid, decision_id="price", key="k", score=1.0, system=True)
+    assert await stores[0].read(eid) == []
+
+
+class _DeletesAfterObserving(ForwardingEventStore):
+    """The retention sweep at its worst moment: it deletes the log right after
+    ``record_outcome`` observed the tip, before its read (the checkpoint, deleted
+    after the events as the sweep does, is still there)."""
+
+    def __init__(self, inner: EventStore) -> None:
+        super().__init__(inner)
+        self.armed = True
+
+    async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
+                                  expect: TipObservation | None = None,
+                                  ) -> ConditionalAppendResult:
+        result = await self.inner.append_if_unchanged(execution_id, event, expect)
+        if event is None and self.armed:
+            self.armed = False
+            await self.inner.delete_execution(execution_id)
+        return result
+
+
+@pytest.mark.parametrize("compacted", [False, True], ids=["plain", "compacted"])
+async def test_a_delete_between_the_observation_and_the_read_is_not_found(
+        stores: Stores, compacted: bool) -> None:
+    """Issue 13 item 6: the read after the observation finds an empty log (or only the
+    checkpoint): that is "gone", never ExecutionNotTerminalError("... is pending")."""
+    eid = await finished(runtime_for(stores))
+    if compacted:
+        await LogLifecycle(stores[0], stores[1]).compact(eid)
+    rt = Runtime(_DeletesAfterObserving(stores[0]), snapshots=stores[1], flows=[deal])
+    with pytest.raises(ExecutionNotFoundError):
+        await rt.record_outcome(eid, decision_id="price", key="k", score=1.0, system=True)
+    assert await stores[0].read(eid) == []
+
+
+async def test_deletes_racing_late_outcomes_read_as_gone(stores: Stores) -> None:
+    """Real concurrency (on Postgres: separate connections of one pool): four late
+    outcomes racing the delete of their execution, twenty times, the delete let go
+    after 0 to 9 turns of the loop so it lands in every phase of the calls on the
+    embedded stores too. Each call either landed before the delete or is not found;
+    none says the execution is pending, and nothing is left behind (no orphan)."""
+    rt = runtime_for(stores)
+    seen: list[str] = []
+
+    async def delete(eid: str, turns: int) -> None:
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        await stores[0].delete_execution(eid)
+
+    for round_ in range(20):
+        eid = await finished(rt)
+        calls = [rt.record_outcome(eid, decision_id="price", key=f"k{i}", score=1.0,
+                                   system=True) for i in range(4)]
+        results = await asyncio.gather(delete(eid, round_ % 10), *calls,
+                                       return_exceptions=True)
+        for result in results[1:]:
+            if isinstance(result, BaseException):
+                assert isinstance(result, ExecutionNotFoundError), repr(result)
+                seen.append("not found")
+            else:
+                assert result.appended
+                seen.append("appended")
+        assert await stores[0].read(eid) == []
+    assert "not found" in seen
+
+
+@flow("rated", version=1)
+async def rated(ctx: Context, _: Any) -> str:
+    await ctx.decide("price", _price)
+    await ctx.outcome("price", "csat", score=0.5)  # the flow's own, in-run
+    return "done"
+
+
+async def test_in_run_and_late_outcomes_share_the_decision_and_key_identity(
+        stores: Stores) -> None:
+    """Review round 1: (decision_id, key) is one identity across in-run and late
+    outcomes: the in-run value again is a duplicate, another value a conflict."""
+    rt = Runtime(stores[0], snapshots=stores[1], flows=[rated])
+    handle = await rt.start("rated", None, principal=ALICE)
+    assert await handle.result(timeout=10) == "done"
+    eid = handle.execution_id
+    before = await dump(stores[0], eid)
+    again = await rt.record_outcome(eid, decision_id="price", key="csat", score=0.5,
+                                    principal=ALICE)
+    assert (again.appended, again.sequence) == (False, None)
+    with pytest.raises(OutcomeRefusedError, match="new key"):
+        await rt.record_outcome(eid, decision_id="price", key="csat", score=0.9,
+                                principal=ALICE)
+    assert await dump(stores[0], eid) == before
+    # A namespaced key is another identity.
+    assert (await rt.record_outcome(eid, decision_id="price", key="late:csat", score=0.9,
+                                    principal=ALICE)).appended
+
+
+async def test_the_existence_oracle_on_a_parked_execution(stores: Stores) -> None:
+    """Review round 1: an authorised caller learns that the execution exists and is not
+    terminal; an unauthorised one is denied before either is revealed (it cannot tell a
+    parked execution from a finished one); not found is judged first (as send does)."""
+    rt = runtime_for(stores)
+    eid = (await rt.start("gated", 1, principal=ALICE)).execution_id
+    for _ in range(200):
+        if (await rt.load_state(eid, system=True)).parked:
+            break
+        await asyncio.sleep(0.01)
+    done = await finished(rt)
+    before = await dump(stores[0], eid)
+    with pytest.raises(ExecutionNotTerminalError, match="parked"):
+        await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
+                                principal=ALICE)
+    denials = []
+    for target in (eid, done):  # the same answer, parked or finished
+        with pytest.raises(AccessDeniedError) as denied:
+            await rt.record_outcome(target, decision_id="price", key="k", score=1.0,
+                                    principal=EVE)
+        denials.append(str(denied.value).replace(target, "<id>"))
+    assert denials[0] == denials[1]
+    assert "parked" not in denials[0]
+    with pytest.raises(ExecutionNotFoundError):
+        await rt.record_outcome("no-such-run", decision_id="price", key="k", score=1.0,
+                                principal=EVE)
+    assert await dump(stores[0], eid) == before
+
+
+async def test_a_live_post_terminal_lease_never_blocks_a_late_outcome(stores: Stores) -> None:
+    """Round 3 A: a holder that took the fence after the end (an at-least-once
+    redispatch, recovery, a dead holder) neither blocks a late outcome nor loses its
+    fence to it: the outcome's append is conditional on the token, never presents it."""
+    rt = runtime_for(stores)
+    eid = await finished(rt)
+    grant = await stores[0].acquire_fence(eid, holder="redispatch", lease_ms=3_600_000)
+    tip = (await stores[0].append_if_unchanged(eid, None)).tip
+    assert tip.lease_expires_at is not None  # a live lease holds it
+    result = await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
+                                     principal=ALICE)
+    assert result.appended
+    after = (await stores[0].append_if_unchanged(eid, None)).tip
+    assert (after.fence, after.holder) == (grant.token, "redispatch")  # not bumped, not taken
+    assert after.head == result.sequence
+
+
+async def test_three_late_outcomes_each_inside_a_ttl_window_do_not_pin_a_compacted_log(
+        stores: Stores) -> None:
+    """Q3: each outcome arrives within the TTL of the previous one (and of the end), the
+    log compacted after each; retention still dates the end from the terminal event."""
+    clock = Clock()
+    rt = runtime_for(stores, clock=clock)
+    eid = await finished(rt)
+    ended = (await stores[0].read(eid))[-1].timestamp
+    ttl = 1_000
+    lifecycle = LogLifecycle(stores[0], stores[1], terminal_ttl_ms=ttl, clock=clock)
+    for i in range(3):
+        clock.now = ended + 300 * (i + 1)
+        assert (await rt.record_outcome(eid, decision_id="price", key=f"k{i}", score=1.0,
+                                        principal=ALICE)).appended
+        await lifecycle.compact(eid)
+        assert await lifecycle.retention_end(eid) == ended
+        assert (await lifecycle.sweep(now=clock.now)).kept == 1
+    log = await stores[0].read(eid)
+    assert log[-1].timestamp == ended + 900  # the newest event is 100 ms old at the sweep
+    assert (await lifecycle.sweep(now=ended + ttl - 1)).deleted == 0
+    assert (await lifecycle.sweep(now=ended + ttl)).deleted == 1
     assert await stores[0].read(eid) == []
 
 
@@ -497,6 +760,88 @@ async def test_restore_terminal_event_repairs_an_old_compaction(stores: Stores) 
     assert repaired.output == "done"
     assert (await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
                                     principal=ALICE)).appended
+
+
+async def test_an_old_compacted_log_refuses_a_late_outcome_until_repaired(
+        stores: Stores) -> None:
+    """Round 3 P3 item 1 / round 4 item 5 with a high-water head (issue 13 item 4): the
+    head stays at T after the old compaction, so head + 1 is free, but the log holds
+    no terminal event to date its end from: refused, nothing written, until repaired."""
+    rt = runtime_for(stores)
+    eid = await finished(rt)
+    terminal = await _old_kernel_compaction(stores, eid)
+    assert await stores[0].head(eid) == terminal  # the mark did not move back
+    before = await dump(stores[0], eid)
+    with pytest.raises(OutcomeRefusedError, match="repair terminal-event") as info:
+        await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
+                                principal=ALICE)
+    assert f"checkpoint at sequence {terminal}" in str(info.value)
+    assert await dump(stores[0], eid) == before
+    await LogLifecycle(stores[0], stores[1]).restore_terminal_event(eid, apply=True)
+    assert (await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
+                                    principal=ALICE)).appended
+
+
+class _NoHighWater(ForwardingEventStore):
+    """The head a store WITHOUT a high-water mark reports (the record's stores): the
+    highest sequence it still holds, so a compaction moves it back."""
+
+    async def _held(self, execution_id: str) -> int | None:
+        events = await self.inner.read(execution_id)
+        return events[-1].sequence if events else None
+
+    async def head(self, execution_id: str) -> int | None:
+        return await self._held(execution_id)
+
+    async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
+                                  expect: TipObservation | None = None,
+                                  ) -> ConditionalAppendResult:
+        result = await self.inner.append_if_unchanged(execution_id, event, expect)
+        tip = result.tip
+        return ConditionalAppendResult(result.appended, result.reason, TipObservation(
+            await self._held(execution_id), tip.fence, tip.anchor, tip.holder,
+            tip.lease_expires_at))
+
+
+async def test_a_log_folded_above_its_stored_head_is_refused(stores: Stores) -> None:
+    """The record's own shape of an old compaction: [0] + a checkpoint at T, the head
+    back at 0. The checkpoint above the head is folded, not ignored (ignoring it folded
+    sequence 0 alone and answered ExecutionNotTerminalError)."""
+    eid = await finished(runtime_for(stores))
+    terminal = await _old_kernel_compaction(stores, eid)
+    rt = Runtime(_NoHighWater(stores[0]), snapshots=stores[1], flows=[deal])
+    before = await dump(stores[0], eid)
+    with pytest.raises(OutcomeRefusedError,
+                       match=f"sequence {terminal} above its stored head 0"):
+        await rt.record_outcome(eid, decision_id="price", key="k", score=1.0, system=True)
+    assert await dump(stores[0], eid) == before
+
+
+async def test_the_repair_dates_the_end_from_the_original_terminal_event(
+        stores: Stores) -> None:
+    """A late outcome an older fleet accepted on an unrepaired old-compacted log (10 days
+    after the end) must not date the end: the repair writes the checkpoint's time."""
+    clock = Clock()
+    rt = runtime_for(stores, clock=clock)
+    eid = await finished(rt)
+    ended = (await stores[0].read(eid))[-1].timestamp
+    terminal = await _old_kernel_compaction(stores, eid)
+    ten_days = 10 * 24 * 3600 * 1000
+    await stores[0].append(EventEnvelope.make(
+        eid, terminal + 1, EventType.OUTCOME_RECORDED, ended + ten_days,
+        {"decisionId": "price", "key": "k", "score": 1.0, "recordedBy": "system",
+         "late": True}))
+    lifecycle = LogLifecycle(stores[0], stores[1], terminal_ttl_ms=1_000)
+    assert (await rt.load_state(eid, system=True)).updated_at == ended + ten_days
+    dry = await lifecycle.restore_terminal_event(eid)
+    assert (dry.sequence, dry.ended_at) == (terminal + 2, ended)
+    done = await lifecycle.restore_terminal_event(eid, apply=True)
+    assert (done.sequence, done.ended_at) == (terminal + 2, ended)
+    assert (await stores[0].read(eid))[-1].timestamp == ended
+    assert await lifecycle.retention_end(eid) == ended
+    report = await lifecycle.sweep(now=ended + 1_000)
+    assert report.deleted == 1
+    assert await stores[0].read(eid) == []
 
 
 async def test_restore_refuses_running_and_continued_executions(stores: Stores) -> None:

@@ -183,8 +183,14 @@ async def test_a_prefork_worker_runs_a_loop_per_child(fleet: Fleet, tmp_path: Pa
             outputs = [await _result(dispatcher, eid) for eid in ids]
         assert {o["worker"] for o in outputs} == {"forked"}
         assert worker.pid not in {o["pid"] for o in outputs}  # the children drove them
-        # inspect stats is answered by the parent: it sums its children's rows.
+        # inspect stats is answered by the parent: it sums its children's rows. A
+        # child writes its row when its drive returns, just after the log says the
+        # run completed (what _result waited for): give the last row a moment.
+        deadline = time.monotonic() + 10
         stats = worker.stats(fleet.app)
+        while stats["completed"] < 8 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            stats = worker.stats(fleet.app)
         assert stats["completed"] == 8
         assert stats["deliveries"] == 8
     finally:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
 
 from fleet import Context, Runtime, flow
+from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.store.memory import MemoryEventStore
 from fleet.kernel.store.spi import EventStore
 from fleet.kernel.store.sqlite import SqliteEventStore
@@ -129,3 +131,81 @@ async def test_the_sweeper_skips_parked_executions(clocked: Any) -> None:
     await sweeper.tick()
     assert seen == []
     assert (await store.get_execution(handle.execution_id)).status == "parked"  # type: ignore[union-attr]
+
+
+async def _refused_on_replay(store: EventStore, clock: Clock) -> str:
+    """A nap whose log records a step the body never asks for (an earlier deploy's),
+    whose worker took the fence and died: its re-drive diverges."""
+    handle = await runtime(store, clock).start("nap", None, drive=False)
+    eid = handle.execution_id
+    await store.append_batch([
+        EventEnvelope.make(eid, 1, EventType.STEP_STARTED, clock.now,
+                           {"stepId": "ghost", "attempt": 1}),
+        EventEnvelope.make(eid, 2, EventType.STEP_COMPLETED, clock.now,
+                           {"stepId": "ghost", "attempt": 1, "output": 0})])
+    await store.acquire_fence(eid, holder="dead-worker", lease_ms=1_000)
+    clock.now += 1_001
+    return eid
+
+
+async def test_the_sweeper_names_a_refused_re_drive_with_its_reason(clocked: Any) -> None:
+    """ADR 0113 fix round 1 item 2, driving here: the refused re-drive is failed, not
+    re-driven, and stats() names it with its error and reason."""
+    store, clock = clocked
+    eid = await _refused_on_replay(store, clock)
+    sweeper = RecoverySweeper(runtime(store, clock, divergence="fail"), grace_ms=0)
+    await sweeper.tick()
+    await sweeper.runtime.close()
+    assert (sweeper.examined, sweeper.redriven, sweeper.failed) == (1, 0, 1)
+    stats = sweeper.stats()
+    [failure] = stats["failures"]
+    assert (failure["executionId"], failure["error"]) == (eid, "FlowReplayDivergenceError")
+    assert "ghost" in failure["reason"]
+    # Parked on the divergence gate now: listed as diverged from the log, never re-driven.
+    await sweeper.tick()
+    assert sweeper.stats()["diverged"] == [{"executionId": eid, "reason": "skipped 1: ghost"}]
+    assert (sweeper.examined, sweeper.failed) == (1, 1)
+
+
+async def test_an_enqueuing_sweeper_surfaces_diverged_parks_from_the_log(clocked: Any) -> None:
+    """Enqueuing, a worker drives (and reports divergence_parked); the sweeper learns of
+    the refusal from the log, lists it with its reason and logs it once."""
+    store, clock = clocked
+    eid = await _refused_on_replay(store, clock)
+    enqueued: list[str] = []
+
+    async def enqueue(execution_id: str) -> None:
+        enqueued.append(execution_id)
+
+    sweeper = RecoverySweeper(runtime(store, clock), enqueue=enqueue, grace_ms=0)
+    await sweeper.tick()
+    assert enqueued == [eid]
+    assert sweeper.stats()["diverged"] == []
+    worker = runtime(store, clock, divergence="fail")  # the worker the drive went to
+    assert await worker.drive_if_free(eid)
+    await worker.close()
+    # A handler on the logger itself, enabled: a logging configuration an earlier test
+    # (or an in-process Celery worker) applied may have disabled or detached it.
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("fleet.recovery")
+    saved = logger.disabled, logger.level
+    logger.disabled = False
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        await sweeper.tick()
+        await sweeper.tick()
+    finally:
+        logger.removeHandler(handler)
+        logger.disabled, logger.level = saved
+    assert enqueued == [eid]  # parked: not re-driven
+    assert sweeper.stats()["diverged"] == [{"executionId": eid, "reason": "skipped 1: ghost"}]
+    assert [r.getMessage() for r in records].count(
+        f"execution {eid} is parked on __fleet_diverged__ (skipped 1: ghost): fix, pin or "
+        "migrate its code, then retry_diverged") == 1
+    # Retried (the answer written, its drive enqueued elsewhere): no longer listed.
+    await runtime(store, clock).retry_diverged(eid, drive=False)
+    await sweeper.tick()
+    assert sweeper.stats()["diverged"] == []

@@ -207,6 +207,74 @@ async def test_a_resume_is_refused_before_the_body_runs() -> None:
     assert ran == ["fixed"]
 
 
+def _waiting(ran: list[str], **kw: Any) -> FlowDefinition:
+    @flow("waiting", **kw)
+    async def waiting(ctx: Context, _: Any) -> Any:
+        message = await ctx.receive("k")
+        await ctx.sleep(3600)
+        await ctx.step("after", lambda: ran.append("after"))
+        return message
+
+    return waiting
+
+
+async def test_a_wake_by_send_and_a_driven_timer_are_judged_before_their_answer(
+        store: EventStore) -> None:
+    """Decision 0010 (corrected, issue 13 item 9): like resume, a send that wakes and a
+    timer fired with its drive judge the code first; a refusal writes no answer."""
+    ran: list[str] = []
+    clock = ManualClock()
+    first = Runtime(store, flows=[_waiting(ran, code_fingerprint="build-1")], clock=clock,
+                    local_timers=False)
+    eid = await started(first, "waiting")
+    other = Runtime(store, flows=[_waiting(ran, code_fingerprint="build-2")], clock=clock,
+                    local_timers=False)
+    before = dumped(await store.read(eid))
+    with pytest.raises(FlowCodeMismatchError):
+        await other.send(eid, "k", "hello")
+    assert dumped(await store.read(eid)) == before
+    assert await first.send(eid, "k", "hello") is True  # the right code takes it
+    await settle(first)
+    assert (await first.load_state(eid)).waiting == {"on": "sleep#0", "kind": "timer"}
+    before = dumped(await store.read(eid))
+    clock.advance(3601)
+    with pytest.raises(FlowCodeMismatchError):
+        await other.fire_due_timers()
+    assert dumped(await store.read(eid)) == before
+    assert ran == []
+    assert [t.timer_id for t in await first.fire_due_timers()] == ["sleep#0"]
+    assert await first.result(eid) == "hello"
+    assert ran == ["after"]
+
+
+async def test_left_open_an_answer_written_without_driving_is_not_judged(
+        store: EventStore) -> None:
+    """Decision 0010, left open: the timer service fires with ``drive=False`` and a
+    client that does not register the flow resumes with ``drive=False``; neither
+    judges the code, so the answer is on the log before a worker's drive refuses."""
+    ran: list[str] = []
+    clock = ManualClock()
+    recorded = _waiting(ran, code_fingerprint="build-1")
+    runtime = Runtime(store, flows=[recorded], clock=clock, local_timers=False)
+    eid = await started(runtime, "waiting")
+    await runtime.send(eid, "k", "hello")
+    await settle(runtime)
+    clock.advance(3601)
+    service = Runtime(store, flows=[_waiting(ran, code_fingerprint="build-2")], clock=clock,
+                      local_timers=False)
+    assert [t.timer_id for t in await service.fire_due_timers(drive=False)] == ["sleep#0"]
+    assert kinds(await store.read(eid))[-1] == "TIMER_FIRED"  # written, not judged
+    with pytest.raises(FlowCodeMismatchError):
+        await service.drive(eid, wait=True)  # the worker's drive refuses
+    assert kinds(await store.read(eid))[-1] == "TIMER_FIRED"
+    assert ran == []
+    # The client: no flow registered here, drive=False.
+    parked = await started(Runtime(store, flows=[_gated(ran, code_fingerprint="build-1")]),
+                           "gated", 1)
+    await Runtime(store).resume(parked, "go", "yes", drive=False)
+    assert kinds(await store.read(parked))[-1] == "EXECUTION_RESUMED"
+
+
 async def test_recovery_of_a_mismatched_execution_is_counted_failed_and_writes_nothing(
         clocked_store: EventStore, clock: ManualClock) -> None:
     store = clocked_store
@@ -262,7 +330,8 @@ async def test_a_migration_re_arms_the_comparison_against_the_target() -> None:
     runtime = Runtime(store, flows=[v1, v2])
     # Drives after the migration compare against v2's fingerprint, not v1's:
     # were v1's still compared, this resume_as would already be refused.
-    await runtime.resume_as(eid, version=2)
+    # force: the target declares no steps, which replay-check refuses (decision 0013).
+    await runtime.resume_as(eid, version=2, strategy="force")
     [migrated] = [e for e in await store.read(eid) if str(e.type) == "EXECUTION_MIGRATED"]
     assert migrated.payload["toCodeHash"] == "v2-build"
     assert (await runtime.load_state(eid)).code_hash == "v2-build"
@@ -285,7 +354,8 @@ async def test_a_migration_to_a_version_without_fingerprint_clears_it() -> None:
     v1 = _gated(ran, version=1, code_fingerprint="v1-build")
     eid = await started(Runtime(store, flows=[v1]), "gated", 1)
     runtime = Runtime(store, flows=[v1, _gated(ran, version=2)])
-    await runtime.resume_as(eid, version=2)
+    # force: the target declares no steps, which replay-check refuses (decision 0013).
+    await runtime.resume_as(eid, version=2, strategy="force")
     [migrated] = [e for e in await store.read(eid) if str(e.type) == "EXECUTION_MIGRATED"]
     assert migrated.payload["toCodeHash"] == ""
     assert (await runtime.load_state(eid)).code_hash is None

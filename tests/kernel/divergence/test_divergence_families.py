@@ -116,10 +116,49 @@ def test_note8_orphaned_frames_groups_by_family_with_a_count() -> None:
     assert step_family("plain") == "plain"
 
 
-def test_note8_a_definition_that_declares_nothing_accepts_every_frame() -> None:
+def test_note8_a_definition_that_declares_nothing_recognises_no_frame() -> None:
+    """Issue 13 item 5: the record's rule read literally; it used to accept every frame."""
     async def body(ctx: Context, _: Any) -> None:
         return None
-    assert orphaned_frames(["anything#1", "else"], define(body, "open")) == []
+    orphans = orphaned_frames(["anything#1", "else"], define(body, "open"))
+    assert [str(o) for o in orphans] == ["anything#* (1 frame)", "else"]
+    assert orphaned_frames([], define(body, "open")) == []
+
+
+def _undeclared(fx: Effects, version: int, *names: str) -> FlowDefinition:
+    async def body(ctx: Context, _: Any) -> str:
+        for name in names:
+            await ctx.step(name, fx(name))
+        await ctx.wait("go")
+        return "done"
+    return define(body, "plain", version=version)
+
+
+async def test_item5_replay_check_refuses_a_target_that_declares_nothing(
+        store: EventStore) -> None:
+    """replay-check cannot vouch for a frame against a target that declares no steps and
+    no step_families: refused (typed, nothing written) with the reason; force migrates,
+    and an execution with no recorded frame has nothing to orphan."""
+    fx = Effects()
+    v1 = _undeclared(fx, 1, "a", "b")
+    eid = await Drill(store).park(v1)
+    before = await store.read(eid)
+    runtime = Drill(store).runtime(v1, _undeclared(fx, 2, "a", "b"))
+    with pytest.raises(MigrationRefusedError) as refused:
+        await runtime.resume_as(eid, version=2)
+    message = str(refused.value)
+    assert "does not declare recorded frames: a, b" in message
+    assert "declares no steps and no step_families" in message
+    assert "strategy='force'" in message
+    assert await store.read(eid) == before  # nothing written
+    await runtime.resume_as(eid, version=2, strategy="force")
+    await settle(runtime)
+    assert fold_log(await store.read(eid)).flow_version == 2
+    # No recorded frame, nothing to orphan: replay-check lets it through.
+    bare = await Drill(store).park(_undeclared(fx, 1))
+    await runtime.resume_as(bare, version=2)
+    await settle(runtime)
+    assert fold_log(await store.read(bare)).flow_version == 2
 
 
 async def test_d4_discarded_frames_are_not_orphans_and_run_again() -> None:

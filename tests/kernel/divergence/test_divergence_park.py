@@ -9,6 +9,7 @@ strict default.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -181,12 +182,80 @@ async def test_fix2_item4_the_recovery_path_reaches_the_same_refusal_and_warns()
     recovering = Runtime(store, flows=[_dropped(fx, "a")], divergence="fail", clock=clock,
                          on_warn=drill.warnings.append)
     report = await recovering.recover_abandoned()
-    assert report.recovered == 1
+    # Fix round 1 item 2: a refused re-drive is failed, not recovered, and named.
+    assert (report.examined, report.recovered, report.failed) == (1, 0, 1)
+    [failure] = report.failures
+    assert (failure.execution_id, failure.error) == (eid, "FlowReplayDivergenceError")
+    assert "(a)" in failure.reason
     await settle(recovering)
     assert fx.ran("c") == 0
     log = await store.read(eid)
     assert log[-1].payload["condition"]["on"] == DIVERGED_GATE
     assert [w for w in drill.warnings if "PARKED" in w]
+
+
+async def _abandoned(store: EventStore, clock: ManualClock, definition: Any) -> str:
+    """``definition`` parked on "go", answered by a holder that died before its run
+    started: running, its lease left to expire, the log ending EXECUTION_RESUMED."""
+    eid = await Drill(store).park(definition)
+    runtime = Runtime(store, flows=[definition], lease_ms=1000, clock=clock)
+    await runtime.resume(eid, "go", "ok")
+    task = runtime._runs[eid].task
+    assert task is not None
+    task.cancel()
+    await settle(runtime)
+    assert kinds(await store.read(eid))[-1] == "EXECUTION_RESUMED"
+    return eid
+
+
+def _gated(flow_id: str, fx: Effects, last: Any, **kw: Any) -> Any:
+    async def body(ctx: Context, _: Any) -> str:
+        await ctx.step("a", fx("a"))
+        await ctx.wait("go")
+        return str(await ctx.step("c", last))
+    return define(body, flow_id, **kw)
+
+
+async def test_fix1_item2_recovery_names_each_refused_re_drive_and_does_not_wait_for_live_work(
+        clocked_store: EventStore, clock: ManualClock) -> None:
+    """A divergence refusal and a code mismatch are counted and reported alike (the
+    record's onError: ids and reasons); a healthy re-drive is recovered, and the pass
+    returns while its live step still runs (it waits only for the replay)."""
+    store, fx = clocked_store, Effects()
+    release = asyncio.Event()
+
+    async def slow() -> str:
+        await release.wait()
+        return "c"
+
+    diverged = await _abandoned(store, clock, _gated("div", fx, fx("c")))
+    mismatched = await _abandoned(store, clock,
+                                  _gated("code", fx, fx("c"), code_fingerprint="build-1"))
+    healthy = await _abandoned(store, clock, _gated("ok", fx, fx("c")))
+
+    async def dropped(ctx: Context, _: Any) -> str:  # "div" without step a
+        await ctx.wait("go")
+        return str(await ctx.step("c", fx("c")))
+    warnings: list[str] = []
+    clock.advance(5)
+    recovering = Runtime(store, divergence="fail", clock=clock, on_warn=warnings.append,
+                         flows=[define(dropped, "div"),
+                                _gated("code", fx, fx("c"), code_fingerprint="build-2"),
+                                _gated("ok", fx, slow)])
+    report = await asyncio.wait_for(recovering.recover_abandoned(), 10)
+    assert (report.examined, report.recovered, report.skipped, report.failed) == (3, 1, 0, 2)
+    by_id = {f.execution_id: f for f in report.failures}
+    assert set(by_id) == {diverged, mismatched}
+    assert by_id[diverged].error == "FlowReplayDivergenceError"
+    assert by_id[mismatched].error == "FlowCodeMismatchError"
+    assert "build-1" in by_id[mismatched].reason
+    assert not release.is_set()  # the healthy run's live step is still running
+    assert (await recovering.load_state(healthy)).status == "running"
+    release.set()
+    assert await recovering.result(healthy) == "c"
+    await settle(recovering)
+    assert fx.ran("c") == 0  # neither refused re-drive ran its next step
+    assert (await recovering.load_state(diverged)).waiting["on"] == DIVERGED_GATE
 
 
 async def test_fix1_item2_retry_diverged_needs_resume_authorisation(store: EventStore) -> None:

@@ -285,3 +285,35 @@ async def test_fix2_item3_a_new_step_in_a_shared_nested_path_is_judged_as_in_its
     assert await runtime.result(eid) == "c-done"
     assert fx.ran("n1-new") == 1
     assert runtime.divergence_parked == 0
+
+
+async def test_fix3_item5_receive_inside_a_parallel_branch_completes_clean_under_fail(
+        store: EventStore) -> None:
+    """Fix round 3 item 5: a branch parks on ``ctx.receive``; a ``send`` wakes it; the
+    unchanged body re-runs under ``fail``: nothing is refused, nothing re-runs."""
+    drill, fx = Drill(store), Effects()
+
+    def body_of() -> Any:
+        async def inbox(ctx: Context) -> Any:
+            message = await ctx.receive("k")
+            return [message, await ctx.step("b", fx("b"))]
+
+        async def body(ctx: Context, _: Any) -> Any:
+            await ctx.step("a", fx("a"))
+            return await ctx.parallel([("p", fx("p")), inbox])
+        return define(body, "inbox")
+
+    eid = await drill.park(body_of())
+    state = fold_log(await store.read(eid))
+    assert state.parked
+    assert state.waiting is not None
+    assert state.waiting["correlationKey"] == "k"
+    assert fx.calls == {"a": 1, "p": 1}
+    runtime = drill.runtime(body_of())  # divergence="fail"
+    assert await runtime.send(eid, "k", "hello") is True
+    assert await runtime.result(eid) == ["p-done", ["hello", "b-done"]]
+    assert fx.calls == {"a": 1, "p": 1, "b": 1}
+    assert runtime.divergence_parked == 0
+    assert drill.divergence_warnings() == []
+    assert not any(e.payload.get("condition", {}).get("on") == "__fleet_diverged__"
+                   for e in await store.read(eid))

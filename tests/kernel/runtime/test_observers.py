@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kernel_kit import FaultyStore, eventually, kinds, settle, started
 
+import fleet
+import fleet.kernel.options as options
 from fleet import Context, EventEnvelope, Runtime, flow
 from fleet.kernel.store.spi import EventStore
 
@@ -168,3 +171,17 @@ async def test_observers_unset_cost_nothing_and_change_nothing(store: EventStore
     assert kinds(await store.read(handle.execution_id)) == [
         "EXECUTION_STARTED", "STEP_STARTED", "STEP_COMPLETED", "EMITTED", "STEP_STARTED",
         "STEP_COMPLETED", "EXECUTION_COMPLETED"]
+
+
+def test_on_event_is_documented_as_able_to_report_what_never_became_durable() -> None:
+    """ADR 0147's consequence (issue 13 item 8): wherever ``on_event`` is documented
+    (the option, the Runtime, the README, the operations guide) it says it can report
+    an event that never became durable and points to ``on_durable_event``."""
+    root = Path(fleet.__file__).resolve().parents[1]
+    places = {"RuntimeOptions": options.__doc__ or "", "Runtime": Runtime.__doc__ or "",
+              "README.md": (root / "README.md").read_text(),
+              "docs/operations.md": (root / "docs" / "operations.md").read_text()}
+    for name, text in places.items():
+        flat = " ".join(text.split()).lower()
+        assert "never became durable" in flat, name
+        assert "on_durable_event" in flat, name

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kernel_kit import ManualClock, kinds, settle, started
+from kernel_kit import FaultyStore, ManualClock, eventually, kinds, settle, started
 
 from fleet import Context, Runtime, flow
 from fleet.kernel.store.spi import EventStore
@@ -120,4 +120,22 @@ async def test_local_timer_fires_a_parked_sleep_by_itself(store: EventStore) -> 
     assert kinds(await store.read(handle.execution_id)) == [
         "EXECUTION_STARTED", "TIMER_SCHEDULED", "EXECUTION_SUSPENDED", "TIMER_FIRED",
         "EXECUTION_COMPLETED"]
+    await runtime.close()
+
+
+async def test_a_local_timer_that_cannot_fire_is_reported_through_on_warn(
+        store: EventStore) -> None:
+    """Decision 0010, left open (corrected): a locally armed timer whose firing fails (a
+    store fault here; a code refusal goes the same way) is reported through on_warn,
+    not only as asyncio's "Task exception was never retrieved"."""
+    warnings: list[str] = []
+    faulty = FaultyStore(store, lambda e: str(e.type) == "TIMER_FIRED")
+    runtime = Runtime(faulty, flows=[napper], inline_sleep_max=0,  # type: ignore[arg-type]
+                      on_warn=warnings.append)
+    handle = await runtime.start("napper", 0.02)
+    await eventually(lambda: any("could not fire" in w for w in warnings))
+    [warning] = [w for w in warnings if "could not fire" in w]
+    assert handle.execution_id in warning
+    assert "StoreUnavailableError" in warning
+    assert kinds(await store.read(handle.execution_id))[-1] == "EXECUTION_SUSPENDED"
     await runtime.close()
