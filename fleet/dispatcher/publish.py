@@ -100,10 +100,16 @@ class DriveRecord:
         return now_ms - self.at_ms < wait
 
 
-def record_key(execution_id: str) -> str:
-    """The Redis key of an execution's drive record (ids can be long or hostile)."""
+def record_key(execution_id: str, namespace: str) -> str:
+    """The Redis key of an execution's drive record (ids can be long or hostile).
+
+    ``namespace`` is the fleet's default queue (``FLEET_QUEUE``): two fleets that
+    share a Redis database (staging beside production, test runs beside each
+    other) can hold executions of the same id (idempotency keys derive them), and
+    one fleet's fresh record must never make the other's sweeper wait.
+    """
     digest = hashlib.sha256(execution_id.encode("utf-8", "surrogatepass")).hexdigest()
-    return f"fleet:drive:{digest[:40]}"
+    return f"fleet:drive:{namespace}:{digest[:40]}"
 
 
 def _now_ms() -> int:
@@ -158,9 +164,10 @@ def kombu_envelope(app: Any, drive: PublishedDrive, task_id: str | None = None) 
                        "delivery_tag": str(uuid.uuid4())}})
 
 
-def _record_commands(pipe: Any, drives: Sequence[PublishedDrive], now: int) -> None:
+def _record_commands(pipe: Any, drives: Sequence[PublishedDrive], now: int,
+                     namespace: str) -> None:
     for drive in drives:
-        key = record_key(drive.execution_id)
+        key = record_key(drive.execution_id, namespace)
         if drive.redrive:
             pipe.hset(key, "at", now)
             pipe.hincrby(key, "n", 1)
@@ -169,12 +176,13 @@ def _record_commands(pipe: Any, drives: Sequence[PublishedDrive], now: int) -> N
         pipe.pexpire(key, RECORD_TTL_MS)
 
 
-async def _read_records(client: Any, execution_ids: Sequence[str]) -> dict[str, DriveRecord]:
+async def _read_records(client: Any, execution_ids: Sequence[str],
+                        namespace: str) -> dict[str, DriveRecord]:
     if not execution_ids:
         return {}
     pipe = client.pipeline(transaction=False)
     for execution_id in execution_ids:
-        pipe.hmget(record_key(execution_id), "at", "n")
+        pipe.hmget(record_key(execution_id, namespace), "at", "n")
     found: dict[str, DriveRecord] = {}
     for execution_id, (at, n) in zip(execution_ids, await pipe.execute(), strict=True):
         if at is not None:
@@ -204,6 +212,7 @@ class RedisDrivePublisher:
         self.timeout = settings.publish_timeout_s
         options = app.conf.broker_transport_options or {}
         self.prefix = str(options.get("global_keyprefix") or "")
+        self.namespace = settings.queue
         self._client = _redis_client(settings.broker, settings)
         self.published = 0
 
@@ -217,7 +226,7 @@ class RedisDrivePublisher:
         pipe = self._client.pipeline(transaction=False)
         for queue, messages in by_queue.items():
             pipe.lpush(queue, *messages)
-        _record_commands(pipe, drives, _now_ms())
+        _record_commands(pipe, drives, _now_ms(), self.namespace)
         try:
             await asyncio.wait_for(pipe.execute(), self.timeout)
         except (TimeoutError, *TRANSIENT) as exc:
@@ -226,8 +235,8 @@ class RedisDrivePublisher:
 
     async def recent(self, execution_ids: Sequence[str]) -> dict[str, DriveRecord]:
         try:
-            return await asyncio.wait_for(_read_records(self._client, execution_ids),
-                                          self.timeout)
+            return await asyncio.wait_for(
+                _read_records(self._client, execution_ids, self.namespace), self.timeout)
         except (TimeoutError, *TRANSIENT) as exc:
             raise _unavailable("(reading drive records)", exc, self.timeout) from exc
 
@@ -266,6 +275,7 @@ class KombuDrivePublisher:
     def __init__(self, app: Any, settings: FleetSettings) -> None:
         self.app = app
         self.timeout = settings.publish_timeout_s
+        self.namespace = settings.queue
         self._threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=settings.publish_concurrency, thread_name_prefix="fleet-publish")
         self._records_client = (_redis_client(settings.redis_url, settings)
@@ -297,7 +307,7 @@ class KombuDrivePublisher:
         if self._records_client is None:
             return
         pipe = self._records_client.pipeline(transaction=False)
-        _record_commands(pipe, drives, now)
+        _record_commands(pipe, drives, now, self.namespace)
         try:
             await asyncio.wait_for(pipe.execute(), self.timeout)
         except (TimeoutError, *TRANSIENT) as exc:
@@ -309,7 +319,8 @@ class KombuDrivePublisher:
         if self._records_client is not None:
             try:
                 found.update(await asyncio.wait_for(
-                    _read_records(self._records_client, execution_ids), self.timeout))
+                    _read_records(self._records_client, execution_ids, self.namespace),
+                    self.timeout))
             except (TimeoutError, *TRANSIENT) as exc:
                 raise _unavailable("(reading drive records)", exc, self.timeout) from exc
         return found

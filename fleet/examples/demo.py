@@ -504,15 +504,17 @@ class _Demo:
 
 
 async def _forget_demo_keys(settings: FleetSettings) -> None:
-    """Delete the run's own queue, bindings and streams from a Redis others use, and the
-    messages the killed worker left unacknowledged (kombu would restore them, in an
-    hour, to a queue nobody reads)."""
+    """Delete the run's own queue, bindings, streams and drive records from a Redis
+    others use, and the messages the killed worker left unacknowledged (kombu would
+    restore them, in an hour, to a queue nobody reads)."""
     queue = settings.queue
     client = aioredis.Redis.from_url(str(settings.redis_url), socket_connect_timeout=2.0)
     try:
         await client.delete(queue, f"_kombu.binding.{queue}",
                             f"_kombu.binding_permanent.{queue}", settings.events_stream,
                             settings.rewards_stream, settings.rewards_dead)
+        async for key in client.scan_iter(match=f"fleet:drive:{queue}:*", count=1000):
+            await client.delete(key)  # the run's drive records (decision 0019)
         async for tag, raw in client.hscan_iter("unacked"):
             with contextlib.suppress(ValueError, TypeError, IndexError):
                 if json.loads(raw)[2] == queue:  # [message, exchange, routing key]

@@ -28,6 +28,8 @@ from redis_server import url_with_db
 from fleet.assembly.roles import open_recovery
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher
+from fleet.dispatcher.broker import producer_app
+from fleet.dispatcher.publish import PublishedDrive, open_publisher
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -96,3 +98,24 @@ async def test_queued_drives_are_not_sent_again_and_again_but_lost_ones_are(
     client.delete(settings.queue)
     await sweep_for(settings, 7.0)
     assert set(queued(client, settings.queue)) == set(ids)
+
+
+async def test_a_fleet_sharing_the_redis_database_never_sees_anothers_drive_records(
+        fleet: tuple[FleetSettings, redis.Redis]) -> None:
+    """Two fleets on one Redis database can hold executions of one id (idempotency
+    keys derive them): one's fresh record must not make the other's sweeper wait."""
+    settings, _client = fleet
+    other = settings.model_copy(update={"queue": f"fleet-other-{secrets.token_hex(4)}"})
+    eid = f"shared-{secrets.token_hex(4)}"
+    mine, theirs = open_publisher(producer_app(settings), settings), \
+        open_publisher(producer_app(other), other)
+    try:
+        await theirs.publish([PublishedDrive(eid, other.queue)])
+        assert eid in await theirs.recent([eid])
+        assert await mine.recent([eid]) == {}  # fails with one key per execution id
+        await mine.publish([PublishedDrive(eid, settings.queue)])
+        assert eid in await mine.recent([eid])
+    finally:
+        await mine.aclose()
+        await theirs.aclose()
+        _client.delete(other.queue)
