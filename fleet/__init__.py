@@ -17,6 +17,7 @@ from fleet.kernel.errors import (
     EvaluationError,
     ExecutionBusyError,
     ExecutionCancelledError,
+    ExecutionConflictError,
     ExecutionFailedError,
     ExecutionFinishedError,
     ExecutionNotFoundError,
@@ -47,6 +48,7 @@ from fleet.kernel.errors import (
     StepFailure,
     StoreError,
     StoreUnavailableError,
+    UnstorableValueError,
     ValidationError,
     WaitTimeoutError,
 )
@@ -60,7 +62,8 @@ from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.runtime import ExecutionHandle, Runtime
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
-from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+from fleet.kernel.store.sqlite import SqliteEventStore
+from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 from fleet.kernel.timers import FiredTimer
 
 __all__ = [
@@ -80,6 +83,7 @@ __all__ = [
     "EventType",
     "ExecutionBusyError",
     "ExecutionCancelledError",
+    "ExecutionConflictError",
     "ExecutionFailedError",
     "ExecutionFinishedError",
     "ExecutionHandle",
@@ -129,6 +133,7 @@ __all__ = [
     "StepFailure",
     "StoreError",
     "StoreUnavailableError",
+    "UnstorableValueError",
     "ValidationError",
     "WaitTimeoutError",
     "flow",

@@ -36,7 +36,7 @@ class FleetSettings(BaseSettings):
     pg_pool_min: int | None = Field(None, ge=0, description="Postgres connections kept open")
     pg_pool_max: int | None = Field(None, ge=1, description="most Postgres connections")
     max_event_bytes: int | None = Field(
-        None, ge=1, description="largest event (JSON bytes) the Postgres store takes; "
+        None, ge=1, description="largest event (JSON bytes) the store takes (every backend); "
         "unset: 16 MiB")
     group_commit: bool = Field(False, description="batch appends of many executions into "
                                "one transaction per flush (CoalescingEventStore)")

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "kits"))
 from fleet.kernel import runtime as _runtime
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.spi import EventStore, SnapshotStore
-from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+from fleet.kernel.store.sqlite import SqliteEventStore
+from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 
 # What the package ships, read before any test can change it.
 _SHIPPED_DIVERGENCE = _runtime.DEFAULT_DIVERGENCE

@@ -32,8 +32,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -54,6 +52,7 @@ from fleet.dispatcher.publish import (
 from fleet.dispatcher.routing import check_routes, route_queue
 from fleet.host.kernel import build_runtime, open_store
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
+from fleet.kernel import ids as kernel_ids
 from fleet.kernel.errors import (
     BrokerUnavailableError,
     ConfigurationError,
@@ -105,11 +104,12 @@ class Send:
 
 
 def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
-    """The execution id an idempotency key names (scoped to tenant and flow)."""
-    if not isinstance(key, str) or not key:
-        raise ValidationError("an idempotency key must be a non-empty string")
-    digest = hashlib.sha256(json.dumps([tenant, flow_id, key]).encode()).hexdigest()
-    return f"idem-{digest[:40]}"
+    """The execution id an idempotency key names (scoped to tenant and flow).
+
+    The kernel's derivation (``fleet.kernel.ids``, decision 0024): ids of this
+    form are reserved, so only a start with the key can create one.
+    """
+    return kernel_ids.idempotent_execution_id(flow_id, key, tenant)
 
 
 class Dispatcher:
@@ -305,11 +305,10 @@ class Dispatcher:
     def _start_request(self, item: Start) -> StartRequest:
         if item.execution_id is not None and item.idempotency_key is not None:
             raise ValidationError("give execution_id or idempotency_key, not both")
-        execution_id = item.execution_id
-        if item.idempotency_key is not None:
-            tenant = item.principal.tenant if item.principal is not None else None
-            execution_id = idempotent_execution_id(item.flow_id, item.idempotency_key, tenant)
-        return StartRequest(item.flow_id, item.input, item.principal, execution_id)
+        # The kernel derives the id from the key (and refuses an explicit id of
+        # that form): a squatter cannot pre-create it (decision 0024).
+        return StartRequest(item.flow_id, item.input, item.principal, item.execution_id,
+                            item.idempotency_key)
 
     async def write_starts(self, items: Sequence[Start]) -> list[DriveOrder]:
         """The durable half of ``start_many``: the drives to enqueue next."""

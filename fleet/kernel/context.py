@@ -6,6 +6,13 @@ served from it; the first one it does not hold runs live and is recorded.
 Only steps have effects. Time, randomness and ids come through ``now``,
 ``random`` and ``uuid`` and are recorded, so a replay sees what the live run
 saw.
+
+What can be checked before an effect is checked before it (decision 0023):
+ids, gate and message keys, emit names and sleep durations are refused with a
+typed ``ValidationError`` when no store could keep them (a NUL, a lone
+surrogate, a time past 9999) or the runtime keeps them (``__fleet_``). A step's
+output the log cannot take is found after its effect: the run then fails (its
+effect is never run again by a re-drive).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import random as _random
 import uuid as _uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fleet.kernel.errors import (
     ContinueAsNew,
@@ -33,9 +40,11 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.fold import INDOUBT_GATE, MESSAGE_GATE, ExecutionState
 from fleet.kernel.journal import Journal
-from fleet.kernel.security import check_outcome_shape, guard_userspace_emit
+from fleet.kernel.security import OUTCOME_FIELDS, check_outcome_shape, guard_userspace_emit
+from fleet.kernel.values import check_text, due_after, printable
 
 RESERVED_PREFIX = "__fleet_"
+_I = TypeVar("_I", bound=RunInterrupt)
 
 
 class OpenDecision(Protocol):
@@ -100,6 +109,9 @@ class FlowRun(Protocol):
 
     def successor_id(self) -> str:
         """The id a ``continue_as_new`` successor gets."""
+
+    def issue(self, interrupt: _I) -> _I:
+        """Mark a park or continuation as the kernel's own; only those are obeyed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +245,8 @@ class Context:
                                         "output": output})
                     return output
                 return _RETRY
-        raise ExecutionParked({"on": INDOUBT_GATE, "kind": "indoubt", "correlationKey": step_id})
+        raise run.issue(ExecutionParked({"on": INDOUBT_GATE, "kind": "indoubt",
+                                         "correlationKey": step_id}))
 
     async def _run_live(self, step_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any], retry: RetryPolicy, attempts: int) -> Any:
@@ -263,14 +276,14 @@ class Context:
                 typed = isinstance(exc, (StepFailure, StepFailedError)) or (
                     bool(retry.non_retryable) and isinstance(exc, retry.non_retryable))
                 final = typed or attempt >= retry.max_attempts
-                error = {"type": type(exc).__name__, "message": str(exc)[:4000],
+                error = {"type": type(exc).__name__, "message": printable(str(exc), 4000),
                          "retryable": not typed}
                 fail: dict[str, Any] = {"stepId": step_id, "attempt": attempt, "error": error,
                                         "final": final}
                 delay = 0.0
                 if not final:
                     delay = retry.delay(attempt)
-                    fail["retryAt"] = run.clock() + int(delay * 1000)
+                    fail["retryAt"] = due_after(run.clock(), delay, "a retry delay")
                 journal.commit(EventType.STEP_FAILED, fail)
                 if final:
                     raise StepFailedError(f"step {step_id!r} failed: {exc}", step_id=step_id,
@@ -279,7 +292,14 @@ class Context:
                 await asyncio.sleep(delay)
                 attempts = attempt
                 continue
-            output = ensure_json(result, f"the output of step {step_id!r}")
+            try:
+                output = ensure_json(result, f"the output of step {step_id!r}")
+            except ValidationError as refused:
+                # The effect ran and its result can never be recorded: the run
+                # fails (decision 0023) rather than leave the step started for a
+                # re-drive to run again. Not a step failure the flow could catch:
+                # the flow cannot undo an effect it never saw the result of.
+                raise journal.refuse(refused) from refused
             journal.commit(EventType.STEP_COMPLETED,
                            {"stepId": step_id, "attempt": attempt, "output": output})
             return output
@@ -336,11 +356,26 @@ class Context:
                          "success": success})
 
     async def emit(self, type: str, payload: dict[str, Any] | None = None) -> None:
-        """Append an application event (``EMITTED``), or an in-run ``OUTCOME_RECORDED``."""
+        """Append an application event (``EMITTED``), or an in-run ``OUTCOME_RECORDED``.
+
+        An application event's payload is the application's own (it is nested in
+        the ``EMITTED`` envelope, so it forges nothing); an outcome carries only
+        ``decisionId``, ``key``, ``score`` and ``success`` (ADR 0116: ``recordedBy``
+        and ``late`` are the runtime's).
+        """
         run = self._run
+        check_text(type, "an emit type")
+        if type.startswith(RESERVED_PREFIX):
+            raise ReservedNameError(f"emit type {type!r} uses the reserved prefix "
+                                    f"{RESERVED_PREFIX}")
         payload = dict(payload or {})
         guard_userspace_emit(type, payload)
         if type == EventType.OUTCOME_RECORDED:
+            extra = sorted(set(payload) - OUTCOME_FIELDS)
+            if extra:
+                raise ValidationError(
+                    f"an outcome carries only {sorted(OUTCOME_FIELDS)}; got {extra} too "
+                    "(put other data in an application event: ctx.emit('my.event', {...}))")
             check_outcome_shape(payload.get("key"), payload.get("score"),
                                 payload.get("success"), payload.get("decisionId"))
             if payload["decisionId"] not in run.state.decisions:
@@ -371,7 +406,8 @@ class Context:
     # -- time, gates, messages -----------------------------------------------
     async def sleep(self, seconds: float) -> None:
         """A durable timer: survives restarts; long sleeps park the execution."""
-        if not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                or not math.isfinite(seconds):
             raise ValidationError(f"sleep needs a finite number of seconds, got {seconds!r}")
         run = self._run
         timer_id = self._name("sleep")
@@ -379,14 +415,16 @@ class Context:
         if timer is not None and timer.get("fired"):
             return
         if timer is None:
+            # Refused before anything is written: a due time past 9999 (1e16 s)
+            # would overflow every store's int64.
+            due = due_after(run.clock(), seconds, "ctx.sleep")
             await run.before_new_work(EventType.TIMER_SCHEDULED, timer_id)
-            due = run.clock() + max(0, int(seconds * 1000))
             run.journal.commit(EventType.TIMER_SCHEDULED, {"timerId": timer_id, "dueAt": due})
         else:
             due = int(timer.get("dueAt") or 0)
         remaining = (due - run.clock()) / 1000
         if remaining > run.inline_sleep_max:
-            raise ExecutionParked({"on": timer_id, "kind": "timer"})
+            raise run.issue(ExecutionParked({"on": timer_id, "kind": "timer"}))
         if remaining > 0:
             await run.journal.barrier()
             await asyncio.sleep(remaining)
@@ -396,6 +434,7 @@ class Context:
         """Park until ``runtime.resume(execution_id, gate, payload)``; return the payload."""
         if not isinstance(gate, str) or not gate:
             raise ValidationError("a gate name must be a non-empty string")
+        check_text(gate, "gate name")
         if gate.startswith(RESERVED_PREFIX):
             raise ReservedNameError(f"gate {gate!r} is reserved for the runtime")
         run = self._run
@@ -403,18 +442,23 @@ class Context:
         answers = run.state.resume_payloads.get(gate, [])
         if n < len(answers):
             return answers[n]
-        raise ExecutionParked({"on": gate, "kind": "gate"})
+        raise run.issue(ExecutionParked({"on": gate, "kind": "gate"}))
 
     async def receive(self, key: str) -> Any:
         """The next message sent to this execution under ``key`` (``runtime.send``)."""
         if not isinstance(key, str) or not key:
             raise ValidationError("a message key must be a non-empty string")
+        check_text(key, "message key")
+        if key.startswith(RESERVED_PREFIX):
+            raise ReservedNameError(f"message key {key!r} uses the reserved prefix "
+                                    f"{RESERVED_PREFIX}")
         run = self._run
         n = self._counters.next(f"msg:{key}")
         messages = run.state.messages.get(key, [])
         if n < len(messages):
             return messages[n]
-        raise ExecutionParked({"on": MESSAGE_GATE, "kind": "message", "correlationKey": key})
+        raise run.issue(ExecutionParked({"on": MESSAGE_GATE, "kind": "message",
+                                         "correlationKey": key}))
 
     # -- structure --------------------------------------------------------------
     async def parallel(self, branches: Sequence[Any]) -> list[Any]:
@@ -468,7 +512,7 @@ class Context:
             raise ValidationError("continue_as_new is not allowed inside a parallel scope")
         data = ensure_json(input, "the continue_as_new input")
         await run.before_new_work(EventType.EXECUTION_CONTINUED, None)
-        raise ContinueAsNew(run.successor_id(), data)
+        raise run.issue(ContinueAsNew(run.successor_id(), data))
 
     # -- recorded values -------------------------------------------------------
     def now(self) -> float:
@@ -495,6 +539,7 @@ class Context:
     def _check_id(self, ident: Any, what: str) -> None:
         if not isinstance(ident, str) or not ident or len(ident) > 512:
             raise ValidationError(f"a {what} id must be a string of 1-512 characters")
+        check_text(ident, f"{what} id")
         if ident.startswith(RESERVED_PREFIX):
             raise ReservedNameError(
                 f"{what} id {ident!r} uses the reserved prefix {RESERVED_PREFIX}")

@@ -19,8 +19,11 @@ from typing import Any
 
 from fleet.kernel.access import AccessGuard
 from fleet.kernel.errors import (
+    AccessDeniedError,
     ContinueAsNew,
     DuplicateSequenceError,
+    ExecutionBusyError,
+    ExecutionConflictError,
     ExecutionNotFoundError,
 )
 from fleet.kernel.events import EventEnvelope, EventType, wall_clock_ms
@@ -34,7 +37,9 @@ from fleet.kernel.options import DivergenceMode, RuntimeOptions, RuntimeStats
 from fleet.kernel.results import Results
 from fleet.kernel.run import Run, StopReason
 from fleet.kernel.run_outcome import RunOutcome, Waiting
+from fleet.kernel.security import Principal
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
+from fleet.kernel.values import datetime_from_ms
 from fleet.kernel.writes import LogWriter, make_events
 
 # A log that ends on one of these has not been driven since it was (re)opened;
@@ -130,6 +135,43 @@ class Engine:
         """The fence of ``execution_id`` if no live lease holds it; None otherwise."""
         return await Lease.take_if_free(self.store, execution_id, holder=self.holder,
                                         lease_ms=self.lease_ms, warner=self.warner)
+
+    async def lease_for_start(self, execution_id: str) -> Lease | None:
+        """The lease to write a new log under; ``None`` once another start has written it.
+
+        A live lease over an empty log is a start in flight, or one whose write
+        and release were both lost (a store outage) and that its caller is now
+        retrying: answering for it could name an execution that never comes to
+        exist. So wait for the log, or for the lease to lapse and take it.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.lease_ms / 1000 + 1.0
+        delay = 0.01
+        while True:
+            lease = await self.take_if_free(execution_id)
+            if lease is not None:
+                return lease
+            if await self.store.head(execution_id) is not None:
+                return None
+            if loop.time() > deadline:
+                raise ExecutionBusyError(f"a start of {execution_id!r} holds its fence and "
+                                         "has written nothing yet; retry")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    async def why_running(self, state: ExecutionState) -> str:
+        """Who drives a running execution right now, for an error that must be true."""
+        if state.parked or state.terminal:
+            return ""
+        run = self.runs.get(state.execution_id)
+        if run is not None and run.task is not None and not run.task.done():
+            return " (its run is in flight in this runtime and has not parked yet)"
+        summary = await self.store.get_execution(state.execution_id)
+        if summary is not None and summary.lease_expires_at is not None \
+                and summary.lease_expires_at > self.clock():
+            return (f" (held by {summary.holder!r} until "
+                    f"{datetime_from_ms(summary.lease_expires_at).isoformat()})")
+        return " (nobody holds it: a worker or the recovery sweeper will drive it)"
 
     def lease(self, grant: FenceGrant) -> Lease:
         """A lease over a fence the caller already took (the fleet's worker does)."""
@@ -243,14 +285,55 @@ class Engine:
             return self.launch(Run(self, definition, self.journal(state, lease),
                                    lease.pass_on()))
 
+    async def existing(self, execution_id: str, flow_id: str,
+                       principal: Principal | None) -> None:
+        """A start found ``execution_id`` taken: fine only for a reader, of the same flow.
+
+        Anyone else gets ``ExecutionConflictError`` (decision 0024): an idempotent
+        start must never hand back another tenant's execution, nor one of
+        another flow. The refused read is counted and reported as a denial.
+        """
+        state = await self.fold(execution_id)
+        if state.sequence < 0:
+            raise ExecutionBusyError(f"execution {execution_id!r} was deleted while this start "
+                                     "looked at it; retry")
+        try:
+            await self.access.check(state, "read", principal, audit=False)
+        except AccessDeniedError as exc:
+            raise ExecutionConflictError(
+                f"execution id {execution_id!r} is taken by another execution; choose another "
+                "id (nothing was written)") from exc
+        if state.flow_id != flow_id:
+            raise ExecutionConflictError(
+                f"execution {execution_id!r} exists for flow {state.flow_id!r}, not "
+                f"{flow_id!r}; choose another id (nothing was written)")
+
+    async def _check_successor(self, run: Run, next_id: str) -> None:
+        state = await self.fold(next_id)
+        if state.sequence < 0:
+            raise ExecutionBusyError(f"the successor {next_id!r} is being started elsewhere; "
+                                     "retry")
+        if state.continued_from != run.state.execution_id \
+                or state.flow_id != run.definition.flow_id:
+            raise ExecutionConflictError(
+                f"the successor id {next_id!r} is taken by an execution that was not continued "
+                f"from {run.state.execution_id!r}; the run cannot continue into it")
+
     async def start_successor(self, run: Run, cont: ContinueAsNew) -> None:
-        """Start ``cont``'s successor (same flow, owner), unless it exists already."""
+        """Start ``cont``'s successor (same flow, owner), unless it exists already.
+
+        An existing successor must be this run's own (a re-drive after a crash
+        between the two writes): one continued from elsewhere is a squat, refused
+        with ``ExecutionConflictError`` (decision 0024).
+        """
         definition = self.flows.latest(run.definition.flow_id) or run.definition
         lease = await self.take_if_free(cont.next_execution_id)
         if lease is None:
+            await self._check_successor(run, cont.next_execution_id)
             return
         async with lease:
             if await self.store.head(cont.next_execution_id) is not None:
+                await self._check_successor(run, cont.next_execution_id)
                 return
             payload: dict[str, Any] = {
                 "flowId": definition.flow_id, "flowVersion": definition.version,

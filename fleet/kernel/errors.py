@@ -14,7 +14,9 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     │   ├── InvalidPropensityError    a propensity outside (0, 1]
     │   ├── ReservedNameError         a gate / step / emit name the kernel keeps
     │   ├── KernelEventForgeryError   userspace tried to write a kernel-only kind or field
-    │   └── PayloadTooLargeError      an event over the configured size limit
+    │   ├── PayloadTooLargeError      an event over the configured size limit
+    │   └── UnstorableValueError      a value no store keeps: NUL in a key, a lone surrogate,
+    │                                 an integer outside int64, a time past year 9999
     ├── FlowNotFoundError             no registered flow for an id / version / hash
     │   └── FlowCodeMismatchError     the registered code is not what the log was recorded by
     ├── ExecutionNotFoundError        no log for an execution id
@@ -23,6 +25,7 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     │   ├── GateMismatchError         resume names a gate the execution is not waiting on
     │   ├── ExecutionFinishedError    the execution already ended
     │   ├── ExecutionNotTerminalError a late outcome for a running or parked execution
+    │   ├── ExecutionConflictError    the id is taken by an execution the caller may not have
     │   └── ExecutionBusyError        a live lease elsewhere holds it (retryable)
     ├── MigrationRefusedError         resume_as would orphan recorded frames
     ├── OutcomeRefusedError           a late outcome the log must not take
@@ -113,6 +116,19 @@ class PayloadTooLargeError(ValidationError):
     code = "payload_too_large"
 
 
+class UnstorableValueError(ValidationError):
+    """A value no store can keep, refused alike by every store (decision 0023).
+
+    A NUL character in a key the index keeps (an execution id, flow id, tenant,
+    owner, gate or timer id, a holder), a lone surrogate anywhere (text that is
+    not valid Unicode, e.g. a file name from ``os.listdir`` that was not UTF-8),
+    an integer outside int64 where the log keeps one (a sequence, a timestamp,
+    a due time), a time after 9999-12-31.
+    """
+
+    code = "unstorable_value"
+
+
 class FlowNotFoundError(FleetError):
     code = "flow_not_found"
 
@@ -162,6 +178,13 @@ class ExecutionFinishedError(ExecutionStateError):
 
 class ExecutionNotTerminalError(ExecutionStateError):
     code = "execution_not_terminal"
+
+
+class ExecutionConflictError(ExecutionStateError):
+    """A start names an id another execution holds: another flow, or one the caller may
+    not read (decision 0024). Nothing was written; choose another id."""
+
+    code = "execution_conflict"
 
 
 class MigrationRefusedError(FleetError):

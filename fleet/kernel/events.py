@@ -17,9 +17,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
-from fleet.kernel.errors import CorruptLogError, NotSerializableError
+from fleet.kernel.errors import CorruptLogError, NotSerializableError, UnstorableValueError
+from fleet.kernel.values import has_lone_surrogate, printable
 
-EVENT_SCHEMA = "1.0.0"
+EVENT_SCHEMA = "1.1.0"  # 1.1.0: EXECUTION_DENIED.count
 
 
 class EventType(StrEnum):
@@ -77,7 +78,8 @@ TERMINAL_EVENT: dict[str, EventType] = {
 TERMINAL_STATUSES: frozenset[str] = frozenset(TERMINAL_EVENT)
 TERMINAL_TYPES: frozenset[EventType] = frozenset(TERMINAL_EVENT.values())
 
-# Fields only a kernel-stamped envelope (metadata.kernel = true) may carry.
+# Fields the fold copies only from a kernel-stamped envelope (metadata.kernel = true);
+# the emit guard refuses the two a flow could forge (security.OUTCOME_KERNEL_FIELDS).
 KERNEL_ONLY_FIELDS = frozenset({"recordedBy", "late", "innerSteps", "innerStepsOverflow",
                                 "innerFrom", "scope"})
 
@@ -251,6 +253,7 @@ class ExecutionDenied(_Payload):
     actor: str | None = None
     tenant: str | None = None
     reason: str = ""
+    count: int | None = None  # denials this record stands for (1.1.0; decision 0007)
 
 
 class Recovered(_Payload):
@@ -380,9 +383,13 @@ def validate_payload_for(type: EventType, payload: dict[str, Any]) -> None:
         raise CorruptLogError(f"{type} payload is invalid: {exc.errors()[:1]}") from exc
 
 
+# One encoder for every call (json.dumps with options builds a new one each time).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def dumps(value: Any) -> str:
     """Canonical JSON for the log: compact, no NaN/Infinity."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return _ENCODER.encode(value)
 
 
 def ensure_json(value: Any, what: str) -> Any:
@@ -390,9 +397,15 @@ def ensure_json(value: Any, what: str) -> Any:
 
     A value that does not survive a JSON round trip (a set, a datetime, NaN, a
     tuple that would come back a list) would make a replay see something other
-    than the live run did, so it is refused before anything is written.
+    than the live run did, so it is refused before anything is written
+    (``NotSerializableError``); so is text no store can encode, a lone surrogate
+    (``UnstorableValueError``, decision 0023).
     """
-    if value is None or isinstance(value, (str, bool, int)):
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, str):
+        if has_lone_surrogate(value):
+            raise UnstorableValueError(_surrogate_message(what))
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -400,8 +413,16 @@ def ensure_json(value: Any, what: str) -> Any:
         return value
     try:
         text = dumps(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise NotSerializableError(
-            f"{what} is not JSON-serialisable ({exc}); return plain dicts, lists, str, "
-            "int, float, bool or None") from exc
+            f"{what} is not JSON-serialisable ({printable(exc, 300)}); return plain dicts, "
+            "lists, str, int, float, bool or None") from exc
+    if has_lone_surrogate(text):
+        raise UnstorableValueError(_surrogate_message(what))
     return json.loads(text)
+
+
+def _surrogate_message(what: str) -> str:
+    return (f"{what} holds text that is not valid Unicode (a lone surrogate, e.g. a file "
+            "name os.listdir could not decode); no store can keep it: decode such text with "
+            "errors='replace' or keep the bytes as base64")

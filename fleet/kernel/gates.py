@@ -17,28 +17,46 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.fold import ExecutionState
+from fleet.kernel.values import datetime_from_ms
 
 
-def check_resumable(state: ExecutionState, gate: str) -> None:
-    """Raise unless ``state`` is parked on ``gate`` (a gate, not a timer or a receive)."""
+def check_resumable(state: ExecutionState, gate: str, *, running: str = "") -> None:
+    """Raise unless ``state`` is parked on ``gate`` (a gate, not a timer or a receive).
+
+    ``running`` says why a running execution is running (who drives it), so the
+    error tells the truth about the moment it was judged: a run in flight has
+    simply not reached its gate yet.
+    """
     eid = state.execution_id
     if state.terminal:
         raise ExecutionFinishedError(
             f"execution {eid!r} already ended ({state.status}); nothing waits on {gate!r}")
     if not state.parked:
         raise ExecutionNotParkedError(
-            f"execution {eid!r} is running, not parked; resume it once it waits on {gate!r}")
-    waiting = (state.waiting or {}).get("on")
-    if waiting != gate:
+            f"execution {eid!r} is running{running}, not parked; resume it once it waits on "
+            f"{gate!r} (await handle.wait(until='parked') or runtime.wait(execution_id, "
+            "until='parked') waits for that)")
+    waiting = state.waiting or {}
+    on = waiting.get("on")
+    kind = waiting.get("kind")
+    if kind == "timer":
+        # A timer is not a gate: resuming it would only log a spurious
+        # EXECUTION_RESUMED and park again. Say what it waits for and how to fire it.
+        due = (state.timers.get(str(on)) or {}).get("dueAt")
+        when = f", due {datetime_from_ms(int(due)).isoformat()}" if isinstance(due, int) else ""
         raise GateMismatchError(
-            f"execution {eid!r} waits on {waiting!r}, not {gate!r}; resume that gate")
-    kind = (state.waiting or {}).get("kind")
-    if kind in ("timer", "message"):
-        # A timer or a receive is not a gate: resuming it would only log a
-        # spurious EXECUTION_RESUMED and park again.
-        how = "fire_due_timers fires it" if kind == "timer" else "runtime.send wakes it"
+            f"execution {eid!r} waits on a timer ({on!r}{when}), not on gate {gate!r}: a "
+            "timer is fired, not resumed. runtime.fire_due_timers() fires it once due (pass "
+            "now=datetime.now(timezone.utc) + timedelta(...) to fire it early), or the fleet's "
+            "timer service does; then resume the gate once the execution waits on it")
+    if kind == "message":
+        key = waiting.get("correlationKey")
         raise GateMismatchError(
-            f"execution {eid!r} waits on a {kind} ({waiting!r}), not a gate; {how}")
+            f"execution {eid!r} waits on a message ({key!r}, ctx.receive), not on gate "
+            f"{gate!r}: runtime.send({eid!r}, {key!r}, payload) wakes it")
+    if on != gate:
+        raise GateMismatchError(
+            f"execution {eid!r} waits on {on!r}, not {gate!r}; resume that gate")
 
 
 def indoubt_answer(state: ExecutionState, data: Any) -> dict[str, Any]:

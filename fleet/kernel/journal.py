@@ -13,6 +13,10 @@ the run; it is reported through ``on_warn`` at most once a minute
 
 A failed write latches: later commits raise ``RunAborted`` and nothing more
 is written under this journal, so a fenced-out zombie stops at its next step.
+A write the store refused for good (a ``ValidationError``: the events can never
+be written) latches the same way; the run then rebases the journal on the
+durable state and fails the execution (decision 0023). ``refuse`` latches such a
+refusal the kernel found itself, before any write.
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ class Journal:
     run needs no extra task per write.
     """
 
-    __slots__ = ("_error", "_flushing", "_pending", "clock", "durable_seq", "fence",
-                 "on_durable_event", "on_event", "state", "store", "warner")
+    __slots__ = ("_error", "_flushing", "_pending", "_refused", "clock", "durable_seq",
+                 "fence", "on_durable_event", "on_event", "state", "store", "warner")
 
     def __init__(self, store: EventStore, state: ExecutionState, *, fence: int | None,
                  clock: Callable[[], int], warner: Warner,
@@ -61,10 +65,37 @@ class Journal:
         self._pending: list[EventEnvelope] = []
         self._flushing: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
+        self._refused: tuple[EventEnvelope, ...] = ()
 
     @property
     def failed(self) -> BaseException | None:
         return self._error
+
+    @property
+    def refused(self) -> tuple[EventEnvelope, ...]:
+        """The events of the write that failed (none when the kernel refused first)."""
+        return self._refused
+
+    def refuse(self, exc: BaseException) -> RunAborted:
+        """Latch ``exc``, a refusal the kernel found before writing (a step's output the
+        log cannot take): nothing more is written. The caller raises what this returns."""
+        if self._error is None:
+            self._error = exc
+            self._pending.clear()
+            self._refused = ()
+        return RunAborted(self._error)
+
+    def rebase(self, state: ExecutionState) -> None:
+        """Drop a latched refusal and continue from ``state``, the durable state re-read.
+
+        What was committed after the durable head (the refused events and what
+        followed them) is forgotten; the run writes its end from here.
+        """
+        self._error = None
+        self._pending.clear()
+        self._refused = ()
+        self.state = state
+        self.durable_seq = state.sequence
 
     def commit(self, type: EventType, payload: dict[str, Any], *, kernel: bool = True,
                metadata: dict[str, Any] | None = None) -> EventEnvelope:
@@ -103,6 +134,7 @@ class Journal:
             # Latch: a lost, rejected, fenced or interrupted write ends this
             # journal; nothing after it is written or reported as durable.
             self._error = exc
+            self._refused = tuple(batch)
             self._pending.clear()
             if isinstance(exc, Exception):
                 raise RunAborted(exc) from exc

@@ -152,6 +152,7 @@ class RuntimeStats:
     divergence_warnings: int = 0  # re-runs warned as divergent (divergence="warn")
     divergence_parked: int = 0    # re-runs refused as divergent (divergence="fail")
     handed_back: int = 0          # runs let go by hand_back / hand_back_now
+    refused: int = 0              # runs failed by a refusal that can never succeed (0023)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -1,4 +1,4 @@
-"""Waiting for an execution's result: ``Results`` (what ``handle.result()`` reads).
+"""Waiting for an execution's result or state: ``Results`` (``handle.result()``, ``wait``).
 
 A caller waits on a future per execution; a run of this runtime settles it the
 moment it ends, and the log is re-read now and then, so an execution another
@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from fleet.kernel.errors import (
     ExecutionCancelledError,
     ExecutionFailedError,
     ExecutionNotFoundError,
+    ValidationError,
+    WaitTimeoutError,
 )
 from fleet.kernel.fold import ExecutionState
 from fleet.kernel.run import Run
 
 # A long-lived worker must not grow without bound: it remembers this many aborts.
 MAX_ABORTS = 10_000
+
+Until = Literal["parked", "terminal"]
+UNTIL: tuple[Until, ...] = ("parked", "terminal")
 
 
 class Results:
@@ -82,6 +87,50 @@ class Results:
             raise ExecutionFailedError(
                 f"execution {execution_id!r} failed: {error.get('type', '')}: "
                 f"{error.get('message', '')}", error=error)
+
+    async def wait(self, execution_id: str, until: Until,
+                   timeout: float | None = None) -> ExecutionState:
+        """``until`` within ``timeout`` seconds, or ``WaitTimeoutError`` saying where it is."""
+        try:
+            return await asyncio.wait_for(self._wait(execution_id, until), timeout)
+        except TimeoutError:
+            state = await self.fold(execution_id)
+            on = (state.waiting or {}).get("on")
+            where = state.status + (f" on {on!r}" if on else "")
+            raise WaitTimeoutError(
+                f"execution {execution_id!r} is {where}, not {until}, after {timeout:g} s; "
+                "wait again or raise the timeout", execution_id=execution_id,
+                status=state.status) from None
+
+    async def _wait(self, execution_id: str, until: Until) -> ExecutionState:
+        """The state of ``execution_id`` once it is parked (``until="parked"``) or has ended.
+
+        ``"parked"`` returns at the first park or end (an ended execution never
+        parks again); ``"terminal"`` at the end of this execution (not of its
+        continuations: ``result()`` follows those). A run in flight here is
+        awaited; one driven elsewhere (a worker) is seen through the log, read
+        again now and then. A run of this runtime that stopped without an end
+        (a write failed) raises why, as ``result()`` does.
+        """
+        if until not in UNTIL:
+            raise ValidationError(f"until must be 'parked' or 'terminal', got {until!r}")
+        delay = 0.01
+        while True:
+            state = await self.fold(execution_id)
+            if state.sequence < 0:
+                raise ExecutionNotFoundError(f"no execution {execution_id!r}")
+            if state.terminal or (until == "parked" and state.parked):
+                return state
+            run = self.runs.get(execution_id)
+            if run is not None and run.task is not None and not run.task.done():
+                # Driven here: it stops (parks, ends) when its task does.
+                await asyncio.wait({run.task}, timeout=1.0)
+                continue
+            aborted = self.aborts.get(execution_id)
+            if aborted is not None:
+                raise aborted
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     async def await_end(self, execution_id: str,
                         fut: asyncio.Future[ExecutionState]) -> ExecutionState:

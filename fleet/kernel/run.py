@@ -8,9 +8,19 @@ are collected (``innerSteps``), and where a runtime that is handing its runs
 back (a worker shutting down) stops a run at its next durable point.
 
 A run ends in one of four ways: a terminal event, a park (gate, long timer,
-receive, in-doubt, the divergence gate), an abort (fenced out, a write failed,
-a kernel-detected programming error: nothing more is written), or a stop from
-outside (cancel, resume_as, hand-back). Each is one ``RunOutcome`` kind.
+receive, in-doubt, the divergence gate), an abort (fenced out, a write failed:
+nothing more is written), or a stop from outside (cancel, resume_as,
+hand-back). Each is one ``RunOutcome`` kind.
+
+A refusal that can never succeed ends the run with ``EXECUTION_FAILED`` and
+the typed error (decision 0023): a ``ValidationError`` out of the body (a bad
+id, a reserved name, a forged kernel field), a value the log cannot take found
+after a step's effect (its output is not JSON, not valid Unicode), a write the
+store refused for good (over ``max_event_bytes``), and a run-control exception
+the body raised itself instead of asking ``ctx`` (only the interrupts the run
+issued are obeyed). Re-driving such a run would only run the same
+effects into the same refusal; it is counted in ``RuntimeStats.refused`` and
+warned.
 """
 
 from __future__ import annotations
@@ -18,17 +28,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from fleet.kernel.context import Context
 from fleet.kernel.divergence import JUDGED, DivergenceDetector, skipped_key
 from fleet.kernel.errors import (
     ConfigurationError,
     ContinueAsNew,
+    ExecutionConflictError,
     ExecutionParked,
     FleetError,
     FlowReplayDivergenceError,
     HandedBack,
+    KernelEventForgeryError,
     ReplayError,
     RunAborted,
     RunInterrupt,
@@ -38,21 +50,35 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.flows import FlowDefinition
 from fleet.kernel.fold import DIVERGED_GATE, ExecutionState
+from fleet.kernel.ids import successor_id
 from fleet.kernel.journal import Journal
 from fleet.kernel.lease import Lease
 from fleet.kernel.observers import Warner
 from fleet.kernel.options import DivergenceMode, RuntimeStats
 from fleet.kernel.run_outcome import OutcomeKind, RunOutcome, Waiting
+from fleet.kernel.values import printable
 
 _INNER_MAX_IDS = 4096
 _INNER_MAX_BYTES = 64 * 1024
 # The events that end a run (and release its lease): a hand-back lets them through.
 _ENDS_RUN = frozenset({EventType.EXECUTION_COMPLETED, EventType.EXECUTION_SUSPENDED,
                        EventType.EXECUTION_CONTINUED})
-# Errors the kernel raises before writing anything for a programming fault:
-# the run stops where it is (the log is exactly as it was), it is not failed
-# (decision 0003).
-ABORTS_RUN = (ValidationError, ReplayError)
+# A replay fault other than a divergence refusal (which parks): the run stops
+# where it is, nothing more is written (decision 0003). A ValidationError no
+# longer stops a run: it fails it (decision 0023).
+ABORTS_RUN = (ReplayError,)
+_I = TypeVar("_I", bound=RunInterrupt)
+
+
+def error_of(exc: BaseException) -> dict[str, Any]:
+    """The recorded form of ``exc`` (``EXECUTION_FAILED`` / ``STEP_FAILED``), always storable:
+    its message is cut to 4,000 characters and made valid Unicode."""
+    if isinstance(exc, FleetError):
+        error = exc.to_dict()
+        error["message"] = printable(error["message"], 4000)
+        return error
+    return {"type": type(exc).__name__, "message": printable(str(exc), 4000),
+            "retryable": False}
 
 # Why a run's task was cancelled by the kernel (None: from outside, e.g. a crash drill).
 StopReason = Literal["cut", "cancelled", "superseded"]
@@ -87,6 +113,9 @@ class RunHost(Protocol):
 
     async def start_successor(self, run: Run, cont: ContinueAsNew) -> None:
         """Make ``cont``'s successor exist (idempotent) before the run writes CONTINUED."""
+
+    async def load(self, execution_id: str) -> tuple[ExecutionState, EventType | None]:
+        """The durable state of ``execution_id`` (snapshot + tail) and its last event's type."""
 
 
 class _InnerSteps:
@@ -123,6 +152,13 @@ class _InnerSteps:
 # sibling parallel branch runs meanwhile is not counted as a decider's own.
 _OPEN_DECISIONS: ContextVar[tuple[tuple[Run, _InnerSteps], ...]] = ContextVar(
     "fleet_open_decisions", default=())
+
+
+def _forged(interrupt: BaseException) -> KernelEventForgeryError:
+    return KernelEventForgeryError(
+        f"the flow raised {type(interrupt).__name__} itself: run control belongs to the kernel "
+        "(park with ctx.wait, ctx.sleep or ctx.receive; continue with ctx.continue_as_new); "
+        "the reserved gates are the runtime's")
 
 
 class ReplayFrontier(RunInterrupt):
@@ -169,6 +205,21 @@ class Run:
         # (``past_replay``: recovery counts a refused re-drive as failed, ADR 0113).
         self._accepted = self.detector is None or self.detector.mode != "fail"
         self._past_replay: asyncio.Future[None] | None = None
+        # The run-control interrupts the kernel raised for this run (``issue``).
+        self._issued: list[RunInterrupt] = []
+
+    def issue(self, interrupt: _I) -> _I:
+        """Mark ``interrupt`` as raised by the kernel for this run (``Context``, the hand-back).
+
+        Only an issued park, continuation or hand-back is obeyed: flow code that
+        raises ``ExecutionParked`` (say on ``__fleet_diverged__``) or
+        ``ContinueAsNew`` itself fails its run instead (decision 0023).
+        """
+        self._issued.append(interrupt)
+        return interrupt
+
+    def _was_issued(self, interrupt: BaseException) -> bool:
+        return any(issued is interrupt for issued in self._issued)
 
     # -- executing ------------------------------------------------------------------
     async def execute(self) -> RunOutcome:
@@ -237,6 +288,8 @@ class Run:
                 stats.completed += 1
                 return self.outcome("completed")
             except ExecutionParked as park:
+                if not self._was_issued(park):
+                    return await self._fail(_forged(park))
                 try:
                     await self.before_new_work(EventType.EXECUTION_SUSPENDED, None)
                 except FlowReplayDivergenceError as diverged:
@@ -248,15 +301,32 @@ class Run:
             except FlowReplayDivergenceError as diverged:
                 return await self._park_diverged(diverged)
             except ContinueAsNew as cont:
+                if not self._was_issued(cont):
+                    return await self._fail(_forged(cont))
                 # The successor exists before the CONTINUED that names it: a crash in
                 # between re-drives this run, which finds the successor and only
                 # writes CONTINUED; a reader following the chain never finds a gap.
                 await journal.barrier()
-                await host.start_successor(self, cont)
+                try:
+                    await host.start_successor(self, cont)
+                except ExecutionConflictError as exc:
+                    return await self._fail(exc, refused=True)
+                except FleetError as exc:
+                    stats.aborted += 1
+                    host.warner.warn(f"run of {state.execution_id!r} stopped: its successor "
+                                     f"could not be started: {type(exc).__name__}: {exc}")
+                    return self.outcome("aborted", cause=exc)
                 journal.commit(EventType.EXECUTION_CONTINUED,
                                {"nextExecutionId": cont.next_execution_id, "input": cont.input})
                 await journal.barrier()
                 return self.outcome("continued", next_execution_id=cont.next_execution_id)
+            except ValidationError as exc:
+                if self.refused is not None:
+                    return await self._park_diverged(self.refused)
+                # A refusal that can never succeed: the same code would refuse it
+                # again on every drive (decision 0023). What the run committed
+                # before the faulty call is true and stays.
+                return await self._fail(exc)
             except ABORTS_RUN as exc:
                 # What the run committed before the faulty call is true and
                 # stays; the faulty call itself wrote nothing.
@@ -265,23 +335,31 @@ class Run:
                 host.warner.warn(f"run of {state.execution_id!r} stopped, nothing written: "
                                  f"{type(exc).__name__}: {exc}")
                 return self.outcome("aborted", cause=exc)
-            except (RunAborted, asyncio.CancelledError):
+            except (RunAborted, HandedBack, asyncio.CancelledError):
                 raise
+            except RunInterrupt as exc:
+                # Run control the kernel never raises in a live run (ReplayFrontier):
+                # the body raised it itself.
+                return await self._fail(_forged(exc))
             except Exception as exc:  # noqa: BLE001 - the flow's own failure
                 if self.refused is not None:
                     # The body caught the refusal and failed instead: the refusal
                     # stands (it latches, and never fails the execution: note 2).
                     return await self._park_diverged(self.refused)
-                error = exc.to_dict() if isinstance(exc, FleetError) else {
-                    "type": type(exc).__name__, "message": str(exc)[:4000], "retryable": False}
-                journal.commit(EventType.EXECUTION_FAILED, {"error": error})
-                await journal.barrier()
-                stats.failed += 1
-                return self.outcome("failed", error=error)
+                return await self._fail(exc)
         except RunAborted as aborted:
+            failed = self.journal.failed
+            if failed is None or aborted.cause is not failed:
+                return await self._fail(_forged(aborted))
+            if isinstance(failed, ValidationError):
+                # The log refused a write for good (or the kernel found a value it
+                # cannot take after an effect): fail on what is durable.
+                return await self._fail_on_durable(failed)
             stats.aborted += 1
             return self._lost_write(aborted.cause)
-        except HandedBack:
+        except HandedBack as back:
+            if not self._was_issued(back):
+                return await self._fail(_forged(back))
             # Stopped before new work: write what it committed, then let go.
             try:
                 await journal.barrier()
@@ -316,6 +394,67 @@ class Run:
     def _lost_write(self, cause: BaseException) -> RunOutcome:
         kind: OutcomeKind = "fenced_out" if isinstance(cause, StaleFenceError) else "aborted"
         return self.outcome(kind, cause=cause)
+
+    async def _fail(self, cause: BaseException, error: dict[str, Any] | None = None, *,
+                    rebased: bool = False, refused: bool | None = None) -> RunOutcome:
+        """Write ``EXECUTION_FAILED`` with ``cause`` (or ``error``); how the run ended.
+
+        A ``ValidationError`` cause (or ``refused=True``) is a refusal that can
+        never succeed: counted in ``refused`` and warned. If the write itself is
+        refused for good (an event committed before it cannot be stored), the
+        failure is written alone on the durable state instead.
+        """
+        stats = self.host.stats
+        error = error if error is not None else error_of(cause)
+        try:
+            self.journal.commit(EventType.EXECUTION_FAILED, {"error": error})
+            await self.journal.barrier()
+        except RunAborted as aborted:
+            failed = self.journal.failed
+            if not rebased and isinstance(failed, ValidationError) and aborted.cause is failed:
+                return await self._fail_on_durable(failed)
+            stats.aborted += 1
+            return self._lost_write(aborted.cause)
+        stats.failed += 1
+        if refused or (refused is None and isinstance(cause, ValidationError)):
+            stats.refused += 1
+            self.host.warner.warn(
+                f"execution {self.state.execution_id!r} FAILED: {error['type']}: "
+                f"{error['message']} (a refusal that can never succeed ends the run; "
+                "decision 0023)", key=f"refused:{self.state.execution_id}")
+        return self.outcome("failed", error=error, cause=cause)
+
+    async def _fail_on_durable(self, cause: ValidationError) -> RunOutcome:
+        """The log refused a write for good: fail the execution on its durable state.
+
+        The refused events (and what the run committed after them) are dropped;
+        a step whose result they held stays started in the log, its effect done
+        once, and the execution fails naming it. Re-read from the store, so the
+        failure lands right after what the log holds.
+        """
+        refused = self.journal.refused
+        eid = self.state.execution_id
+        try:
+            state, _ = await self.host.load(eid)
+        except Exception as exc:  # noqa: BLE001 - the refusal stands; the run stops
+            self.host.stats.aborted += 1
+            self.host.warner.warn(f"run of {eid!r} stopped after a refused write "
+                                  f"({cause.message}); re-reading the log failed: "
+                                  f"{type(exc).__name__}: {exc}")
+            return self.outcome("aborted", cause=cause)
+        if state.terminal or state.sequence != self.journal.durable_seq:
+            self.host.stats.aborted += 1
+            return self.outcome("aborted", cause=cause)
+        self.journal.rebase(state)
+        self.state = state
+        error = error_of(cause)
+        steps = [str(e.payload.get("stepId")) for e in refused
+                 if e.type in (EventType.STEP_COMPLETED, EventType.STEP_FAILED)]
+        if steps:
+            error["message"] = printable(
+                f"the result of step {steps[0]!r} could not be recorded (its effect ran): "
+                f"{error['message']}", 4000)
+        return await self._fail(cause, error, rebased=True)
 
     async def _park_diverged(self, error: FlowReplayDivergenceError) -> RunOutcome:
         """Park a refused re-run on the reserved gate; nothing else is appended.
@@ -355,7 +494,7 @@ class Run:
         the event that ends the run: that one lets go as well.)
         """
         if self.host.handing_back and kind not in _ENDS_RUN:
-            raise HandedBack(f"{kind} {ident or ''}".strip())
+            raise self.issue(HandedBack(f"{kind} {ident or ''}".strip()))
         d = self.detector
         if d is None:
             if self.stop_at_frontier:
@@ -422,7 +561,4 @@ class Run:
         return inner
 
     def successor_id(self) -> str:
-        base, _, gen = self.state.execution_id.rpartition("~")
-        if base and gen.isdigit():
-            return f"{base}~{int(gen) + 1}"
-        return f"{self.state.execution_id}~1"
+        return successor_id(self.state.execution_id)

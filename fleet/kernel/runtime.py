@@ -18,6 +18,7 @@ import socket
 import uuid
 from collections.abc import Sequence
 from dataclasses import fields
+from datetime import datetime
 from typing import Any
 
 from fleet.kernel.context import RESERVED_PREFIX
@@ -28,13 +29,14 @@ from fleet.kernel.errors import (
     ExecutionFinishedError,
     ExecutionNotFoundError,
     FlowNotFoundError,
+    ReservedNameError,
     ValidationError,
 )
 from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE, ExecutionState, fold_log
 from fleet.kernel.gates import check_resumable, indoubt_answer
-from fleet.kernel.lease import Lease
+from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
 from fleet.kernel.migration import resume_as
 from fleet.kernel.observers import EventObserver, Warner, WarnSink
 from fleet.kernel.options import (
@@ -46,6 +48,7 @@ from fleet.kernel.options import (
 )
 from fleet.kernel.outcomes import OutcomeResult, record_outcome
 from fleet.kernel.recovery import RecoveryReport, recover_abandoned
+from fleet.kernel.results import Until
 from fleet.kernel.run import ReplayFrontier as ReplayFrontier
 from fleet.kernel.run import Run as Run
 from fleet.kernel.run_outcome import RunOutcome
@@ -53,6 +56,7 @@ from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.timers import FiredTimer, Timers
+from fleet.kernel.values import check_text, ms_from_datetime
 from fleet.kernel.writes import make_events
 
 # The divergence mode of a runtime built without ``divergence=`` and not strict
@@ -76,6 +80,17 @@ class ExecutionHandle:
 
     async def state(self) -> ExecutionState:
         return await self.runtime.load_state(self.execution_id, system=True)
+
+    async def wait(self, until: Until = "terminal",
+                   timeout: float | None = None) -> ExecutionState:
+        """Wait until the execution is parked (``until="parked"``) or has ended; its state.
+
+        ``"parked"`` returns at the first park or end, so a caller can resume the
+        gate it reached (``state.waiting``); ``"terminal"`` at its end (this
+        execution's: ``result()`` follows continuations). Past ``timeout`` seconds:
+        ``WaitTimeoutError`` (a ``TimeoutError``) saying where it is.
+        """
+        return await self.runtime.engine.results.wait(self.execution_id, until, timeout)
 
     async def outcome(self) -> RunOutcome | None:
         """How the run this call drove here ended (waits for it to stop).
@@ -173,8 +188,16 @@ class Runtime:
     # ------------------------------------------------------------------ start
     async def start(self, flow_id: str | FlowDefinition, input: Any = None, *,
                     principal: Principal | None = None, execution_id: str | None = None,
+                    idempotency_key: str | None = None,
                     drive: bool = True) -> ExecutionHandle:
-        """Start an execution (idempotent by ``execution_id``) and drive it here.
+        """Start an execution (idempotent by ``execution_id`` or ``idempotency_key``), drive it.
+
+        A start that finds its execution already there returns a handle to it,
+        but only to a principal who may read it and only for the same flow;
+        anyone else gets ``ExecutionConflictError`` (decision 0024). An
+        ``idempotency_key`` names an id derived from the principal's tenant, the
+        flow and the key (``fleet.kernel.ids``); an explicit ``execution_id`` may
+        not take a derived form (``idem-...``, ``...~<n>``: ``ReservedNameError``).
 
         With ``drive=False`` the start is made durable and the lease released;
         a worker drives it (the fleet's dispatcher writes first, then enqueues).
@@ -187,15 +210,23 @@ class Runtime:
             raise FlowNotFoundError(f"no flow {flow_id!r} is registered; known flows: {known}")
         await self.engine.access.check(None, "start", principal, audit=False)
         data = ensure_json(input, f"the input of flow {flow_id!r}")
-        if execution_id is None:
-            # A fresh random id cannot exist yet: no need to ask the store.
+        if execution_id is not None and idempotency_key is not None:
+            raise ValidationError("give execution_id or idempotency_key, not both")
+        # A fresh random id cannot exist yet: no need to ask the store.
+        fresh = execution_id is None and idempotency_key is None
+        if idempotency_key is not None:
+            execution_id = idempotent_execution_id(
+                definition.flow_id, idempotency_key, principal.tenant if principal else None)
+        elif execution_id is None:
             execution_id = uuid.uuid4().hex
-        elif not isinstance(execution_id, str) or not execution_id:
-            raise ValidationError("execution_id must be a non-empty string")
-        elif await self.store.head(execution_id) is not None:  # idempotent start
-            return ExecutionHandle(self, execution_id)
-        lease = await self._lease_for_start(execution_id)
+        else:
+            check_explicit_id(execution_id)
+        if not fresh and await self.store.head(execution_id) is not None:
+            await self.engine.existing(execution_id, definition.flow_id, principal)
+            return ExecutionHandle(self, execution_id)  # an idempotent start
+        lease = await self.engine.lease_for_start(execution_id)
         if lease is None:  # a concurrent start wrote it
+            await self.engine.existing(execution_id, definition.flow_id, principal)
             return ExecutionHandle(self, execution_id)
         now = self.clock()
         payload: dict[str, Any] = {
@@ -214,29 +245,6 @@ class Runtime:
         is driven here (as ``start(..., drive=False)``). A handle per request, in order;
         a bad request refuses the batch before anything is written."""
         return [ExecutionHandle(self, eid) for eid in await start_many(self, requests)]
-
-    async def _lease_for_start(self, execution_id: str) -> Lease | None:
-        """The lease to write a new log under; ``None`` once another start has written it.
-
-        A live lease over an empty log is a start in flight, or one whose write
-        and release were both lost (a store outage) and that its caller is now
-        retrying: answering for it could name an execution that never comes to
-        exist. So wait for the log, or for the lease to lapse and take it.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.lease_ms / 1000 + 1.0
-        delay = 0.01
-        while True:
-            lease = await self.engine.take_if_free(execution_id)
-            if lease is not None:
-                return lease
-            if await self.store.head(execution_id) is not None:
-                return None
-            if loop.time() > deadline:
-                raise ExecutionBusyError(f"a start of {execution_id!r} holds its fence and "
-                                         "has written nothing yet; retry")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.25)
 
     # ------------------------------------------------------------------ drive
     async def drive(self, execution_id: str, *, grant: FenceGrant | None = None,
@@ -273,7 +281,7 @@ class Runtime:
             raise ExecutionNotFoundError(f"no execution {execution_id!r}")
         await engine.access.check(state, "resume", principal, audit=True)
         data = ensure_json(payload, f"the payload for gate {gate!r}")
-        check_resumable(state, gate)
+        check_resumable(state, gate, running=await engine.why_running(state))
         lease = await engine.take_if_free(execution_id)
         if lease is None:
             raise ExecutionBusyError(
@@ -311,6 +319,10 @@ class Runtime:
         """
         if not isinstance(key, str) or not key:
             raise ValidationError("a message key must be a non-empty string")
+        check_text(key, "message key")  # what ctx.receive would refuse is refused here too
+        if key.startswith(RESERVED_PREFIX):
+            raise ReservedNameError(f"message key {key!r} uses the reserved prefix "
+                                    f"{RESERVED_PREFIX}")
         engine = self.engine
         state = await engine.fold(execution_id)
         if state.sequence < 0:
@@ -421,29 +433,50 @@ class Runtime:
         """Wait for an execution (and its continuations) to finish; its output."""
         return await self.engine.results.result(execution_id)
 
+    async def wait(self, execution_id: str, *, until: Until = "terminal",
+                   timeout: float | None = None, principal: Principal | None = None,
+                   system: bool = False) -> ExecutionState:
+        """``ExecutionHandle.wait`` by id: its state once parked or ended (authorised as
+        ``read``, like ``load_state``); past ``timeout`` seconds ``WaitTimeoutError``."""
+        await self.load_state(execution_id, principal=principal, system=system)
+        return await self.engine.results.wait(execution_id, until, timeout)
+
     # ------------------------------------------------------ timers, recovery
-    async def fire_due_timers(self, now: int | None = None, *, limit: int = 100,
+    async def fire_due_timers(self, now: datetime | None = None, *, limit: int = 100,
                               drive: bool = True) -> list[FiredTimer]:
-        """Fire every due timer: ``TIMER_FIRED``, then drive. Returns the timers this call fired.
+        """Fire every timer due at ``now``: ``TIMER_FIRED``, then drive. The timers fired.
 
-        With ``drive=False`` the timer is fired (claimed by a conditional fence,
-        so replicas never fire one twice) and the lease released; the caller
-        enqueues the drive of each execution returned (the fleet's timer service).
+        Args:
+            now: An aware ``datetime`` (default: the runtime's clock). A later
+                ``now`` fires timers early: ``datetime.now(timezone.utc) +
+                timedelta(hours=1)`` fires what falls due within the hour. A
+                number or a naive datetime is refused (``ValidationError``): is
+                ``1700000000`` seconds or milliseconds?
+            limit: At most this many timers.
+            drive: With False the timer is fired (claimed by a conditional
+                fence, so replicas never fire one twice) and the lease released;
+                the caller enqueues the drive of each execution returned (the
+                fleet's timer service).
         """
-        return await self.timers.fire_due(now, limit=limit, drive=drive)
+        at = None if now is None else ms_from_datetime(now, "fire_due_timers(now=...)")
+        return await self.timers.fire_due(at, limit=limit, drive=drive)
 
-    async def recover_abandoned(self, *, now: int | None = None, limit: int = 100,
-                                updated_before: int | None = None,
+    async def recover_abandoned(self, *, now: datetime | None = None, limit: int = 100,
+                                updated_before: datetime | None = None,
                                 after_id: str | None = None) -> RecoveryReport:
-        """Re-drive running executions whose lease expired (their holder died).
+        """Re-drive running executions whose lease expired by ``now`` (their holder died).
 
-        A re-drive refused for its code or for a diverged replay is counted as
-        failed and named, with its reason, in ``RecoveryReport.failures``
-        (``fleet.kernel.recovery``). ``updated_before`` (ms) skips executions
-        touched since; ``after_id`` pages (``RecoveryReport.last_id``).
+        ``now`` and ``updated_before`` are aware datetimes (``now`` defaults to
+        the runtime's clock; ``updated_before`` skips executions touched since, a
+        grace period); ``after_id`` pages (``RecoveryReport.last_id``). A re-drive
+        refused for its code or for a diverged replay is counted as failed and
+        named, with its reason, in ``RecoveryReport.failures``.
         """
-        return await recover_abandoned(self.engine, now=now, limit=limit,
-                                       updated_before=updated_before, after_id=after_id)
+        at = None if now is None else ms_from_datetime(now, "recover_abandoned(now=...)")
+        before = None if updated_before is None else ms_from_datetime(
+            updated_before, "recover_abandoned(updated_before=...)")
+        return await recover_abandoned(self.engine, now=at, limit=limit, updated_before=before,
+                                       after_id=after_id)
 
     # ------------------------------------------------------------- hand-back
     @property
@@ -530,6 +563,10 @@ class Runtime:
     @property
     def handed_back(self) -> int:
         return self.stats.handed_back
+
+    @property
+    def refused(self) -> int:
+        return self.stats.refused
 
     # ------------------------------------------------------------- lifecycle
     async def close(self) -> None:

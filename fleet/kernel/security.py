@@ -20,7 +20,7 @@ from fleet.kernel.errors import (
     KernelEventForgeryError,
     ValidationError,
 )
-from fleet.kernel.events import KERNEL_ONLY_FIELDS, EventType
+from fleet.kernel.events import EventType
 
 Op = Literal["start", "read", "resume", "send", "cancel", "annotate"]
 Rule = Literal["owner", "tenant", "any"]
@@ -110,21 +110,34 @@ def check(policy: AccessPolicy, op: Op, principal: Principal | None,
 # runtime's alone): an in-run reward.
 USERSPACE_KERNEL_EVENTS = frozenset({EventType.OUTCOME_RECORDED})
 _KERNEL_KINDS = frozenset(str(t) for t in EventType)
+# What an in-run OUTCOME_RECORDED may carry (ctx.outcome / ctx.emit).
+OUTCOME_FIELDS = frozenset({"decisionId", "key", "score", "success"})
+# The fields ADR 0116 D1 names: only record_outcome writes them, kernel-stamped.
+OUTCOME_KERNEL_FIELDS = frozenset({"recordedBy", "late"})
 
 
 def guard_userspace_emit(type: str, payload: Mapping[str, Any]) -> None:
-    """Refuse what a flow body may not write (ADR 0116 D1, forgery guard)."""
+    """Refuse what a flow body may not write (ADR 0116 D1, the forgery guard).
+
+    Exactly what can forge: a kernel event kind other than an in-run
+    ``OUTCOME_RECORDED``, and on that outcome the fields the record names
+    (``recordedBy``, ``late``). An application event's payload is nested in its
+    ``EMITTED`` envelope, where no field is the kernel's: ``{"scope": "EU"}``
+    there is the application's own data (issue 13 item 3). ``scope`` and
+    ``innerSteps`` are kernel fields of ``STEP_STARTED`` and ``DECISION_RECORDED``,
+    kinds a flow cannot emit at all.
+    """
     if not isinstance(type, str) or not type:
         raise KernelEventForgeryError("emit type must be a non-empty string")
     if type in _KERNEL_KINDS and type not in USERSPACE_KERNEL_EVENTS:
         raise KernelEventForgeryError(
             f"a flow may not emit the kernel event {type}; only the runtime writes it")
-    forged = sorted(KERNEL_ONLY_FIELDS & set(payload))
-    if forged:
-        raise KernelEventForgeryError(
-            f"emit of {type} carries kernel-only field(s) {forged}; only the runtime "
-            "writes them (record late rewards with runtime.record_outcome)")
     if type == EventType.OUTCOME_RECORDED:
+        forged = sorted(OUTCOME_KERNEL_FIELDS & set(payload))
+        if forged:
+            raise KernelEventForgeryError(
+                f"an in-run outcome carries kernel-only field(s) {forged}; only the runtime "
+                "writes them (record late rewards with runtime.record_outcome)")
         check_outcome_shape(payload.get("key"), payload.get("score"), payload.get("success"),
                             payload.get("decisionId"))
 

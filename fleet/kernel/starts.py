@@ -23,10 +23,11 @@ round trip.
 
 Everything is judged before anything is written: every flow must be
 registered, every start authorised, every input JSON and every named id
-usable; one bad request refuses the batch with a typed error and writes
-nothing. Requests that name the same execution (an idempotency key sent
-twice in one batch) write it once and answer the same id; the same id for
-two different flows is refused.
+usable (an explicit id may not take a derived form, decision 0024; an
+``idempotency_key`` is turned into its id here); one bad request refuses the
+batch with a typed error and writes nothing. Requests that name the same
+execution (an idempotency key sent twice in one batch) write it once and
+answer the same id; the same id for two different flows is refused.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from fleet.kernel.engine import Engine
 from fleet.kernel.errors import FlowNotFoundError, ValidationError
 from fleet.kernel.events import EventEnvelope, EventType, ensure_json
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
+from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
 from fleet.kernel.security import Principal
 
 
@@ -55,7 +57,7 @@ class Runtime(Protocol):
 
     async def start(self, flow_id: str, input: Any = None, *,
                     principal: Principal | None = None, execution_id: str | None = None,
-                    drive: bool = True) -> Any: ...
+                    idempotency_key: str | None = None, drive: bool = True) -> Any: ...
 
 
 __all__ = ["StartRequest", "start_many", "start_payload"]
@@ -69,6 +71,7 @@ class StartRequest:
     input: Any = None
     principal: Principal | None = None
     execution_id: str | None = None
+    idempotency_key: str | None = None
 
 
 def start_payload(definition: FlowDefinition, data: Any, principal: Principal | None,
@@ -107,10 +110,20 @@ async def _judge(runtime: Runtime, index: int, request: StartRequest) -> _Judged
     await runtime.engine.access.check(None, "start", request.principal, audit=False)
     data = ensure_json(request.input, f"the input of flow {request.flow_id!r} ({where})")
     execution_id = request.execution_id
-    if execution_id is None:
+    if execution_id is not None and request.idempotency_key is not None:
+        raise ValidationError(f"{where}: give execution_id or idempotency_key, not both")
+    if request.idempotency_key is not None:
+        # Derived here, as Runtime.start derives it: the form is reserved (decision 0024).
+        execution_id = idempotent_execution_id(
+            definition.flow_id, request.idempotency_key,
+            request.principal.tenant if request.principal else None)
+    elif execution_id is None:
         execution_id = uuid.uuid4().hex
-    elif not isinstance(execution_id, str) or not execution_id:
-        raise ValidationError(f"{where}: execution_id must be a non-empty string")
+    else:
+        try:
+            check_explicit_id(execution_id)
+        except ValidationError as exc:
+            raise type(exc)(f"{where}: {exc.message}") from exc
     return _Judged(request, definition, data, execution_id)
 
 
@@ -149,8 +162,12 @@ async def start_many(runtime: Runtime, requests: Sequence[StartRequest]) -> list
             raise answer
         refused.append(eid)
     for eid in refused:
-        # The log exists, or its fence was taken: Runtime.start answers it.
+        # The log exists, or its fence was taken: Runtime.start answers it, with its
+        # checks (only a reader of the same flow gets an existing one: decision 0024).
         item = first[eid]
+        key = item.request.idempotency_key
         await runtime.start(item.definition.flow_id, item.request.input,
-                            principal=item.request.principal, execution_id=eid, drive=False)
+                            principal=item.request.principal,
+                            execution_id=None if key is not None else eid,
+                            idempotency_key=key, drive=False)
     return [item.execution_id for item in judged]

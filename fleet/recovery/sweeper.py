@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from fleet.kernel.fold import DIVERGED_GATE
 from fleet.kernel.recovery import RecoveryFailure
 from fleet.kernel.runtime import Runtime
+from fleet.kernel.values import datetime_from_ms
 from fleet.services.base import PeriodicService
 
 Enqueue = Callable[[str], Awaitable[Any]]
@@ -99,7 +100,8 @@ class RecoverySweeper(PeriodicService):
         after: str | None = None
         while True:
             report = await self.runtime.recover_abandoned(
-                now=now, limit=self.batch, updated_before=now - self.grace_ms, after_id=after)
+                now=datetime_from_ms(now), limit=self.batch,
+                updated_before=datetime_from_ms(now - self.grace_ms), after_id=after)
             self.examined += report.examined
             self.redriven += report.recovered
             self.skipped += report.skipped

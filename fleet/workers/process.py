@@ -265,7 +265,8 @@ class WorkerProcess:
         runtime = self._runtime
         if runtime is not None:
             for name in ("drives", "completed", "failed", "parked", "recovered",
-                         "timers_fired", "divergence_warnings", "divergence_parked", "aborted"):
+                         "timers_fired", "divergence_warnings", "divergence_parked", "aborted",
+                         "refused"):
                 values[name] = int(getattr(runtime, name))
             values["active"] = runtime.active
         for name in ("deliveries", "stepped_aside", "fenced_out", "idle", "errors"):

@@ -53,7 +53,7 @@ COUNTERS: tuple[str, ...] = (
     "drives", "completed", "failed", "parked", "stepped_aside", "fenced_out", "recovered",
     "timers_fired", "divergence_warnings", "divergence_parked", "outcomes_attached",
     "outcomes_dead_lettered", "deliveries", "idle", "aborted", "errors", "handed_back",
-    "dispatch_refused", "dispatch_accepted")
+    "dispatch_refused", "dispatch_accepted", "refused")
 # Gauges: read as they are now, never summed over time.
 GAUGES: tuple[str, ...] = ("active",)
 FIELDS: tuple[str, ...] = COUNTERS + GAUGES

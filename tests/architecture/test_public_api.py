@@ -14,6 +14,7 @@ EXPECTED = {
     "DuplicateStepError",
     "EvaluationError",
     "EventEnvelope", "EventType", "ExecutionBusyError", "ExecutionCancelledError",
+    "ExecutionConflictError",
     "ExecutionFailedError", "ExecutionFinishedError", "ExecutionHandle",
     "ExecutionNotFoundError", "ExecutionNotParkedError", "ExecutionNotTerminalError",
     "ExecutionState",
@@ -29,7 +30,8 @@ EXPECTED = {
     "RetryPolicy", "RunOutcome", "Runtime", "RuntimeOptions", "RuntimeStats",
     "SchemaVersionError", "SequenceGapError", "SqliteEventStore",
     "SqliteSnapshotStore", "StaleFenceError", "StepFailedError", "StepFailure", "StoreError",
-    "StoreUnavailableError", "ValidationError", "WaitTimeoutError", "flow", "fold", "fold_log",
+    "StoreUnavailableError", "UnstorableValueError", "ValidationError", "WaitTimeoutError",
+    "flow", "fold", "fold_log",
 }
 
 

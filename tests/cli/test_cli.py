@@ -90,7 +90,8 @@ def test_learn_warns_about_compacted_logs_without_snapshots(db: str, tmp_path: P
     import asyncio
 
     from fleet.kernel.lifecycle import LogLifecycle
-    from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+    from fleet.kernel.store.sqlite import SqliteEventStore
+    from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 
     eid = started(db)
     path = str(tmp_path / "cli.db")

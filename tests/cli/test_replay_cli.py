@@ -21,7 +21,8 @@ from fleet import Runtime
 from fleet.cli import main
 from fleet.kernel.fold import fold_log
 from fleet.kernel.store.spi import Snapshot
-from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+from fleet.kernel.store.sqlite import SqliteEventStore
+from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 
 LINEAR = "replay_cli_flows:linear"
 DROPPED = "replay_cli_flows:dropped_a"

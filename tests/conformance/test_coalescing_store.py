@@ -20,12 +20,18 @@ from fleet.kernel.store.memory import MemoryEventStore
 from fleet.kernel.store.spi import EventStore
 from fleet.kernel.store.sqlite import SqliteEventStore
 
+# A small max_event_bytes, so the kit's event at the limit is cheap to write.
+SMALL_LIMIT = 64 * 1024
+
 
 class TestCoalescedMemoryEventStore(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        store = CoalescingEventStore(MemoryEventStore(clock=clock), max_batch=8)
+        store = CoalescingEventStore(MemoryEventStore(clock=clock, max_event_bytes=SMALL_LIMIT),
+                                     max_batch=8)
         yield store
         await store.close()
 
@@ -34,10 +40,13 @@ class TestCoalescedMemoryEventStore(EventStoreConformance):
 
 
 class TestCoalescedSqliteEventStore(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, tmp_path: Path, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        store = CoalescingEventStore(SqliteEventStore(tmp_path / "fleet.db", clock=clock),
+        store = CoalescingEventStore(SqliteEventStore(tmp_path / "fleet.db", clock=clock,
+                                                      max_event_bytes=SMALL_LIMIT),
                                      max_wait_ms=1)
         yield store
         await store.close()

@@ -10,7 +10,8 @@ import pytest
 from fleet.kernel.errors import ConfigurationError, MissingDependencyError
 from fleet.kernel.store.factory import open_event_store, open_snapshot_store
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
-from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+from fleet.kernel.store.sqlite import SqliteEventStore
+from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 
 
 async def test_memory() -> None:

@@ -16,12 +16,18 @@ from fleet.kernel.store.faults import FaultInjectingEventStore
 from fleet.kernel.store.memory import MemoryEventStore
 from fleet.kernel.store.spi import EventStore
 
+# A small max_event_bytes, so the kit's event at the limit is cheap to write.
+SMALL_LIMIT = 64 * 1024
+
 
 class TestFaultStoreWithFaultsOff(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        store = FaultInjectingEventStore(MemoryEventStore(clock=clock), seed=1)
+        store = FaultInjectingEventStore(
+            MemoryEventStore(clock=clock, max_event_bytes=SMALL_LIMIT), seed=1)
         yield store
         await store.close()
 

@@ -45,6 +45,8 @@ from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
 
 pytestmark = pytest.mark.integration
 E = EventType
+# A small max_event_bytes, so the kit's event at the limit is cheap to write.
+SMALL_LIMIT = 64 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +60,13 @@ def fresh_schema() -> str:
 
 
 class TestPostgresEventStore(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, database_url: str, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        store = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4, clock=clock)
+        store = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4, clock=clock,
+                                   max_event_bytes=SMALL_LIMIT)
         yield store
         await store.close()
 
@@ -70,10 +75,13 @@ class TestPostgresEventStore(EventStoreConformance):
 
 
 class TestCoalescedPostgresEventStore(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, database_url: str, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        inner = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4, clock=clock)
+        inner = PostgresEventStore(database_url, schema=fresh_schema(), pool_max=4, clock=clock,
+                                   max_event_bytes=SMALL_LIMIT)
         store = CoalescingEventStore(inner, max_batch=16, max_wait_ms=1)
         yield store
         await store.close()

@@ -32,14 +32,21 @@ from fleet.kernel.store.conformance import (
     started,
 )
 from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
-from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+from fleet.kernel.store.sqlite import SqliteEventStore
+from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
+
+# A small max_event_bytes, so the kit's event at the limit is cheap to write.
+SMALL_LIMIT = 64 * 1024
 
 
 class TestSqliteEventStore(EventStoreConformance):
+    max_event_bytes = SMALL_LIMIT
+
     @pytest.fixture
     async def store(self, tmp_path: Path, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        store = SqliteEventStore(tmp_path / "fleet.db", clock=clock)
+        store = SqliteEventStore(tmp_path / "fleet.db", clock=clock,
+                                 max_event_bytes=SMALL_LIMIT)
         yield store
         await store.close()
 

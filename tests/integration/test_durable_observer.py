@@ -44,6 +44,7 @@ from fleet.kernel import journal as journal_module
 from fleet.kernel import observers as observers_module
 from fleet.kernel.store.faults import FaultInjectingEventStore
 from fleet.kernel.store.sqlite import SqliteEventStore
+from fleet.kernel.values import datetime_from_ms
 
 pytestmark = pytest.mark.integration
 
@@ -661,7 +662,8 @@ async def test_paths_outside_the_journal_deliver_after_their_write(
     scheduled = [e for e in await sqlite_store.read("errand")
                  if e.type is EventType.TIMER_SCHEDULED]
     mark = len(seen.durable)
-    assert len(await runtime.fire_due_timers(scheduled[0].payload["dueAt"])) == 1
+    assert len(await runtime.fire_due_timers(
+        datetime_from_ms(scheduled[0].payload["dueAt"]))) == 1
     await runtime.close()
     assert delivered_since(mark)[0] == (mark, "TIMER_FIRED")
 

@@ -14,9 +14,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from fleet.kernel.errors import StoreUnavailableError
+import pytest
+
+from fleet.kernel.errors import ExecutionFailedError, StoreUnavailableError
 from fleet.kernel.events import EventEnvelope
-from fleet.kernel.runtime import Runtime
+from fleet.kernel.runtime import ExecutionHandle, Runtime
 from fleet.kernel.store.spi import EventStore
 
 
@@ -105,6 +107,19 @@ async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float
         if time.monotonic() > deadline:
             raise AssertionError("condition never held")
         await asyncio.sleep(0.002)
+
+
+async def failed_with(handle: ExecutionHandle, code: str, timeout: float = 5.0) -> dict[str, Any]:
+    """Assert the execution ``handle`` names ends failed with error ``code``; the error.
+
+    A refusal that can never succeed (a ``ValidationError`` out of a flow body, a
+    value the log cannot take) fails the execution with the typed error (decision
+    0023); ``result()`` raises ``ExecutionFailedError`` carrying it.
+    """
+    with pytest.raises(ExecutionFailedError) as failed:
+        await handle.result(timeout=timeout)
+    assert failed.value.error.get("code") == code, failed.value.error
+    return failed.value.error
 
 
 async def started(runtime: Runtime, flow_id: str, input: Any = None, **kw: Any) -> str:

@@ -15,7 +15,11 @@ and ``pytest-asyncio`` with ``asyncio_mode = "auto"``)::
 
 ``SnapshotStoreConformance`` does the same with a ``snapshot_store`` fixture.
 Lease expiry is waited for with ``pass_time``; a backend whose fixture
-injects a manual clock overrides it to advance that clock instead.
+injects a manual clock overrides it to advance that clock instead. A fixture
+that builds its store with a ``max_event_bytes`` other than the default sets
+the class attribute of that name to match. What every store keeps and refuses
+(NUL, lone surrogates, int64, the size limit, argument types) is in
+``fleet.kernel.store.conformance_values``, included here.
 
 Pinned choices the SPI leaves open: ``updated_before`` / ``updated_after``
 are strict bounds, a lease expiring exactly at ``lease_expired_at`` counts as
@@ -45,6 +49,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.store.conformance_events import HOSTILE_STRINGS, T0, make_event, started
 from fleet.kernel.store.conformance_feed import FeedConformance
+from fleet.kernel.store.conformance_values import SnapshotValueConformance, ValueConformance
 from fleet.kernel.store.spi import (
     EventStore,
     Snapshot,
@@ -73,7 +78,7 @@ def _wire(events: list[EventEnvelope]) -> list[str]:
     return [json.dumps(e.to_dict(), sort_keys=True) for e in events]
 
 
-class EventStoreConformance(FeedConformance):
+class EventStoreConformance(FeedConformance, ValueConformance):
     """The ``EventStore`` contract as tests; subclass it and provide ``store``."""
 
     lease_ms: ClassVar[int] = 250  # a short lease the kit waits out with pass_time
@@ -709,7 +714,7 @@ class EventStoreConformance(FeedConformance):
         assert len(await store.list_executions(limit=1000)) == len(HOSTILE_STRINGS)
 
 
-class SnapshotStoreConformance:
+class SnapshotStoreConformance(SnapshotValueConformance):
     """The ``SnapshotStore`` contract; subclass it and provide ``snapshot_store``."""
 
     async def test_save_load_overwrite_delete(self, snapshot_store: SnapshotStore) -> None:

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any, cast
 from fleet.kernel.errors import ConfigurationError, MissingDependencyError
 from fleet.kernel.store.coalescing import CoalescingEventStore
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
-from fleet.kernel.store.spi import EventStore, SnapshotStore
-from fleet.kernel.store.sqlite import SqliteEventStore, SqliteSnapshotStore
+from fleet.kernel.store.spi import DEFAULT_MAX_EVENT_BYTES, EventStore, SnapshotStore
+from fleet.kernel.store.sqlite import SqliteEventStore
+from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 
 if TYPE_CHECKING:
     from fleet.kernel.store.postgres import PostgresEventStore
@@ -67,8 +68,8 @@ class StoreOptions:
             ``?pool_min=`` or the store's default).
         pool_max: Most Postgres connections (None: the URL's ``?pool_max=`` or
             the store's default).
-        max_event_bytes: The largest event (JSON bytes) the Postgres store
-            takes (None: 16 MiB).
+        max_event_bytes: The largest event (JSON bytes) the store takes, any
+            backend (None: 16 MiB; decision 0023).
         group_commit: Wrap the store (any backend) in ``CoalescingEventStore``
             with these bounds; None: every append is its own transaction.
     """
@@ -96,14 +97,15 @@ def open_event_store(url: str, options: StoreOptions | None = None, *,
     options = options or StoreOptions()
     kind, target = _parse(url)
     store: EventStore
+    limit = options.max_event_bytes if options.max_event_bytes is not None \
+        else DEFAULT_MAX_EVENT_BYTES
     if kind == "memory":
-        store = MemoryEventStore(clock=clock)
+        store = MemoryEventStore(clock=clock, max_event_bytes=limit)
     elif kind == "sqlite":
-        store = SqliteEventStore(target, clock=clock)
+        store = SqliteEventStore(target, clock=clock, max_event_bytes=limit)
     else:
-        pg: dict[str, Any] = {"pool_min": options.pool_min, "pool_max": options.pool_max}
-        if options.max_event_bytes is not None:
-            pg["max_event_bytes"] = options.max_event_bytes
+        pg: dict[str, Any] = {"pool_min": options.pool_min, "pool_max": options.pool_max,
+                              "max_event_bytes": limit}
         store = cast(EventStore, _postgres().PostgresEventStore(target, clock=clock, **pg))
     batching = options.group_commit
     if batching is None:

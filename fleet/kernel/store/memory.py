@@ -8,7 +8,11 @@ that never suspended would hide races the runtime has to survive elsewhere.
 
 Envelopes are kept by reference: they are frozen dataclasses and the runtime
 hands over JSON-clean payloads (``ensure_json``), so copying them would only
-cost time. A caller must not mutate a payload dict after appending it.
+cost time. A caller must not mutate a payload dict after appending it. Each
+event is still serialised once on the way in (``spi.encode_event``), so this
+store refuses exactly what SQLite and Postgres refuse: a value that is not JSON,
+a lone surrogate, a NUL in a key, an integer outside int64, an event over
+``max_event_bytes`` (decision 0023).
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ from dataclasses import dataclass
 from fleet.kernel.errors import (
     DuplicateSequenceError,
     FleetError,
-    NotSerializableError,
     SequenceGapError,
     StaleFenceError,
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
 from fleet.kernel.store.spi import (
+    DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
     AppendRequest,
     CommittedEvent,
@@ -40,11 +44,16 @@ from fleet.kernel.store.spi import (
     TipObservation,
     check_batch,
     check_feed_read,
+    check_id,
     check_lease_ms,
     check_limit,
+    check_listing,
     creation_anchor,
+    encode_event,
+    encode_state,
     index_change,
 )
+from fleet.kernel.values import check_int64, check_ms, check_text
 
 __all__ = ["MemoryEventStore", "MemorySnapshotStore"]
 
@@ -83,10 +92,14 @@ class MemoryEventStore:
     Args:
         clock: Milliseconds since the epoch, read for leases. Defaults to the
             wall clock; tests pass a controllable one.
+        max_event_bytes: An event whose JSON is larger is refused with
+            ``PayloadTooLargeError`` before anything is written (None: no limit).
     """
 
-    def __init__(self, clock: Callable[[], int] | None = None) -> None:
+    def __init__(self, clock: Callable[[], int] | None = None, *,
+                 max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES) -> None:
         self._clock = clock or wall_clock_ms
+        self._max_event_bytes = max_event_bytes
         self._logs: dict[str, list[EventEnvelope | None]] = {}
         self._compacted: set[str] = set()
         self._index: dict[str, _Row] = {}
@@ -100,6 +113,7 @@ class MemoryEventStore:
     # -- writes ------------------------------------------------------------
 
     async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
+        self._encode((event,))
         await _tick()
         self._check_fence(event.execution_id, fence)
         self._write(event.execution_id, (event,))
@@ -107,6 +121,7 @@ class MemoryEventStore:
     async def append_batch(self, events: Sequence[EventEnvelope], *,
                            fence: int | None = None) -> None:
         execution_id = check_batch(events)
+        self._encode(events)
         await _tick()
         self._check_fence(execution_id, fence)
         self._write(execution_id, events)
@@ -119,6 +134,7 @@ class MemoryEventStore:
         for events, fence in requests:
             try:
                 execution_id = check_batch(events)
+                self._encode(events)
                 self._check_fence(execution_id, fence)
                 self._write(execution_id, events)
             except FleetError as exc:
@@ -130,6 +146,7 @@ class MemoryEventStore:
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,
                                   ) -> ConditionalAppendResult:
+        check_id(execution_id)
         if event is not None:
             if expect is None:
                 raise ValidationError("append_if_unchanged with an event needs `expect`, "
@@ -137,6 +154,7 @@ class MemoryEventStore:
             if event.execution_id != execution_id:
                 raise ValidationError(f"event of {event.execution_id!r} offered to "
                                       f"{execution_id!r}")
+            self._encode((event,))
         await _tick()
         # From here to the return nothing awaits: the compare and the write are
         # one step, so no other caller can move the tip in between.
@@ -150,6 +168,12 @@ class MemoryEventStore:
             return ConditionalAppendResult(False, "moved", tip)
         self._write(execution_id, (event,))
         return ConditionalAppendResult(True, None, self._tip(execution_id))
+
+    def _encode(self, events: Sequence[EventEnvelope]) -> None:
+        """Refuse what no store keeps, exactly as SQLite and Postgres do (the text is
+        dropped: this store keeps the envelope)."""
+        for event in events:
+            encode_event(event, self._max_event_bytes)
 
     def _check_fence(self, execution_id: str, fence: int | None) -> None:
         if fence is None:
@@ -212,6 +236,7 @@ class MemoryEventStore:
                 self._timers.pop(execution_id, None)
 
     async def delete_execution(self, execution_id: str) -> bool:
+        check_id(execution_id)
         await _tick()
         existed = self._logs.pop(execution_id, None) is not None
         self._compacted.discard(execution_id)
@@ -228,19 +253,25 @@ class MemoryEventStore:
 
     async def acquire_fence(self, execution_id: str, *, holder: str,
                             lease_ms: int) -> FenceGrant:
-        check_lease_ms(lease_ms)
+        self._check_acquire(execution_id, holder, lease_ms)
         await _tick()
         return self._grant(execution_id, holder, lease_ms)
 
     async def acquire_fence_if(self, execution_id: str, *, holder: str,
                                lease_ms: int) -> FenceGrant | None:
-        check_lease_ms(lease_ms)
+        self._check_acquire(execution_id, holder, lease_ms)
         await _tick()
         held = self._fences.get(execution_id)
         if (held is not None and held.lease_expires_at is not None
                 and held.lease_expires_at > self._clock()):
             return None
         return self._grant(execution_id, holder, lease_ms)
+
+    def _check_acquire(self, execution_id: str, holder: str, lease_ms: int) -> None:
+        check_id(execution_id)
+        check_text(holder, "holder")
+        check_lease_ms(lease_ms)
+        check_int64(self._clock() + lease_ms, "lease expiry")
 
     def _grant(self, execution_id: str, holder: str, lease_ms: int) -> FenceGrant:
         held = self._fences.setdefault(execution_id, _Fence())
@@ -250,6 +281,8 @@ class MemoryEventStore:
         return FenceGrant(execution_id, held.token, holder, held.lease_expires_at)
 
     async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
+        check_id(execution_id)
+        check_int64(token, "token")
         check_lease_ms(lease_ms)
         await _tick()
         held = self._fences.get(execution_id)
@@ -259,6 +292,8 @@ class MemoryEventStore:
         return True
 
     async def release_fence(self, execution_id: str, token: int) -> bool:
+        check_id(execution_id)
+        check_int64(token, "token")
         await _tick()
         held = self._fences.get(execution_id)
         if held is None or held.token != token or token == 0:
@@ -270,6 +305,8 @@ class MemoryEventStore:
     # -- reads -------------------------------------------------------------
 
     async def read(self, execution_id: str, *, after: int = -1) -> list[EventEnvelope]:
+        check_id(execution_id)
+        check_int64(after, "after")
         await _tick()
         log = self._logs.get(execution_id)
         if log is None:
@@ -282,11 +319,14 @@ class MemoryEventStore:
         return tail  # type: ignore[return-value]
 
     async def head(self, execution_id: str) -> int | None:
+        check_id(execution_id)
         await _tick()
         log = self._logs.get(execution_id)
         return len(log) - 1 if log else None
 
     async def compact_through(self, execution_id: str, sequence: int) -> int:
+        check_id(execution_id)
+        check_int64(sequence, "sequence")
         await _tick()
         log = self._logs.get(execution_id)
         if log is None:
@@ -351,7 +391,9 @@ class MemoryEventStore:
                               lease_expired_at: int | None = None,
                               after_id: str | None = None,
                               limit: int = 100) -> list[ExecutionSummary]:
-        check_limit(limit)
+        check_listing(status=status, flow_id=flow_id, tenant=tenant, waiting_on=waiting_on,
+                      updated_before=updated_before, updated_after=updated_after,
+                      lease_expired_at=lease_expired_at, after_id=after_id, limit=limit)
         await _tick()
         out: list[ExecutionSummary] = []
         if limit == 0:
@@ -378,11 +420,13 @@ class MemoryEventStore:
         return out
 
     async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
+        check_id(execution_id)
         await _tick()
         row = self._index.get(execution_id)
         return self._summary(execution_id, row) if row is not None else None
 
     async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
+        check_ms(now_ms, "now_ms")
         check_limit(limit)
         await _tick()
         due = [DueTimer(execution_id, timer_id, due_at)
@@ -407,15 +451,12 @@ class MemorySnapshotStore:
         self._snapshots: dict[str, tuple[int, str]] = {}
 
     async def save(self, snapshot: Snapshot) -> None:
-        try:
-            text = json.dumps(snapshot.state, separators=(",", ":"), allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise NotSerializableError(f"snapshot of {snapshot.execution_id!r} is not "
-                                       f"JSON: {exc}") from exc
+        text = encode_state(snapshot)
         await _tick()
         self._snapshots[snapshot.execution_id] = (snapshot.sequence, text)
 
     async def load(self, execution_id: str) -> Snapshot | None:
+        check_id(execution_id)
         await _tick()
         stored = self._snapshots.get(execution_id)
         if stored is None:
@@ -423,6 +464,7 @@ class MemorySnapshotStore:
         return Snapshot(execution_id, stored[0], json.loads(stored[1]))
 
     async def delete(self, execution_id: str) -> None:
+        check_id(execution_id)
         await _tick()
         self._snapshots.pop(execution_id, None)
 

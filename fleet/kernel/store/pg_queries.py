@@ -17,15 +17,19 @@ from fleet.kernel.errors import (
     CorruptLogError,
     DuplicateSequenceError,
     FleetError,
-    NotSerializableError,
-    PayloadTooLargeError,
     SequenceGapError,
     StaleFenceError,
     StoreUnavailableError,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope, Status, dumps
-from fleet.kernel.store.spi import ExecutionSummary, creation_anchor, index_change
+from fleet.kernel.events import EventEnvelope, Status
+from fleet.kernel.store.spi import (
+    ExecutionSummary,
+    check_id,
+    creation_anchor,
+    encode_event,
+    index_change,
+)
 
 __all__ = ["APPEND_IF_SQL", "APPEND_MANY_SQL", "APPEND_SQL", "DUE_TIMERS_SQL", "SUMMARY_SQL",
            "TIP_SQL", "Write", "execution_key", "listing_sql", "many_columns", "parse_event",
@@ -55,11 +59,11 @@ APPEND_MANY_SQL = ("SELECT codes, details FROM fleet_append_many("
 
 
 def execution_key(execution_id: str) -> bytes:
-    """The row key of an execution: sha256 of its UTF-8 id (``fleet_key(id)`` in SQL)."""
-    try:
-        return hashlib.sha256(execution_id.encode("utf-8")).digest()
-    except UnicodeEncodeError as exc:
-        raise ValidationError(f"execution id {execution_id!r} is not valid unicode") from exc
+    """The row key of an execution: sha256 of its UTF-8 id (``fleet_key(id)`` in SQL).
+
+    The id is checked as every backend checks it (``spi.check_id``).
+    """
+    return hashlib.sha256(check_id(execution_id).encode("utf-8")).digest()
 
 
 @dataclass(slots=True)
@@ -92,19 +96,7 @@ class Write:
             if event.execution_id != execution_id:
                 raise ValidationError(f"event of {event.execution_id!r} in a write for "
                                       f"{execution_id!r}")
-            if event.id != f"{execution_id}-{event.sequence}":
-                raise ValidationError(f"event id {event.id!r} does not match "
-                                      f"{execution_id!r}-{event.sequence}")
-            try:
-                body = dumps(event.to_dict())
-            except (TypeError, ValueError) as exc:
-                raise NotSerializableError(f"event {event.id!r} is not JSON: {exc}") from exc
-            if max_bytes is not None and len(body) * 4 > max_bytes:
-                size = len(body.encode("utf-8", "surrogatepass"))
-                if size > max_bytes:
-                    raise PayloadTooLargeError(f"event {event.id!r} is {size} bytes; the "
-                                               f"limit is {max_bytes}", size=size,
-                                               limit=max_bytes)
+            body = encode_event(event, max_bytes)
             write.types.append(str(event.type))
             write.timestamps.append(event.timestamp)
             write.bodies.append(body)

@@ -46,13 +46,13 @@ from fleet.kernel.errors import (
     DuplicateSequenceError,
     FleetError,
     MissingDependencyError,
-    NotSerializableError,
     SchemaVersionError,
     StoreError,
     StoreUnavailableError,
+    UnstorableValueError,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope, dumps, wall_clock_ms
+from fleet.kernel.events import EventEnvelope, wall_clock_ms
 from fleet.kernel.store.pg_feed import PostgresCommitSignal, channel_for, committed, feed_query
 from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
 from fleet.kernel.store.pg_queries import (
@@ -71,6 +71,7 @@ from fleet.kernel.store.pg_queries import (
     summary,
 )
 from fleet.kernel.store.spi import (
+    DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
     CommittedEvent,
     ConditionalAppendResult,
@@ -84,7 +85,10 @@ from fleet.kernel.store.spi import (
     check_feed_read,
     check_lease_ms,
     check_limit,
+    check_listing,
+    encode_state,
 )
+from fleet.kernel.values import check_int64, check_ms, check_text
 
 try:
     import asyncpg  # type: ignore[import-untyped]
@@ -92,11 +96,11 @@ except ImportError as exc:  # pragma: no cover - exercised by the factory test
     raise MissingDependencyError("the Postgres store needs asyncpg: "
                                  "pip install 'fleet[postgres]'") from exc
 
-__all__ = ["SCHEMA_VERSION", "PostgresEventStore", "PostgresSnapshotStore", "SchemaStatus",
+__all__ = ["DEFAULT_MAX_EVENT_BYTES", "SCHEMA_VERSION", "PostgresEventStore",
+           "PostgresSnapshotStore", "SchemaStatus",
            "execution_key"]
 
 T = TypeVar("T")
-DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
 _RETRY = 4  # fleet_append's code for "an older transaction than the log's last writer"
 _ORDER_RETRIES = 3  # one is enough (a new transaction is newer); more is a guard
 _OWN_QUERY_KEYS = ("schema", "pool_min", "pool_max")
@@ -117,8 +121,10 @@ def _translate(exc: Exception) -> Exception:
         return exc
     if isinstance(exc, _CONNECTION_LOST):
         return _unavailable(exc)
-    if isinstance(exc, UnicodeError):
-        return NotSerializableError(f"a value is not valid unicode: {exc}")
+    if isinstance(exc, (UnicodeError, OverflowError)):
+        # The checks before a call refuse these first; a backstop, typed alike.
+        return UnstorableValueError(f"Postgres cannot keep a value: {type(exc).__name__}: "
+                                    f"{exc}")
     if isinstance(exc, asyncpg.PostgresError):
         state = str(getattr(exc, "sqlstate", "") or "")
         if state == "FL004":
@@ -568,6 +574,7 @@ class PostgresEventStore(_PostgresBase):
 
     async def compact_through(self, execution_id: str, sequence: int) -> int:
         key = execution_key(execution_id)
+        check_int64(sequence, "sequence")
         return int(await self._call(lambda pool: pool.fetchval(
             "SELECT fleet_compact($1, $2)", key, sequence), idempotent=False))
 
@@ -585,10 +592,11 @@ class PostgresEventStore(_PostgresBase):
 
     async def _acquire(self, execution_id: str, holder: str, lease_ms: int, *,
                        conditional: bool) -> FenceGrant | None:
-        check_lease_ms(lease_ms)
         key = execution_key(execution_id)
+        check_text(holder, "holder")
+        check_lease_ms(lease_ms)
         now = self._clock()
-        expires = now + lease_ms
+        expires = check_int64(now + lease_ms, "lease expiry")
         # Not retried: a lost answer may hide a token bump, and a second bump
         # would fence out the grant the first one made.
         token = await self._call(lambda pool: pool.fetchval(
@@ -601,6 +609,7 @@ class PostgresEventStore(_PostgresBase):
     async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
         check_lease_ms(lease_ms)
         key = execution_key(execution_id)
+        check_int64(token, "token")
         expires = self._clock() + lease_ms
         status = await self._call(lambda pool: pool.execute(
             "UPDATE fences SET lease_expires_at = $3 WHERE ekey = $1 AND token = $2 "
@@ -609,6 +618,7 @@ class PostgresEventStore(_PostgresBase):
 
     async def release_fence(self, execution_id: str, token: int) -> bool:
         key = execution_key(execution_id)
+        check_int64(token, "token")
         status = await self._call(lambda pool: pool.execute(
             "UPDATE fences SET lease_expires_at = NULL, holder = NULL "
             "WHERE ekey = $1 AND token = $2 AND token > 0", key, token), idempotent=True)
@@ -623,6 +633,7 @@ class PostgresEventStore(_PostgresBase):
 
     async def read(self, execution_id: str, *, after: int = -1) -> list[EventEnvelope]:
         key = execution_key(execution_id)
+        check_int64(after, "after")
         rows = await self._call(lambda pool: pool.fetch(
             "SELECT sequence, body FROM events WHERE ekey = $1 AND sequence > $2 "
             "ORDER BY sequence", key, after), idempotent=True)
@@ -641,7 +652,9 @@ class PostgresEventStore(_PostgresBase):
                               lease_expired_at: int | None = None,
                               after_id: str | None = None,
                               limit: int = 100) -> list[ExecutionSummary]:
-        check_limit(limit)
+        check_listing(status=status, flow_id=flow_id, tenant=tenant, waiting_on=waiting_on,
+                      updated_before=updated_before, updated_after=updated_after,
+                      lease_expired_at=lease_expired_at, after_id=after_id, limit=limit)
         if limit == 0:
             return []
         sql, params = listing_sql(status=status, flow_id=flow_id, tenant=tenant,
@@ -664,6 +677,7 @@ class PostgresEventStore(_PostgresBase):
         return None if row is None else summary(row)
 
     async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
+        check_ms(now_ms, "now_ms")
         check_limit(limit)
         if limit == 0:
             return []
@@ -699,9 +713,14 @@ class PostgresEventStore(_PostgresBase):
 
 
 class PostgresSnapshotStore(_PostgresBase):
-    """A ``SnapshotStore`` in the ``snapshots`` table (jsonb).
+    """A ``SnapshotStore`` in the ``snapshots`` table.
 
-    jsonb does not keep key order; a state reads back equal, not byte-identical.
+    The column is ``jsonb``, which cannot hold a NUL character (``\u0000``) in a
+    string or a key, so a state is stored as its JSON *text* inside a jsonb string
+    (``to_jsonb(text)``: the text's ``\u0000`` escapes are plain characters
+    there): every state SQLite and memory keep, this store keeps, byte for byte
+    and in key order. A row written before that (a jsonb object) still loads
+    (decision 0023).
     Takes the same arguments as ``PostgresEventStore`` (those that apply), or
     share an event store's pool with ``event_store.snapshot_store()``.
     """
@@ -725,22 +744,19 @@ class PostgresSnapshotStore(_PostgresBase):
         return self
 
     async def save(self, snapshot: Snapshot) -> None:
-        try:
-            state = dumps(snapshot.state)
-        except (TypeError, ValueError) as exc:
-            raise NotSerializableError(f"snapshot of {snapshot.execution_id!r} is not "
-                                       f"JSON: {exc}") from exc
+        state = encode_state(snapshot)
         key = execution_key(snapshot.execution_id)
         await self._call(lambda pool: pool.execute(
             "INSERT INTO snapshots (ekey, execution_id, sequence, state) "
-            "VALUES ($1, $2, $3, $4::jsonb) ON CONFLICT (ekey) DO UPDATE SET "
+            "VALUES ($1, $2, $3, to_jsonb($4::text)) ON CONFLICT (ekey) DO UPDATE SET "
             "sequence = EXCLUDED.sequence, state = EXCLUDED.state",
             key, snapshot.execution_id, snapshot.sequence, state), idempotent=True)
 
     async def load(self, execution_id: str) -> Snapshot | None:
         key = execution_key(execution_id)
         row = await self._call(lambda pool: pool.fetchrow(
-            "SELECT sequence, state::text AS state FROM snapshots WHERE ekey = $1", key),
+            "SELECT sequence, CASE WHEN jsonb_typeof(state) = 'string' THEN state #>> '{}' "
+            "ELSE state::text END AS state FROM snapshots WHERE ekey = $1", key),
             idempotent=True)
         if row is None:
             return None

@@ -22,6 +22,14 @@ committed, in the store's commit order, each with a ``Position`` that only
 grows and is never reused; a reader that pages with ``after=`` never skips an
 event that commits later (decision 0020 says how each backend keeps that
 promise). The relay (``fleet relay``) publishes the events stream from it.
+
+What a store keeps (decision 0023). Every backend refuses the same inputs with
+the same typed error before it writes anything, through the checks here:
+``encode_event`` for an event (JSON, valid Unicode, the size limit, the keys and
+integers the index keeps), ``check_id`` / ``check_text`` / ``check_ms`` for
+arguments, ``encode_state`` for a snapshot. An event's size is the UTF-8 length
+of ``dumps(event.to_dict())``; ``max_event_bytes`` (default 16 MiB, None: no
+limit) is a constructor argument of every backend.
 """
 
 from __future__ import annotations
@@ -32,14 +40,33 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from fleet.kernel.errors import CorruptLogError, SequenceGapError, ValidationError
+from fleet.kernel.errors import (
+    CorruptLogError,
+    NotSerializableError,
+    PayloadTooLargeError,
+    SequenceGapError,
+    UnstorableValueError,
+    ValidationError,
+)
 from fleet.kernel.events import (
     STATUS_AFTER,
     TERMINAL_STATUSES,
     EventEnvelope,
     EventType,
     Status,
+    dumps,
 )
+from fleet.kernel.values import (
+    INT64_MAX,
+    INT64_MIN,
+    check_int64,
+    check_ms,
+    check_text,
+    printable,
+)
+
+# The largest event (JSON bytes) a store takes unless built with another limit.
+DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,12 +459,17 @@ def index_change(event: EventEnvelope) -> IndexChange:
 
 def check_lease_ms(lease_ms: int) -> None:
     """A lease length a store accepts (every backend refuses the same way)."""
+    check_int64(lease_ms, "lease_ms")
     if lease_ms < 0:
         raise ValidationError(f"lease_ms must be >= 0, got {lease_ms}")
+    if lease_ms > 10 * 365 * 24 * 3600 * 1000:
+        raise UnstorableValueError(f"lease_ms {lease_ms} is over ten years; a lease that "
+                                   "long is a mistake (and its expiry may overflow)")
 
 
 def check_limit(limit: int) -> None:
     """A listing limit a store accepts (SQLite would read a negative one as "all")."""
+    check_int64(limit, "limit")
     if limit < 0:
         raise ValidationError(f"limit must be >= 0, got {limit}")
 
@@ -473,6 +505,120 @@ class SignalsCommits(Protocol):
     """Optional: a store that makes a ``CommitSignal`` (Postgres: LISTEN/NOTIFY)."""
 
     def commit_signal(self) -> CommitSignal: ...
+
+
+def check_id(execution_id: str) -> str:
+    """An execution id a store accepts as an argument (the same on every backend)."""
+    return check_text(execution_id, "execution id")
+
+
+def check_listing(*, status: str | None, flow_id: str | None, tenant: str | None,
+                  waiting_on: str | None, updated_before: int | None,
+                  updated_after: int | None, lease_expired_at: int | None,
+                  after_id: str | None, limit: int) -> None:
+    """The arguments of ``list_executions``, checked alike on every backend."""
+    for what, text in (("status", status), ("flow_id", flow_id), ("tenant", tenant),
+                       ("waiting_on", waiting_on), ("after_id", after_id)):
+        if text is not None:
+            check_text(text, what)
+    for what, ms in (("updated_before", updated_before), ("updated_after", updated_after),
+                     ("lease_expired_at", lease_expired_at)):
+        if ms is not None:
+            check_ms(ms, what)
+    check_limit(limit)
+
+
+# The kinds whose payload fields the index keeps (see ``index_change``).
+_INDEXED_KINDS = frozenset({EventType.EXECUTION_STARTED, EventType.EXECUTION_SUSPENDED,
+                            EventType.TIMER_SCHEDULED, EventType.TIMER_FIRED})
+
+
+def encode_event(event: EventEnvelope, max_bytes: int | None) -> str:
+    """The stored form of ``event`` (``dumps(event.to_dict())``), or a typed refusal.
+
+    Every backend calls this before it writes: the id matches the slot, the
+    event is JSON (``NotSerializableError``), valid Unicode, and the keys and
+    integers the index keeps are storable (``UnstorableValueError``), and it is
+    within ``max_bytes`` (``PayloadTooLargeError``). On the hot path of every
+    append, so the common case (an ASCII id, small ints) is checked inline.
+    """
+    execution_id = event.execution_id
+    if type(execution_id) is not str or "\x00" in execution_id \
+            or not execution_id.isascii():
+        check_id(execution_id)
+    for what, number in (("sequence", event.sequence), ("timestamp", event.timestamp)):
+        if type(number) is not int or not INT64_MIN <= number <= INT64_MAX:
+            check_int64(number, what)
+    if event.id != f"{execution_id}-{event.sequence}":
+        raise ValidationError(f"event id {printable(event.id, 80)!r} does not match "
+                              f"{printable(execution_id, 80)!r}-{event.sequence}")
+    try:
+        body = dumps(event.to_dict())
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise NotSerializableError(f"event {printable(event.id, 80)!r} ({event.type}) is not "
+                                   f"JSON: {printable(exc, 300)}") from exc
+    size = len(body)
+    if not body.isascii():
+        try:
+            size = len(body.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise UnstorableValueError(
+                f"event {printable(event.id, 80)!r} ({event.type}) holds text that is not "
+                "valid Unicode (a lone surrogate); no store can keep it") from exc
+    if max_bytes is not None and size > max_bytes:
+        raise PayloadTooLargeError(
+            f"event {printable(event.id, 80)!r} ({event.type}) is {size} bytes; this store "
+            f"takes events up to {max_bytes} (max_event_bytes): keep large results outside "
+            "the log and record a reference", size=size, limit=max_bytes)
+    if event.type in _INDEXED_KINDS:
+        _check_index_fields(event)
+    return body
+
+
+def _check_index_fields(event: EventEnvelope) -> None:
+    """The payload fields the index keeps as keys or integers (see ``index_change``)."""
+    p = event.payload
+    kind = event.type
+    if kind is EventType.EXECUTION_STARTED and event.sequence == 0:
+        check_text(p.get("flowId", ""), "flow id")
+        owner = p.get("owner") or {}
+        for what in ("actor", "tenant"):
+            value = owner.get(what) if isinstance(owner, dict) else None
+            if value is not None:
+                check_text(value, f"owner {what}")
+    elif kind is EventType.EXECUTION_SUSPENDED:
+        condition = p.get("condition") or {}
+        on = condition.get("on") if isinstance(condition, dict) else None
+        if on is not None:
+            check_text(on, "the gate an execution waits on")
+    elif kind is EventType.TIMER_SCHEDULED:
+        check_text(p.get("timerId"), "timer id")
+        check_int64(p.get("dueAt"), "timer due time (dueAt)")
+    elif kind is EventType.TIMER_FIRED:
+        check_text(p.get("timerId"), "timer id")
+
+
+def encode_state(snapshot: Snapshot) -> str:
+    """The stored form of a snapshot's state (JSON text), or a typed refusal.
+
+    NUL is kept (JSON escapes it); a lone surrogate and a value that is not JSON
+    are refused, alike on every snapshot store.
+    """
+    check_id(snapshot.execution_id)
+    check_int64(snapshot.sequence, "snapshot sequence")
+    try:
+        text = dumps(snapshot.state)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise NotSerializableError(f"snapshot of {printable(snapshot.execution_id, 80)!r} is "
+                                   f"not JSON: {printable(exc, 300)}") from exc
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise UnstorableValueError(
+                f"snapshot of {printable(snapshot.execution_id, 80)!r} holds text that is "
+                "not valid Unicode (a lone surrogate); no store can keep it") from exc
+    return text
 
 
 def creation_anchor(first: EventEnvelope) -> str:

@@ -19,12 +19,16 @@ Reads run on the reader connection in autocommit mode: every statement sees
 the latest commit, which is all a caller can have been told about. Rows are
 validated with ``EventEnvelope.from_json``; a row that does not parse raises
 ``CorruptLogError`` naming the execution and the sequence.
+
+What it refuses, it refuses on the loop before a request is queued and exactly
+as the other backends do (``spi.encode_event``, ``check_id``...): SQLite itself
+would take a NUL in a key, and raise an untyped ``UnicodeEncodeError`` for a lone
+surrogate or ``OverflowError`` for an integer past int64 (decision 0023).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import queue
 import sqlite3
@@ -38,15 +42,16 @@ from fleet.kernel.errors import (
     CorruptLogError,
     DuplicateSequenceError,
     FleetError,
-    NotSerializableError,
     SequenceGapError,
     StaleFenceError,
     StoreError,
     StoreUnavailableError,
+    UnstorableValueError,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope, Status, dumps, wall_clock_ms
+from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
 from fleet.kernel.store.spi import (
+    DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
     AppendRequest,
     CommittedEvent,
@@ -55,18 +60,21 @@ from fleet.kernel.store.spi import (
     ExecutionSummary,
     FenceGrant,
     Position,
-    Snapshot,
     TipObservation,
     check_batch,
     check_feed_read,
+    check_id,
     check_lease_ms,
     check_limit,
+    check_listing,
     creation_anchor,
+    encode_event,
     index_change,
 )
 from fleet.kernel.store.sqlite_schema import FEED_SQL, SCHEMA_VERSION, migrate, next_positions
+from fleet.kernel.values import check_int64, check_ms, check_text
 
-__all__ = ["SCHEMA_VERSION", "SqliteEventStore", "SqliteSnapshotStore"]
+__all__ = ["SCHEMA_VERSION", "SqliteEventStore", "open_database"]
 
 _GROUP_LIMIT = 512  # requests per transaction; bounds the latency of the last one
 
@@ -96,6 +104,9 @@ def _unavailable(exc: BaseException) -> StoreUnavailableError:
 def _translate(exc: Exception) -> Exception:
     if isinstance(exc, FleetError):
         return exc
+    if isinstance(exc, (UnicodeError, OverflowError)):
+        # The checks on the loop refuse these first; a backstop, typed alike.
+        return UnstorableValueError(f"SQLite cannot keep a value: {type(exc).__name__}: {exc}")
     if isinstance(exc, sqlite3.IntegrityError):
         # The checks run first, so only a slot taken behind the index's back lands here.
         return DuplicateSequenceError(f"SQLite refused the insert: {exc}")
@@ -339,6 +350,12 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def open_database(path: str | os.PathLike[str]) -> _Database:
+    """The writer and reader threads of the file ``path``, shared by every store on it
+    (``SqliteSnapshotStore`` takes its share here); ``release()`` it when done."""
+    return _Database.acquire(path)
+
+
 # --------------------------------------------------------------------------
 # The jobs: plain functions of a connection, run on the writer or the reader.
 # --------------------------------------------------------------------------
@@ -359,19 +376,14 @@ class _Write:
     rows: list[tuple[str, int, str, int, str]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, execution_id: str, events: Sequence[EventEnvelope]) -> _Write:
+    def of(cls, execution_id: str, events: Sequence[EventEnvelope],
+           max_bytes: int | None) -> _Write:
         write = cls(execution_id, events)
         for event in events:
             if event.execution_id != execution_id:
                 raise ValidationError(f"event of {event.execution_id!r} in a write for "
                                       f"{execution_id!r}")
-            if event.id != f"{execution_id}-{event.sequence}":
-                raise ValidationError(f"event id {event.id!r} does not match "
-                                      f"{execution_id!r}-{event.sequence}")
-            try:
-                body = dumps(event.to_dict())
-            except (TypeError, ValueError) as exc:
-                raise NotSerializableError(f"event {event.id!r} is not JSON: {exc}") from exc
+            body = encode_event(event, max_bytes)
             write.rows.append((execution_id, event.sequence, str(event.type),
                                event.timestamp, body))
         return write
@@ -460,23 +472,29 @@ class SqliteEventStore:
         path: The database file (created when missing). ``":memory:"`` is
             refused: the store needs two connections to one database.
         clock: Milliseconds since the epoch, read for leases.
+        max_event_bytes: An event whose JSON is larger is refused with
+            ``PayloadTooLargeError`` before anything is written (None: no limit).
     """
 
     def __init__(self, path: str | os.PathLike[str], *,
-                 clock: Callable[[], int] | None = None) -> None:
+                 clock: Callable[[], int] | None = None,
+                 max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES) -> None:
         self._db = _Database.acquire(path)
         self._clock = clock or wall_clock_ms
+        self._max_event_bytes = max_event_bytes
         self._closed = False
         self.path = self._db.path
 
     # -- writes ------------------------------------------------------------
 
     async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
-        await self._append(_Write.of(event.execution_id, (event,)), fence)
+        await self._append(_Write.of(event.execution_id, (event,), self._max_event_bytes),
+                           fence)
 
     async def append_batch(self, events: Sequence[EventEnvelope], *,
                            fence: int | None = None) -> None:
-        await self._append(_Write.of(check_batch(events), events), fence)
+        await self._append(_Write.of(check_batch(events), events, self._max_event_bytes),
+                           fence)
 
     async def _append(self, write: _Write, fence: int | None) -> None:
         def job(conn: sqlite3.Connection) -> None:
@@ -496,7 +514,8 @@ class SqliteEventStore:
         prepared: list[tuple[int, _Write, int | None]] = []
         for i, (events, fence) in enumerate(requests):
             try:
-                prepared.append((i, _Write.of(check_batch(events), events), fence))
+                prepared.append((i, _Write.of(check_batch(events), events,
+                                              self._max_event_bytes), fence))
             except FleetError as exc:
                 results[i] = exc
         if not prepared:
@@ -529,6 +548,7 @@ class SqliteEventStore:
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,
                                   ) -> ConditionalAppendResult:
+        check_id(execution_id)
         if event is None:
             tip = await self._db.reader.call(lambda conn: _tip(conn, execution_id))
             return ConditionalAppendResult(False, "gone" if tip.head is None else "observed",
@@ -536,7 +556,10 @@ class SqliteEventStore:
         if expect is None:
             raise ValidationError("append_if_unchanged with an event needs `expect`, "
                                   "the tip observed before the event was built")
-        write = _Write.of(execution_id, (event,))
+        if event.execution_id != execution_id:
+            raise ValidationError(f"event of {event.execution_id!r} offered to "
+                                  f"{execution_id!r}")
+        write = _Write.of(execution_id, (event,), self._max_event_bytes)
 
         def job(conn: sqlite3.Connection) -> ConditionalAppendResult:
             tip = _tip(conn, execution_id)
@@ -552,6 +575,8 @@ class SqliteEventStore:
         return await self._db.writer.call(job)
 
     async def delete_execution(self, execution_id: str) -> bool:
+        check_id(execution_id)
+
         def job(conn: sqlite3.Connection) -> bool:
             gone = conn.execute("DELETE FROM events WHERE execution_id = ?", (execution_id,))
             conn.execute("DELETE FROM executions WHERE execution_id = ?", (execution_id,))
@@ -567,13 +592,13 @@ class SqliteEventStore:
 
     async def acquire_fence(self, execution_id: str, *, holder: str,
                             lease_ms: int) -> FenceGrant:
-        check_lease_ms(lease_ms)
+        self._check_acquire(execution_id, holder, lease_ms)
         return await self._db.writer.call(lambda conn: self._grant(conn, execution_id,
                                                                    holder, lease_ms))
 
     async def acquire_fence_if(self, execution_id: str, *, holder: str,
                                lease_ms: int) -> FenceGrant | None:
-        check_lease_ms(lease_ms)
+        self._check_acquire(execution_id, holder, lease_ms)
 
         def job(conn: sqlite3.Connection) -> FenceGrant | None:
             tip = _tip(conn, execution_id)
@@ -582,6 +607,12 @@ class SqliteEventStore:
             return self._grant(conn, execution_id, holder, lease_ms)
 
         return await self._db.writer.call(job)
+
+    def _check_acquire(self, execution_id: str, holder: str, lease_ms: int) -> None:
+        check_id(execution_id)
+        check_text(holder, "holder")
+        check_lease_ms(lease_ms)
+        check_int64(self._clock() + lease_ms, "lease expiry")
 
     def _grant(self, conn: sqlite3.Connection, execution_id: str, holder: str,
                lease_ms: int) -> FenceGrant:
@@ -594,6 +625,8 @@ class SqliteEventStore:
         return FenceGrant(execution_id, token, holder, expires)
 
     async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
+        check_id(execution_id)
+        check_int64(token, "token")
         check_lease_ms(lease_ms)
 
         def job(conn: sqlite3.Connection) -> bool:
@@ -604,6 +637,9 @@ class SqliteEventStore:
         return await self._db.writer.call(job)
 
     async def release_fence(self, execution_id: str, token: int) -> bool:
+        check_id(execution_id)
+        check_int64(token, "token")
+
         def job(conn: sqlite3.Connection) -> bool:
             return conn.execute(
                 "UPDATE fences SET lease_expires_at = NULL, holder = NULL "
@@ -615,6 +651,9 @@ class SqliteEventStore:
     # -- reads -------------------------------------------------------------
 
     async def read(self, execution_id: str, *, after: int = -1) -> list[EventEnvelope]:
+        check_id(execution_id)
+        check_int64(after, "after")
+
         def job(conn: sqlite3.Connection) -> list[EventEnvelope]:
             rows = conn.execute("SELECT sequence, body FROM events WHERE execution_id = ? "
                                 "AND sequence > ? ORDER BY sequence", (execution_id, after))
@@ -647,6 +686,9 @@ class SqliteEventStore:
         return await self._db.reader.call(job)
 
     async def compact_through(self, execution_id: str, sequence: int) -> int:
+        check_id(execution_id)
+        check_int64(sequence, "sequence")
+
         def job(conn: sqlite3.Connection) -> int:
             cur = conn.execute("DELETE FROM events WHERE execution_id = ? AND sequence >= 1 "
                                "AND sequence <= ?", (execution_id, sequence))
@@ -655,6 +697,8 @@ class SqliteEventStore:
         return int(await self._db.writer.call(job))
 
     async def head(self, execution_id: str) -> int | None:
+        check_id(execution_id)
+
         def job(conn: sqlite3.Connection) -> int | None:
             row = conn.execute("SELECT head FROM executions WHERE execution_id = ?",
                                (execution_id,)).fetchone()
@@ -669,7 +713,9 @@ class SqliteEventStore:
                               lease_expired_at: int | None = None,
                               after_id: str | None = None,
                               limit: int = 100) -> list[ExecutionSummary]:
-        check_limit(limit)
+        check_listing(status=status, flow_id=flow_id, tenant=tenant, waiting_on=waiting_on,
+                      updated_before=updated_before, updated_after=updated_after,
+                      lease_expired_at=lease_expired_at, after_id=after_id, limit=limit)
         where: list[str] = []
         params: list[Any] = []
         for clause, value in (("e.status = ?", status), ("e.flow_id = ?", flow_id),
@@ -696,6 +742,8 @@ class SqliteEventStore:
         return await self._db.reader.call(job)
 
     async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
+        check_id(execution_id)
+
         def job(conn: sqlite3.Connection) -> ExecutionSummary | None:
             row = conn.execute(_SUMMARY_SQL + " WHERE e.execution_id = ?",
                                (execution_id,)).fetchone()
@@ -704,6 +752,7 @@ class SqliteEventStore:
         return await self._db.reader.call(job)
 
     async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
+        check_ms(now_ms, "now_ms")
         check_limit(limit)
 
         def job(conn: sqlite3.Connection) -> list[DueTimer]:
@@ -728,57 +777,3 @@ def _summary(row: tuple[Any, ...]) -> ExecutionSummary:
                             owner=owner, status=status, waiting_on=waiting_on,
                             started_at=started_at, updated_at=updated_at, head=head,
                             fence=token or 0, holder=holder, lease_expires_at=lease)
-
-
-class SqliteSnapshotStore:
-    """A ``SnapshotStore`` in the ``snapshots`` table of a SQLite file.
-
-    Opened on the same path as a ``SqliteEventStore`` it shares that store's
-    writer and reader threads.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._db = _Database.acquire(path)
-        self._closed = False
-
-    async def save(self, snapshot: Snapshot) -> None:
-        try:
-            state = dumps(snapshot.state)
-        except (TypeError, ValueError) as exc:
-            raise NotSerializableError(f"snapshot of {snapshot.execution_id!r} is not "
-                                       f"JSON: {exc}") from exc
-        def job(conn: sqlite3.Connection) -> None:
-            conn.execute("INSERT OR REPLACE INTO snapshots VALUES (?, ?, ?)",
-                         (snapshot.execution_id, snapshot.sequence, state))
-
-        await self._db.writer.call(job)
-
-    async def load(self, execution_id: str) -> Snapshot | None:
-        def job(conn: sqlite3.Connection) -> Snapshot | None:
-            row = conn.execute("SELECT sequence, state FROM snapshots WHERE execution_id = ?",
-                               (execution_id,)).fetchone()
-            if row is None:
-                return None
-            try:
-                state = json.loads(row[1])
-            except (TypeError, ValueError) as exc:
-                raise CorruptLogError(f"snapshot of {execution_id!r} is not JSON: {exc}",
-                                      execution_id=execution_id) from exc
-            if not isinstance(state, dict):
-                raise CorruptLogError(f"snapshot of {execution_id!r} is not an object",
-                                      execution_id=execution_id)
-            return Snapshot(execution_id, int(row[0]), state)
-
-        return await self._db.reader.call(job)
-
-    async def delete(self, execution_id: str) -> None:
-        def job(conn: sqlite3.Connection) -> None:
-            conn.execute("DELETE FROM snapshots WHERE execution_id = ?", (execution_id,))
-
-        await self._db.writer.call(job)
-
-    async def close(self) -> None:
-        """Release this store's share of the file's threads."""
-        if not self._closed:
-            self._closed = True
-            await self._db.release()

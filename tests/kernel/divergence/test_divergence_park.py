@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from divergence_kit import Drill, Effects, define
-from kernel_kit import FaultyStore, ManualClock, dumped, kinds, settle
+from kernel_kit import FaultyStore, ManualClock, dumped, failed_with, kinds, settle
 
 from fleet import (
     AccessDeniedError,
@@ -324,9 +324,9 @@ async def test_fix1_item2_ctx_wait_refuses_the_reserved_gate() -> None:
         return await ctx.wait(DIVERGED_GATE)
     runtime = Runtime(store, flows=[define(body, "sneaky")])
     handle = await runtime.start("sneaky")
-    with pytest.raises(ReservedNameError):
-        await handle.result()
-    assert kinds(await store.read(handle.execution_id)) == ["EXECUTION_STARTED"]
+    await failed_with(handle, ReservedNameError.code)  # decision 0023: it ends the run
+    assert kinds(await store.read(handle.execution_id)) == ["EXECUTION_STARTED",
+                                                             "EXECUTION_FAILED"]
 
 
 # -- note 2: the failure latches ---------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kernel_kit import dumped, settle, started
+from kernel_kit import dumped, failed_with, settle, started
 
 from fleet import (
     CorruptLogError,
@@ -78,11 +78,15 @@ async def test_a_step_output_that_is_not_json(store: EventStore) -> None:
 
     runtime = Runtime(store, flows=[body])
     handle = await runtime.start("bad-output", execution_id="bad-output")
-    with pytest.raises(NotSerializableError, match="output of step 'setty'"):
-        await handle.result(timeout=2)
+    error = await failed_with(handle, NotSerializableError.code, timeout=2)
+    assert "output of step 'setty'" in error["message"]
     await settle(runtime)
     assert [e["type"] for e in at_return] == ["EXECUTION_STARTED", "STEP_STARTED"]
-    assert dumped(await store.read("bad-output")) == at_return
+    # The effect ran; its result can never be recorded: the run failed (decision
+    # 0023) and the step stays started (nothing re-runs it: the execution ended).
+    after = dumped(await store.read("bad-output"))
+    assert after[:2] == at_return
+    assert [e["type"] for e in after[2:]] == ["EXECUTION_FAILED"]
 
 
 async def test_a_duplicate_step_id(store: EventStore) -> None:
@@ -96,13 +100,13 @@ async def test_a_duplicate_step_id(store: EventStore) -> None:
 
     runtime = Runtime(store, flows=[body])
     handle = await runtime.start("dupe")
-    with pytest.raises(DuplicateStepError, match="'same' was asked for twice") as info:
-        await handle.result(timeout=2)
-    assert "id#n" in info.value.message  # says how to fix it
+    error = await failed_with(handle, DuplicateStepError.code, timeout=2)
+    assert "'same' was asked for twice" in error["message"]
+    assert "id#n" in error["message"]  # says how to fix it
     await settle(runtime)
     assert calls == [1]
     assert [e["type"] for e in dumped(await store.read(handle.execution_id))] == [
-        "EXECUTION_STARTED", "STEP_STARTED", "STEP_COMPLETED"]
+        "EXECUTION_STARTED", "STEP_STARTED", "STEP_COMPLETED", "EXECUTION_FAILED"]
 
 
 async def test_a_propensity_outside_the_interval(store: EventStore) -> None:
@@ -116,12 +120,12 @@ async def test_a_propensity_outside_the_interval(store: EventStore) -> None:
 
     runtime = Runtime(store, flows=[body])
     handle = await runtime.start("prop", execution_id="prop")
-    with pytest.raises(InvalidPropensityError, match=r"propensity 1\.5 is outside \(0, 1\]"):
-        await handle.result(timeout=2)
+    error = await failed_with(handle, InvalidPropensityError.code, timeout=2)
+    assert "propensity 1.5 is outside (0, 1]" in error["message"]
     await settle(runtime)
     # What the run recorded before the decision stays; the decision wrote nothing.
     assert [e["type"] for e in dumped(await store.read("prop"))] == [
-        "EXECUTION_STARTED", "STEP_STARTED", "STEP_COMPLETED"]
+        "EXECUTION_STARTED", "STEP_STARTED", "STEP_COMPLETED", "EXECUTION_FAILED"]
 
 
 async def test_resuming_a_gate_not_waited_on_and_a_finished_execution(
@@ -202,11 +206,11 @@ async def test_a_flow_output_that_is_not_json(store: EventStore) -> None:
 
     runtime = Runtime(store, flows=[body])
     handle = await runtime.start("bad-flow-output")
-    with pytest.raises(NotSerializableError, match="output of flow 'bad-flow-output'"):
-        await handle.result(timeout=2)
+    error = await failed_with(handle, NotSerializableError.code, timeout=2)
+    assert "output of flow 'bad-flow-output'" in error["message"]
     await settle(runtime)
     assert [e["type"] for e in dumped(await store.read(handle.execution_id))] == [
-        "EXECUTION_STARTED", "STEP_STARTED", "STEP_COMPLETED"]
+        "EXECUTION_STARTED", "STEP_STARTED", "STEP_COMPLETED", "EXECUTION_FAILED"]
 
 
 @pytest.mark.parametrize(("step_id", "error"), [("__fleet_step", ReservedNameError),
@@ -222,12 +226,12 @@ async def test_a_bad_step_id(store: EventStore, step_id: Any,
 
     runtime = Runtime(store, flows=[body])
     handle = await runtime.start("bad-step-id")
-    with pytest.raises(error, match="step id"):
-        await handle.result(timeout=2)
+    recorded = await failed_with(handle, error.code, timeout=2)
+    assert "step id" in recorded["message"]
     await settle(runtime)
     assert calls == []
     assert [e["type"] for e in dumped(await store.read(handle.execution_id))] == [
-        "EXECUTION_STARTED"]
+        "EXECUTION_STARTED", "EXECUTION_FAILED"]
 
 
 async def test_a_non_json_emit_payload(store: EventStore) -> None:

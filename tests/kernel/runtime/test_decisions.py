@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 import pytest
-from kernel_kit import kinds, settle
+from kernel_kit import failed_with, kinds, settle
 
 from fleet import (
     Context,
@@ -89,7 +89,7 @@ async def test_propensity_one_is_accepted(store: EventStore) -> None:
     assert await handle.result() == "x"
 
 
-async def test_uncaught_invalid_propensity_stops_the_run_with_nothing_written(
+async def test_uncaught_invalid_propensity_fails_the_run_with_nothing_else_written(
         store: EventStore) -> None:
     warnings: list[str] = []
 
@@ -99,12 +99,13 @@ async def test_uncaught_invalid_propensity_stops_the_run_with_nothing_written(
 
     runtime = Runtime(store, flows=[body], on_warn=warnings.append)
     handle = await runtime.start("p-uncaught")
-    with pytest.raises(InvalidPropensityError):
-        await handle.result(timeout=2)
+    await failed_with(handle, InvalidPropensityError.code, timeout=2)
     await settle(runtime)
-    # A programming fault is not the flow's failure: nothing after the start.
-    assert kinds(await store.read(handle.execution_id)) == ["EXECUTION_STARTED"]
-    assert runtime.aborted == 1
+    # A refusal that can never succeed ends the run (decision 0023): the decision
+    # wrote nothing, the execution failed with the typed error.
+    assert kinds(await store.read(handle.execution_id)) == ["EXECUTION_STARTED",
+                                                             "EXECUTION_FAILED"]
+    assert (runtime.aborted, runtime.refused, runtime.failed) == (0, 1, 1)
     assert any("InvalidPropensityError" in w for w in warnings)
 
 

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 import pytest
-from kernel_kit import kinds, settle, started
+from kernel_kit import failed_with, kinds, settle, started
 
 from fleet import (
     Context,
@@ -64,31 +64,54 @@ async def test_emit_of_a_kernel_kind_is_refused(store: EventStore, kind: str) ->
                                                              "EXECUTION_COMPLETED"]
 
 
-@pytest.mark.parametrize("field", ["recordedBy", "late", "innerSteps", "scope"])
-async def test_emit_or_outcome_carrying_kernel_only_fields_is_refused(
-        store: EventStore, field: str) -> None:
+@pytest.mark.parametrize(("field", "refusal"), [("recordedBy", KernelEventForgeryError),
+                                                ("late", KernelEventForgeryError),
+                                                ("innerSteps", ValidationError),
+                                                ("scope", ValidationError)])
+async def test_an_outcome_carrying_kernel_only_fields_is_refused(
+        store: EventStore, field: str, refusal: type[ValidationError]) -> None:
+    """ADR 0116 D1 names recordedBy and late: refused on an outcome as forgery; any
+    other field an outcome does not have is refused as malformed. An application
+    event carrying the same keys forges nothing and is written (issue 13 item 3)."""
     forged = {"recordedBy": "someone-else", "late": True, "innerSteps": ["x"], "scope": "/0"}
 
     @flow("forged-fields")
     async def body(ctx: Context, _: Any) -> list[str]:
         await ctx.decide("d", lambda: Decision("a", policy=Policy("p", 1, 0.5)))
+        await ctx.emit("app.event", {"x": 1, field: forged[field]})
         refused = []
-        for kind, payload in (
-                ("app.event", {"x": 1, field: forged[field]}),
-                ("OUTCOME_RECORDED", {"decisionId": "d", "key": "k", "score": 1.0,
-                                      field: forged[field]})):
-            try:
-                await ctx.emit(kind, payload)
-            except KernelEventForgeryError:
-                refused.append(kind)
+        try:
+            await ctx.emit("OUTCOME_RECORDED", {"decisionId": "d", "key": "k", "score": 1.0,
+                                                field: forged[field]})
+        except ValidationError as exc:
+            refused.append(type(exc).__name__)
         return refused
 
     runtime = Runtime(store, flows=[body])
     handle = await runtime.start("forged-fields")
-    assert await handle.result() == ["app.event", "OUTCOME_RECORDED"]
-    log_kinds = kinds(await store.read(handle.execution_id))
-    assert "EMITTED" not in log_kinds
-    assert "OUTCOME_RECORDED" not in log_kinds
+    assert await handle.result() == [refusal.__name__]
+    log = await store.read(handle.execution_id)
+    assert "OUTCOME_RECORDED" not in kinds(log)
+    assert [e.payload["payload"] for e in log if e.type == "EMITTED"] == [
+        {"x": 1, field: forged[field]}]
+
+
+async def test_an_uncaught_forgery_ends_the_run(store: EventStore) -> None:
+    """Issue 13 item 3: the guard's refusal is deterministic, so it fails the run
+    (it used to leave it running for every recovery pass to re-drive)."""
+    @flow("forger-uncaught")
+    async def body(ctx: Context, _: Any) -> None:
+        await ctx.decide("d", lambda: Decision("a", policy=Policy("p", 1, 0.5)))
+        await ctx.outcome("d", "k", score=1.0)
+        await ctx.emit("OUTCOME_RECORDED", {"decisionId": "d", "key": "k2", "score": 1.0,
+                                            "late": True})
+
+    runtime = Runtime(store, flows=[body])
+    handle = await runtime.start("forger-uncaught")
+    await failed_with(handle, KernelEventForgeryError.code)
+    state = await runtime.load_state(handle.execution_id)
+    assert [(o["key"], "late" in o) for o in state.outcomes] == [("k", False)]
+    assert runtime.refused == 1
 
 
 @pytest.mark.parametrize(("score", "success"), [(1.7e308, None), (math.nan, None),

@@ -22,7 +22,7 @@ from fleet import (
     StoreUnavailableError,
     flow,
 )
-from fleet.kernel.errors import DuplicateStepError
+from fleet.kernel.errors import DuplicateStepError, ExecutionFailedError
 from fleet.kernel.fold import DIVERGED_GATE, MESSAGE_GATE
 from fleet.kernel.run_outcome import RunOutcome, Waiting
 from fleet.kernel.store.spi import EventStore
@@ -220,7 +220,7 @@ async def test_outcome_aborted_by_a_failed_write(store: EventStore) -> None:
     assert outcome.last_sequence == await head(store, "a1") == 1
 
 
-async def test_outcome_aborted_by_a_programming_fault(store: EventStore) -> None:
+async def test_outcome_failed_by_a_programming_fault(store: EventStore) -> None:
     @flow("oc-twice")
     async def twice(ctx: Context, _: Any) -> None:
         await ctx.step("same", lambda: 1)
@@ -229,12 +229,16 @@ async def test_outcome_aborted_by_a_programming_fault(store: EventStore) -> None
     warnings: list[str] = []
     runtime = Runtime(store, flows=[twice], on_warn=warnings.append)
     outcome = await outcome_of(await runtime.start("oc-twice", None, execution_id="t1"))
-    assert outcome.kind == "aborted"
+    # A refusal that can never succeed fails the run (decision 0023, was 0003's stop).
+    assert outcome.kind == "failed"
     assert isinstance(outcome.cause, DuplicateStepError)
-    assert outcome.last_sequence == await head(store, "t1") == 2
-    assert (await runtime.load_state("t1")).status == "running"  # not failed (decision 0003)
-    with pytest.raises(DuplicateStepError):
+    assert outcome.error is not None
+    assert outcome.error["code"] == DuplicateStepError.code
+    assert outcome.last_sequence == await head(store, "t1") == 3
+    assert (await runtime.load_state("t1")).status == "failed"
+    with pytest.raises(ExecutionFailedError):
         await runtime.result("t1")
+    assert any("'t1' FAILED: DuplicateStepError" in w for w in warnings)
 
 
 async def test_outcome_nothing_to_do_when_finished_or_parked(store: EventStore) -> None:

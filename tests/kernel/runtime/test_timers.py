@@ -10,6 +10,7 @@ from kernel_kit import FaultyStore, ManualClock, eventually, kinds, settle, star
 from fleet import Context, Runtime, flow
 from fleet.kernel.store.spi import EventStore
 from fleet.kernel.timers import FiredTimer
+from fleet.kernel.values import datetime_from_ms
 
 
 @flow("napper")
@@ -44,11 +45,11 @@ async def test_long_sleep_parks_and_fires_when_due(clocked_store: EventStore,
     assert state.status == "parked"
 
     # Not early: a sweep a millisecond before the due time fires nothing.
-    assert await runtime.fire_due_timers(due - 1) == []
+    assert await runtime.fire_due_timers(datetime_from_ms(due - 1)) == []
     assert len(await store.read(eid)) == 3
 
     clock.now = due
-    assert await runtime.fire_due_timers(due) == [FiredTimer(eid, "sleep#0")]
+    assert await runtime.fire_due_timers(datetime_from_ms(due)) == [FiredTimer(eid, "sleep#0")]
     await settle(runtime)
     assert await runtime.result(eid) == "awake"
     log = await store.read(eid)
