@@ -57,6 +57,7 @@ from fleet.kernel.store.pg_feed import PostgresCommitSignal, channel_for, commit
 from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
 from fleet.kernel.store.pg_queries import (
     APPEND_IF_SQL,
+    APPEND_LEASED_SQL,
     APPEND_MANY_SQL,
     APPEND_SQL,
     DUE_TIMERS_SQL,
@@ -102,6 +103,7 @@ __all__ = ["DEFAULT_MAX_EVENT_BYTES", "SCHEMA_VERSION", "PostgresEventStore",
 
 T = TypeVar("T")
 _RETRY = 4  # fleet_append's code for "an older transaction than the log's last writer"
+_BUSY = 5  # fleet_append_leased's code for "a live lease is held"
 _ORDER_RETRIES = 3  # one is enough (a new transaction is newer); more is a guard
 _OWN_QUERY_KEYS = ("schema", "pool_min", "pool_max")
 
@@ -442,6 +444,53 @@ class PostgresEventStore(_PostgresBase):
                 break
             # This transaction's id is older than the log's last writer's (decision
             # 0020): nothing was written; a new transaction gets a newer id.
+            self.order_retries += 1
+        if row["code"] != 0:
+            raise refusal(write, fence, row["code"], row["detail"])
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        """Take the fence if free and append under it: one statement (decision 0029).
+
+        Not retried on a lost link (as an acquire is not): the token may have
+        moved; the caller leaves the lease to expire.
+        """
+        check_batch(events)
+        write = self._prepare(events)
+        check_text(holder, "holder")
+        check_lease_ms(lease_ms)
+        for _ in range(_ORDER_RETRIES):
+            now = self._clock()
+            expires = check_int64(now + lease_ms, "lease expiry")
+            row = await self._call(lambda pool, now=now, expires=expires: pool.fetchrow(
+                APPEND_LEASED_SQL, write.key, write.execution_id, None, holder, expires, now,
+                release, *write.args()), idempotent=False)
+            if row["code"] != _RETRY:
+                break
+            self.order_retries += 1  # see _append
+        if row["code"] == _BUSY:
+            return None
+        if row["code"] != 0:
+            raise refusal(write, None, row["code"], row["detail"])
+        return FenceGrant(write.execution_id, int(row["detail"]), holder, expires)
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        """Append under ``fence`` and end its lease: one statement (decision 0029)."""
+        check_batch(events)
+        check_int64(fence, "fence")
+        write = self._prepare(events)
+        for _ in range(_ORDER_RETRIES):
+            try:
+                row = await self._call(lambda pool: pool.fetchrow(
+                    APPEND_LEASED_SQL, write.key, write.execution_id, fence, None, None, None,
+                    True, *write.args()), idempotent=False)
+            except StoreUnavailableError as lost:
+                # Committed (the same bytes are there) or not: never written twice.
+                if await self._bodies(write) == write.bodies:
+                    return
+                raise lost from None
+            if row["code"] != _RETRY:
+                break
             self.order_retries += 1
         if row["code"] != 0:
             raise refusal(write, fence, row["code"], row["detail"])

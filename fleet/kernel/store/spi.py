@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from fleet.kernel.errors import (
     CorruptLogError,
+    DuplicateSequenceError,
     NotSerializableError,
     PayloadTooLargeError,
     SequenceGapError,
@@ -402,6 +403,63 @@ async def append_each(store: EventStore, requests: Sequence[AppendRequest],
 
     await asyncio.gather(*(lane(indexes) for indexes in lanes.values()))
     return results
+
+
+@runtime_checkable
+class AppendsLeased(Protocol):
+    """Optional: an append that takes or ends the lease in the same round trip (decision 0029).
+
+    ``append_acquiring(events, holder=, lease_ms=)`` takes the fence only when
+    no live lease is held (as ``acquire_fence_if``) and appends ``events`` under
+    the new token, atomically: the grant, or ``None`` when a live lease is held
+    (nothing written, the fence untouched). A refused append
+    (``DuplicateSequenceError``, ``SequenceGapError``, ``ValidationError``...)
+    raises and leaves the fence as it was. With ``release=True`` the lease ends
+    with the write (the token stays bumped): a write-only start.
+
+    ``append_releasing(events, fence=)`` appends under ``fence`` and ends its
+    lease (as ``release_fence``), atomically: a stale fence raises
+    ``StaleFenceError`` and neither happens.
+
+    Every built-in store has both in one statement or transaction; the decorators
+    forward them; ``append_acquiring`` / ``append_releasing`` below serve a store
+    without them with the separate calls (the same answers, not atomic).
+    """
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None: ...
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None: ...
+
+
+async def append_acquiring(store: EventStore, events: Sequence[EventEnvelope], *, holder: str,
+                           lease_ms: int, release: bool = False) -> FenceGrant | None:
+    """``store.append_acquiring``, or ``acquire_fence_if`` + ``append_batch`` (+ release)."""
+    if isinstance(store, AppendsLeased):
+        return await store.append_acquiring(events, holder=holder, lease_ms=lease_ms,
+                                            release=release)
+    execution_id = check_batch(events)
+    grant = await store.acquire_fence_if(execution_id, holder=holder, lease_ms=lease_ms)
+    if grant is None:
+        return None
+    try:
+        await store.append_batch(events, fence=grant.token)
+    except (ValidationError, SequenceGapError, DuplicateSequenceError):
+        await store.release_fence(execution_id, grant.token)  # nothing was written
+        raise
+    if release:
+        await store.release_fence(execution_id, grant.token)
+    return grant
+
+
+async def append_releasing(store: EventStore, events: Sequence[EventEnvelope], *,
+                           fence: int) -> None:
+    """``store.append_releasing``, or ``append_batch`` then ``release_fence``."""
+    if isinstance(store, AppendsLeased):
+        await store.append_releasing(events, fence=fence)
+        return
+    await store.append_batch(events, fence=fence)
+    await store.release_fence(events[0].execution_id, fence)
 
 
 @runtime_checkable

@@ -465,6 +465,12 @@ def _parse(execution_id: str, sequence: int, body: Any) -> EventEnvelope:
     return event
 
 
+def _end_lease(conn: sqlite3.Connection, execution_id: str, token: int) -> bool:
+    return conn.execute("UPDATE fences SET lease_expires_at = NULL, holder = NULL "
+                        "WHERE execution_id = ? AND token = ? AND token > 0",
+                        (execution_id, token)).rowcount > 0
+
+
 class SqliteEventStore:
     """An ``EventStore`` in one SQLite file, safe for many stores and processes.
 
@@ -504,6 +510,42 @@ class SqliteEventStore:
                                       f"superseded by {tip.fence}; this writer must stop",
                                       presented=fence, current=tip.fence)
             write.place(conn, tip.head)
+
+        await self._db.writer.call(job)
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        """Take the fence if free and append under it, in one transaction (decision 0029)."""
+        execution_id = check_batch(events)
+        self._check_acquire(execution_id, holder, lease_ms)
+        write = _Write.of(execution_id, events, self._max_event_bytes)
+
+        def job(conn: sqlite3.Connection) -> FenceGrant | None:
+            tip = _tip(conn, execution_id)
+            if tip.lease_expires_at is not None and tip.lease_expires_at > self._clock():
+                return None
+            grant = self._grant(conn, execution_id, holder, lease_ms)
+            write.place(conn, tip.head)  # a refusal raises: the transaction rolls back
+            if release:
+                _end_lease(conn, execution_id, grant.token)
+            return grant
+
+        return await self._db.writer.call(job)
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        """Append under ``fence`` and end its lease, in one transaction (decision 0029)."""
+        execution_id = check_batch(events)
+        check_int64(fence, "fence")
+        write = _Write.of(execution_id, events, self._max_event_bytes)
+
+        def job(conn: sqlite3.Connection) -> None:
+            tip = _tip(conn, execution_id)
+            if fence != tip.fence:
+                raise StaleFenceError(f"fence {fence} of {execution_id!r} was "
+                                      f"superseded by {tip.fence}; this writer must stop",
+                                      presented=fence, current=tip.fence)
+            write.place(conn, tip.head)
+            _end_lease(conn, execution_id, fence)
 
         await self._db.writer.call(job)
 
@@ -641,10 +683,7 @@ class SqliteEventStore:
         check_int64(token, "token")
 
         def job(conn: sqlite3.Connection) -> bool:
-            return conn.execute(
-                "UPDATE fences SET lease_expires_at = NULL, holder = NULL "
-                "WHERE execution_id = ? AND token = ? AND token > 0",
-                (execution_id, token)).rowcount > 0
+            return _end_lease(conn, execution_id, token)
 
         return await self._db.writer.call(job)
 
