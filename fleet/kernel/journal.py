@@ -28,9 +28,9 @@ from typing import Any
 from fleet.kernel.errors import RunAborted
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.fold import ExecutionState, apply
+from fleet.kernel.lease import Lease
 from fleet.kernel.observers import EventObserver, Warner, WarnSink, deliver
 from fleet.kernel.store.spi import EventStore
-from fleet.kernel.lease import Lease
 from fleet.kernel.writes import append_events, append_under
 
 # The observer types and the warner live in fleet.kernel.observers; they are

@@ -57,8 +57,8 @@ async def counted(database_url: str) -> AsyncIterator[tuple[PostgresEventStore, 
     store = await PostgresEventStore(database_url, schema=f"rt_{secrets.token_hex(5)}",
                                      pool_max=4).open()
     # The store's one pool (``open`` made it): every query of the store passes here.
-    pool = CountingPool(store._db.pool)  # noqa: SLF001 - the asyncpg boundary, counted
-    store._db.pool = pool  # noqa: SLF001
+    pool = CountingPool(store._db.pool)  # the boundary, counted
+    store._db.pool = pool
     yield store, pool
     await store.close()
 

@@ -25,8 +25,8 @@ from fleet.kernel.store.forwarding import ForwardingEventStore
 from fleet.kernel.store.spi import (
     AppendRequest,
     ConditionalAppendResult,
-    FenceGrant,
     EventStore,
+    FenceGrant,
     TipObservation,
     append_many,
 )

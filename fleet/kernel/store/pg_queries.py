@@ -31,9 +31,9 @@ from fleet.kernel.store.spi import (
     index_change,
 )
 
-__all__ = ["APPEND_IF_SQL", "APPEND_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL", "DUE_TIMERS_SQL", "SUMMARY_SQL",
-           "TIP_SQL", "Write", "execution_key", "listing_sql", "many_columns", "parse_event",
-           "refusal", "summary"]
+__all__ = ["APPEND_IF_SQL", "APPEND_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL",
+           "DUE_TIMERS_SQL", "SUMMARY_SQL", "TIP_SQL", "Write", "execution_key", "listing_sql",
+           "many_columns", "parse_event", "refusal", "summary"]
 
 PREFIX = 200  # characters of a text key that listing indexes hold (see pg_migrations)
 
