@@ -32,7 +32,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
 
 try:
-    import asyncpg  # type: ignore[import-untyped]
+    import asyncpg as asyncpg  # type: ignore[import-untyped]  # (re-exported to postgres.py)
 except ImportError as exc:  # pragma: no cover - exercised by the factory test
     raise MissingDependencyError("the Postgres store needs asyncpg: "
                                  "pip install 'fleet[postgres]'") from exc

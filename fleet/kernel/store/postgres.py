@@ -235,9 +235,13 @@ class PostgresEventStore(_PostgresBase):
         for _ in range(_ORDER_RETRIES):
             now = self._clock()
             expires = check_int64(now + lease_ms, "lease expiry")
-            row = await self._call(lambda pool, now=now, expires=expires: pool.fetchrow(
-                APPEND_LEASED_SQL, write.key, write.execution_id, None, holder, expires, now,
-                release, *write.args()), idempotent=False)
+
+            async def op(pool: Any, now: int = now, expires: int = expires) -> Any:
+                return await pool.fetchrow(APPEND_LEASED_SQL, write.key, write.execution_id,
+                                           None, holder, expires, now, release,
+                                           *write.args())
+
+            row = await self._call(op, idempotent=False)
             if row["code"] != _RETRY:
                 break
             self.order_retries += 1  # see _append
