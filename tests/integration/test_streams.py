@@ -1088,6 +1088,10 @@ async def test_hostile_rewards_are_dead_lettered_on_their_first_delivery(
         ("unknown_producer", {"message": json.dumps({**signed, "producer": ["crm"]})}),
         ("invalid", {"message": _forge({**body, "score": [0.9]}, KEYS["crm"])}),
         ("invalid", {"message": _forge({**body, "score": True}, KEYS["crm"])}),
+        # Signed and well-formed, for an execution id of 60,000 characters: the
+        # kernel's refusal quotes it, the dead letter's detail stays bounded.
+        ("execution_not_found", {"message": _forge({**body, "execution_id": "x" * 60_000},
+                                                   KEYS["crm"])}),
     ]
     for _, fields in cases:
         await rewards.raw(fields)
@@ -1096,6 +1100,7 @@ async def test_hostile_rewards_are_dead_lettered_on_their_first_delivery(
     assert [(text(d[b"dead_reason"]), text(d[b"dead_deliveries"])) for d in letters] == [
         (reason, "1") for reason, _ in cases]
     for letter, (_, fields) in zip(letters, cases, strict=True):
+        assert 0 < len(letter[b"dead_detail"]) < 2_100
         original = fields["message"]
         assert letter[b"message"] == (original if isinstance(original, bytes)
                                       else original.encode("utf-8", "surrogatepass"))
