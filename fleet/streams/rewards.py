@@ -44,6 +44,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from fleet.host.keys import RewardKeyError, read_reward_keys, reward_keys_of
 from fleet.kernel.errors import ConfigurationError, ValidationError
+from fleet.kernel.security import check_outcome_shape
 from fleet.streams.redis_client import aioredis, sync_redis
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def verify_reward(text: str | bytes | None, keys: Mapping[str, str], *,
     """
     try:
         return _verify(text, keys, max_bytes)
-    except ValidationError:
+    except (ValidationError, MemoryError):
         raise
     except Exception as exc:  # parsing is pure: a fault here never heals
         raise _refuse("malformed", f"unreadable ({type(exc).__name__}: "
@@ -299,8 +300,14 @@ def submit_reward_from_settings(settings: FleetSettings, *, execution_id: str,
         where = ".".join(str(p) for p in first["loc"]) or "message"
         raise ValidationError(f"reward refused: {where}: {first['msg']}",
                               reason="invalid") from exc
-    signed = sign_reward(message, secret)
-    # What the attacher will check, checked here: a reward it would refuse is not sent.
+    # What the attacher and the kernel will check, checked here: a reward they would
+    # refuse is not sent.
+    check_outcome_shape(key, score, success, decision_id)
+    try:
+        signed = sign_reward(message, secret)
+    except ValueError as exc:  # a lone surrogate (a non-UTF-8 argument): no canonical form
+        raise ValidationError(f"reward refused: it has no canonical form ({exc}); pass text "
+                              "that is valid Unicode", reason="malformed") from exc
     verify_reward(signed.to_wire(), {producer: secret})
     if not settings.redis_url:
         raise ConfigurationError("submitting a reward needs FLEET_REDIS_URL")

@@ -435,6 +435,11 @@ def test_reward_submit_refuses_before_it_sends(env: Env, monkeypatch: pytest.Mon
     code, out = run(*args)
     assert code == 1
     assert "a score, a success flag or both" in out
+    for bad, says in ((["--score", "1e12"], "out of range"),
+                      (["--score", "1", "--execution", "e\udcff"], "reward refused")):
+        code, out = run(*args, *bad)  # what the attacher would refuse is not sent
+        assert code == 1
+        assert says in out, out
     code, out = run(*args, "--score", "1")
     assert code == 1
     assert "needs FLEET_REDIS_URL" in out  # signed and valid; nowhere to send it
