@@ -25,7 +25,13 @@ re-serialises the JSON it received, so a producer that signs what it sends
 round-trips as long as its numbers print as Python prints them.
 
 No freshness window: replaying a message is harmless because attaching is
-idempotent by ``(decision_id, key)``.
+idempotent by ``(decision_id, key)``. A ``message`` above ``MAX_MESSAGE_BYTES``
+(64 KiB) is refused unread (``oversized``).
+
+Producers' keys are one JSON object, producer -> secret, wherever they are
+read (``FLEET_REWARD_KEYS``, ``FLEET_REWARD_KEYS_FILE``, ``fleet reward submit
+--key-file``, the ``.fleet/reward-keys.json`` ``fleet up`` writes):
+``fleet.host.keys.read_reward_keys``.
 """
 
 from __future__ import annotations
