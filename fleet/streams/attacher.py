@@ -20,9 +20,9 @@ tip, busy, store down)          ``claim_idle_ms``, up to ``retry_deliveries``
 execution not terminal          left pending and claimed again after
                                 ``claim_idle_ms``, up to ``max_deliveries`` (the run
                                 may finish meanwhile); then dead-lettered
-any other refusal               dead-lettered with the error's code
+any other refusal               dead-lettered at once with the error's code
 (``OutcomeRefusedError``,       (``outcome_refused``, ``execution_not_found``,
-not found, denied, shape)       ``access_denied``, ``validation``)
+not found, shape)               ``validation``, ``unstorable_value``)
 ==============================  =====================================================
 
 Why a producer may annotate at all: ``docs/decisions/0011-reward-producers.md``;
