@@ -109,8 +109,8 @@ class KeyRing:
     def loads(cls, text: str, *, where: str = "the key ring") -> KeyRing:
         try:
             data = json.loads(text)
-        except ValueError as exc:
-            raise ConfigurationError(f"{where} is not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise ConfigurationError(f"{where} is not JSON: {str(exc)[:200]}") from exc
         return cls.parse(data, where=where)
 
 

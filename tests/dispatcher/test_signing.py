@@ -217,3 +217,17 @@ def test_a_message_nested_too_deeply_is_refused_never_raised() -> None:
     assert reply["error"]["details"] == [{"reason": "malformed"}]
     assert reply["error"]["retryable"] is False
     assert check.refused["malformed"] == 1
+
+
+def test_a_key_file_nested_too_deeply_keeps_the_last_ring(tmp_path: Path) -> None:
+    """A ring file that json.loads cannot nest (RecursionError) is a ConfigurationError
+    at start, and a re-read keeps the last good ring, like any broken file."""
+    path = tmp_path / "ring.json"
+    path.write_text("[" * 10_000 + "]" * 10_000)
+    with pytest.raises(ConfigurationError, match="is not JSON"):
+        KeySource(path=path)
+    path.write_text(json.dumps(RING))
+    source = KeySource(path=path, check_every_s=0)
+    path.write_text("[" * 10_000 + "]" * 10_001)
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert source.ring().ids() == sorted(RING)
