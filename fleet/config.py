@@ -163,7 +163,27 @@ class FleetSettings(BaseSettings):
         1_048_576, ge=1024, description="the largest fleet.dispatch message (JSON bytes) a "
         "worker reads")
     reward_keys: dict[str, str] = Field(
-        default_factory=dict, description='JSON {"producer": "secret"}: HMAC keys')
+        default_factory=dict, description='JSON {"producer": "secret"}: the reward producers\' '
+        'HMAC keys (the attacher verifies with them, `fleet reward submit` signs with one)')
+    reward_keys_file: str | None = Field(
+        None, description="a file holding the same JSON object (what `fleet up` writes to "
+        ".fleet/reward-keys.json; a mounted Secret); instead of FLEET_REWARD_KEYS")
+    reward_tenants: dict[str, list[str]] = Field(
+        default_factory=dict, description='JSON {"producer": ["tenant", ...]}: the tenants '
+        'whose executions each producer may reward ("*": every tenant, and executions with '
+        "none). Unset: every producer may reward every execution. Set: a producer rewards only "
+        "its tenants' executions, and one it does not list only executions with no tenant "
+        "(decision 0025)")
+
+    @field_validator("reward_tenants")
+    @classmethod
+    def _check_reward_tenants(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for producer, tenants in value.items():
+            if not producer or not tenants or not all(tenants):
+                raise ValueError(
+                    f"producer {producer!r} needs a non-empty list of tenant names; example: "
+                    '{"crm": ["acme", "globex"], "ops": ["*"]}')
+        return value
 
     @field_validator("flows", mode="before")
     @classmethod

@@ -128,7 +128,7 @@ def _print_up(fleet: Any, took: float, as_json: bool) -> None:
         "workers": [{"name": w.name, "pid": w.pid, "node": w.node} for w in fleet.workers],
         "services": ["timers", "recovery", "attacher", "relay"],
         "flows": list(fleet.settings.flows), "queue": fleet.settings.queue,
-        "data_dir": urls["data_dir"], "logs": urls["logs"]}
+        "data_dir": urls["data_dir"], "logs": urls["logs"], "reward_keys": urls["reward_keys"]}
     if as_json:
         click.echo(json.dumps(where))
         return
@@ -143,7 +143,8 @@ def _print_up(fleet: Any, took: float, as_json: bool) -> None:
         *[[w.name, f"pid {w.pid}  {w.node}"] for w in fleet.workers],
         ["timer service, recovery sweeper,\nreward attacher, relay", "in this process"],
         ["flower", flower], ["flows", ", ".join(fleet.settings.flows)],
-        ["queue", fleet.settings.queue], ["logs", urls["logs"]]]
+        ["queue", fleet.settings.queue], ["logs", urls["logs"]],
+        ["reward keys\n(--key-file)", urls["reward_keys"]]]
     console.print(_table(f"fleet up ({took:.1f} s): Ctrl-C to stop", ["part", "where"], rows))
 
 
