@@ -7,6 +7,10 @@ turn, and whatever queues while the in-flight flushes run, which is the
 batching that matters under load) and hands them to the inner store at once.
 Every other call goes straight to the inner store.
 
+An append made while nothing is queued or being written goes straight to the
+inner store (a flush of one): at low concurrency the queue would only add task
+hops; appends that arrive while it is in flight queue as usual.
+
 On a store that implements ``append_many`` (``spi.AppendsMany``; Postgres: one
 statement, one commit; SQLite: one transaction) a flush is one transaction. Each request is still
 judged alone: a stale fence, a taken slot or a gap refuses that request only
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
 from fleet.kernel.errors import FleetError, StoreError, ValidationError
@@ -78,17 +82,41 @@ class CoalescingEventStore(ForwardingEventStore):
         self._full = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
+        self._alone_now = 0  # appends written alone (``_alone``) in flight
         self._closed = False
 
     # -- the coalesced writes ---------------------------------------------------
 
     async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
+        if self._idle():
+            await self._alone(self.inner.append(event, fence=fence))
+            return
         await self._enqueue((event,), fence)
 
     async def append_batch(self, events: Sequence[EventEnvelope], *,
                            fence: int | None = None) -> None:
         check_batch(events)
+        if self._idle():
+            await self._alone(self.inner.append_batch(events, fence=fence))
+            return
         await self._enqueue(list(events), fence)
+
+    def _idle(self) -> bool:
+        """Nothing queued or being written: an append has nobody to share a flush with."""
+        return not (self._pending or self._inflight or self._alone_now or self._closed
+                    or self._driver is not None)
+
+    async def _alone(self, write: Awaitable[None]) -> None:
+        """An append made while the store is idle goes straight to the inner store (a
+        flush of one, without the queue's task hops); appends arriving meanwhile queue
+        behind it as behind any flush in flight, so batching under load is unchanged."""
+        self._alone_now += 1
+        try:
+            await write
+        finally:
+            self._alone_now -= 1
+            self.flushes += 1
+            self.flushed += 1
 
     def _enqueue(self, events: Sequence[EventEnvelope],
                  fence: int | None) -> asyncio.Future[None]:

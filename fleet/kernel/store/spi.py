@@ -38,7 +38,7 @@ import asyncio
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 from fleet.kernel.errors import (
     CorruptLogError,
@@ -377,8 +377,9 @@ async def append_many(store: EventStore, requests: Sequence[AppendRequest],
                       ) -> list[BaseException | None]:
     """``store.append_many(requests)``, or the same answers one request at a time
     (executions concurrently, each one's requests in order) for a store without it."""
-    if isinstance(store, AppendsMany):
-        return await store.append_many(requests)
+    own = getattr(store, "append_many", None)
+    if own is not None:
+        return cast(list[BaseException | None], await own(requests))
     return await append_each(store, requests)
 
 
@@ -435,9 +436,12 @@ class AppendsLeased(Protocol):
 async def append_acquiring(store: EventStore, events: Sequence[EventEnvelope], *, holder: str,
                            lease_ms: int, release: bool = False) -> FenceGrant | None:
     """``store.append_acquiring``, or ``acquire_fence_if`` + ``append_batch`` (+ release)."""
-    if isinstance(store, AppendsLeased):
-        return await store.append_acquiring(events, holder=holder, lease_ms=lease_ms,
-                                            release=release)
+    # getattr, not isinstance: a runtime-checkable protocol's check costs more than
+    # the rest of this call, and it runs on every start.
+    own = getattr(store, "append_acquiring", None)
+    if own is not None:
+        return cast(FenceGrant | None, await own(events, holder=holder, lease_ms=lease_ms,
+                                                 release=release))
     execution_id = check_batch(events)
     grant = await store.acquire_fence_if(execution_id, holder=holder, lease_ms=lease_ms)
     if grant is None:
@@ -455,8 +459,9 @@ async def append_acquiring(store: EventStore, events: Sequence[EventEnvelope], *
 async def append_releasing(store: EventStore, events: Sequence[EventEnvelope], *,
                            fence: int) -> None:
     """``store.append_releasing``, or ``append_batch`` then ``release_fence``."""
-    if isinstance(store, AppendsLeased):
-        await store.append_releasing(events, fence=fence)
+    own = getattr(store, "append_releasing", None)
+    if own is not None:
+        await own(events, fence=fence)
         return
     await store.append_batch(events, fence=fence)
     await store.release_fence(events[0].execution_id, fence)
@@ -493,7 +498,13 @@ class IndexChange:
 
 
 def index_change(event: EventEnvelope) -> IndexChange:
-    """How ``event`` moves the index. Status and timers never need the fold."""
+    """How ``event`` moves the index. Status and timers never need the fold.
+
+    Most events (a step's) move nothing but the head: they share one empty change,
+    which callers only read.
+    """
+    if event.type not in _MOVES_INDEX:
+        return _NO_CHANGE
     change = IndexChange()
     status = STATUS_AFTER.get(event.type)
     if status is not None and not (event.type is EventType.EXECUTION_STARTED
@@ -513,6 +524,11 @@ def index_change(event: EventEnvelope) -> IndexChange:
     if change.status in TERMINAL_STATUSES:
         change.clear_timers = True
     return change
+
+
+# The kinds index_change looks at (status, gate, timers); any other moves only the head.
+_MOVES_INDEX = frozenset({*STATUS_AFTER, EventType.TIMER_SCHEDULED})
+_NO_CHANGE = IndexChange()
 
 
 def check_lease_ms(lease_ms: int) -> None:
