@@ -13,7 +13,8 @@ import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
@@ -96,6 +97,64 @@ def load_callable(spec: str) -> Any:
     return target
 
 
+if TYPE_CHECKING:  # generic from click 8.2 on; pyproject allows 8.1, where it is not
+    OptionType = click.ParamType[Any, Any]
+else:
+    OptionType = click.ParamType
+
+
+class CallableSpec(OptionType):
+    """An option naming ``package.module:function``: imported when parsed, so a wrong one
+    is a usage error (exit 2) saying what is wrong, before any work starts."""
+
+    name = "module:function"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if callable(value):
+            return value
+        try:
+            return load_callable(str(value))
+        except ConfigurationError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def database_missing(url: str) -> str | None:
+    """Why the store ``url`` cannot be read without creating it (None: it exists, or it
+    is not a file). A command that only reads never creates a database."""
+    if not url.startswith("sqlite:///"):
+        return None
+    path = url[len("sqlite:///"):]
+    if not path or Path(path).exists():
+        return None
+    shown = path if Path(path).is_absolute() or path.startswith(".") else f"./{path}"
+    hint = ""
+    if Path(".fleet/env").exists():
+        hint = " (`fleet up` here wrote .fleet/env: `. .fleet/env` points this shell at it)"
+    return (f"no fleet database at {shown}; set FLEET_DATABASE_URL or --db, or run "
+            f"`fleet up`{hint}")
+
+
+def require_database(url: str) -> str:
+    """``url``, once it names a database that exists (see ``database_missing``)."""
+    missing = database_missing(url)
+    if missing is not None:
+        raise click.ClickException(missing)
+    return url
+
+
+def read_store_url(db: str | None) -> str:
+    """The store a reading command reads (``store_url``); it must exist already."""
+    return require_database(store_url(db))
+
+
+def id_column(table: Table, header: str, ids: list[str]) -> None:
+    """A column of ids that is never cut nor folded: an id must copy whole into the
+    next command. The other columns give way."""
+    table.add_column(header, no_wrap=True, overflow="ignore",
+                     min_width=max([len(header), *map(len, ids)]))
+
+
 def json_arg(value: str | None, option: str) -> Any:
     """An option's JSON value (``None`` stays ``None``)."""
     if value is None:
@@ -130,8 +189,9 @@ def exit_with(code: int) -> None:
 def log_table(title: str, events: list[EventEnvelope]) -> Table:
     """A log as a table: sequence, type, payload (cut at 160 characters)."""
     table = Table(title=title)
-    table.add_column("seq", justify="right")
-    table.add_column("type")
+    table.add_column("seq", justify="right", no_wrap=True)
+    table.add_column("type", no_wrap=True,
+                     min_width=max([4, *(len(str(e.type)) for e in events)]))
     table.add_column("payload", overflow="fold")
     for event in events:
         table.add_row(str(event.sequence), str(event.type),
@@ -156,6 +216,26 @@ principal_options = [
     click.option("--tenant", default=None, help="the principal's tenant (with --actor)"),
 ]
 json_option = click.option("--json", "as_json", is_flag=True, help="print JSON")
+#: ``--success`` / ``--failure``: the outcome a reward reports, the same on every command
+#: (``fleet outcome attach``, ``fleet reward submit``). ``--success true|false`` is the
+#: older form of ``fleet outcome attach``, still read (deprecated).
+success_options = [
+    click.option("--success", "success", type=click.BOOL, is_flag=False, flag_value=True,
+                 default=None, metavar="",
+                 help="the outcome succeeded (--failure: it did not)"),
+    click.option("--failure", "failure", is_flag=True, default=False,
+                 help="the outcome failed"),
+]
+
+
+def success_from(success: bool | None, failure: bool) -> bool | None:
+    """The success flag ``success_options`` give (None: neither was given)."""
+    if failure:
+        if success is not None:
+            raise click.UsageError("give --success or --failure, not both")
+        return False
+    return success
+
 db_option = click.option("--db", default=None,
                          help="store URL (default: FLEET_DATABASE_URL or sqlite:///fleet.db)")
 snapshots_option = click.option(
@@ -163,7 +243,31 @@ snapshots_option = click.option(
     help="snapshot store URL holding checkpoints (default: the --db URL; 'none' for none)")
 
 
-__all__ = ["console", "db_option", "err_console", "exit_with", "fleet_errors", "json_arg",
-           "json_option", "load_callable", "log_table", "loglevel_option", "open_snapshots",
-           "open_store_at", "principal_from", "principal_options", "run_async", "setup_logging",
-           "snapshots_option", "store_url", "with_options"]
+__all__ = [
+    "CallableSpec",
+    "console",
+    "database_missing",
+    "db_option",
+    "err_console",
+    "exit_with",
+    "fleet_errors",
+    "id_column",
+    "json_arg",
+    "json_option",
+    "load_callable",
+    "log_table",
+    "loglevel_option",
+    "open_snapshots",
+    "open_store_at",
+    "principal_from",
+    "principal_options",
+    "read_store_url",
+    "require_database",
+    "run_async",
+    "setup_logging",
+    "snapshots_option",
+    "store_url",
+    "success_from",
+    "success_options",
+    "with_options",
+]

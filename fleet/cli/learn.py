@@ -10,15 +10,15 @@ import click
 from rich.table import Table
 
 from fleet.cli.common import (
+    CallableSpec,
     console,
-    load_callable,
     open_snapshots,
     open_store_at,
+    read_store_url,
     run_async,
     snapshots_option,
-    store_url,
 )
-from fleet.kernel.errors import FleetError
+from fleet.kernel.errors import EvaluationError
 from fleet.learning import collect_trajectories, evaluate_policy, promotion_gate
 
 
@@ -57,7 +57,7 @@ def learn() -> None:
 def learn_report(db: str | None, snapshots: str | None, flow_id: str | None,
                  as_json: bool) -> None:
     """Decisions, propensities and joined rewards per policy."""
-    url = store_url(db)
+    url = read_store_url(db)
 
     found = collect(url, snapshots, flow_id)
     rows: dict[tuple[str, str], dict[str, Any]] = {}
@@ -94,39 +94,68 @@ def learn_report(db: str | None, snapshots: str | None, flow_id: str | None,
 
 
 @learn.command("eval")
-@click.option("--policy", "policy_spec", required=True,
+@click.option("--policy", "target", required=True, type=CallableSpec(),
               help="module:function (context, choice, alternatives) -> probability")
+@click.option("--decision", "decision_id", default=None,
+              help="evaluate only the decisions with this id (the ctx.decide name)")
+@click.option("--policy-name", default=None,
+              help="evaluate only the decisions this logging policy made")
 @click.option("--db", default=None, help="store URL")
 @snapshots_option
 @click.option("--flow", "flow_id", default=None)
 @click.option("--min-lift", default=0.0, show_default=True)
 @click.option("--min-ess", default=30.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def learn_eval(policy_spec: str, db: str | None, snapshots: str | None, flow_id: str | None,
-               min_lift: float, min_ess: float, as_json: bool) -> None:
-    """Evaluate a target policy offline (IPS/SNIPS) against the logged decisions."""
-    url = store_url(db)
-    target = load_callable(policy_spec)
+def learn_eval(target: Any, decision_id: str | None, policy_name: str | None, db: str | None,
+               snapshots: str | None, flow_id: str | None, min_lift: float, min_ess: float,
+               as_json: bool) -> None:
+    """Evaluate a target policy offline (IPS/SNIPS) against the logged decisions it
+    applies to.
 
+    A target policy answers for one kind of decision: with decisions of several
+    ids in the logs, say which with --decision (or --policy-name).
+    """
+    url = read_store_url(db)
+    spec = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', target)}"
     found = collect(url, snapshots, flow_id)
     warn_compacted(found.compacted_unread)
-    try:
-        result = evaluate_policy(found.trajectories, target)
-    except FleetError as exc:
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+    kinds = decision_kinds(found.trajectories, decision_id, policy_name)
+    if decision_id is None and policy_name is None and len(kinds) > 1:
+        listed = ", ".join(f"{d} (policy {p}, {n})" for (d, p), n in sorted(kinds.items()))
+        raise click.UsageError(
+            f"the logs hold {len(kinds)} kinds of decision: {listed}; a target policy applies "
+            "to one: give --decision ID or --policy-name NAME")
+
+    def guarded(context: Any, choice: Any, alternatives: Any) -> Any:
+        try:
+            return target(context, choice, alternatives)
+        except Exception as exc:  # the user's function: its fault is reported, not a crash
+            raise EvaluationError(
+                f"{spec} raised {type(exc).__name__}: {exc} for choice {choice!r} "
+                f"(context {context!r}); is it the policy of these decisions? "
+                "--decision ID chooses them") from exc
+
+    result = evaluate_policy(found.trajectories, guarded, decision_id=decision_id,
+                             policy=policy_name)
     gate = promotion_gate(result, min_lift=min_lift, min_ess=min_ess)
-    fields = {"samples": result.samples, "ips": result.ips, "snips": result.snips,
-              "ess": result.effective_sample_size, "logged": result.logged_value,
-              "estimated": result.estimated_value, "lift": result.lift,
-              "ci": list(result.confidence_interval), "passed": gate.passed,
-              "reasons": list(gate.reasons)}
+    fields = {"policy": spec, "decision": decision_id, "policyName": policy_name,
+              "samples": result.samples, "skipped": result.skipped, "ips": result.ips,
+              "snips": result.snips, "ess": result.effective_sample_size,
+              "logged": result.logged_value, "estimated": result.estimated_value,
+              "lift": result.lift, "ci": list(result.confidence_interval),
+              "passed": gate.passed, "reasons": list(gate.reasons)}
     if as_json:
         click.echo(json.dumps(fields))
     else:
-        table = Table(title=f"{policy_spec} against {found.executions} executions")
+        which = " ".join(part for part in (
+            f"decision {decision_id}" if decision_id else "",
+            f"policy {policy_name}" if policy_name else "") if part)
+        table = Table(title=f"{spec} against {which or 'the decisions'} of "
+                            f"{found.executions} executions")
         table.add_column("measure")
-        table.add_column("value", justify="right")
-        for name in ("samples", "ips", "snips", "ess", "logged", "estimated", "lift"):
+        table.add_column("value", justify="right", overflow="fold")
+        for name in ("samples", "skipped", "ips", "snips", "ess", "logged", "estimated",
+                     "lift"):
             value = fields[name]
             table.add_row(name, f"{value:.4f}" if isinstance(value, float) else str(value))
         low, high = result.confidence_interval
@@ -137,4 +166,17 @@ def learn_eval(policy_spec: str, db: str | None, snapshots: str | None, flow_id:
         sys.exit(1)
 
 
-__all__ = ["collect", "learn", "warn_compacted"]
+def decision_kinds(paths: Any, decision_id: str | None,
+                   policy_name: str | None) -> dict[tuple[str, str], int]:
+    """``{(decision id, logging policy): decisions}`` among those the filters keep."""
+    kinds: dict[tuple[str, str], int] = {}
+    for path in paths:
+        for d in path.decisions:
+            if (decision_id is None or d.decision_id == decision_id) and (
+                    policy_name is None or d.policy_name == policy_name):
+                key = (str(d.decision_id), str(d.policy_name))
+                kinds[key] = kinds.get(key, 0) + 1
+    return kinds
+
+
+__all__ = ["collect", "decision_kinds", "learn", "warn_compacted"]
