@@ -156,6 +156,8 @@ class EmbeddedFleet:
         self._started: list[tuple[str, Service]] = []
         self._token = secrets.token_hex(3)
         self._running = False
+        #: The file holding the generated ``local`` producer key (None: keys were given).
+        self.reward_keys_file: Path | None = None
 
     # ------------------------------------------------------------ the parts
     @property
@@ -189,6 +191,19 @@ class EmbeddedFleet:
                 "broker": redact(self.settings.broker_url or self.settings.redis_url),
                 "flower": self.flower_url, "data_dir": str(self.data_dir),
                 "logs": str(self.data_dir / "logs")}
+
+    def exports(self) -> dict[str, str]:
+        """The ``FLEET_*`` variables that point a command in another shell at this fleet
+        (``fleet status``, ``fleet start``, ``fleet list``): its store, Redis, broker,
+        flows and queue, and every other setting it runs with that is not the default.
+        Secrets are left out: the reward keys are in ``reward_keys_file``, dispatch keys
+        are the caller's own. Unredacted: write them only where the secrets could be.
+        """
+        mine = settings_env(self.settings, exclude=("reward_keys", "dispatch_keys"))
+        defaults = settings_env(FleetSettings.model_construct())
+        always = ("FLEET_DATABASE_URL", "FLEET_REDIS_URL", "FLEET_FLOWS", "FLEET_QUEUE")
+        return {name: value for name, value in mine.items()
+                if name in always or defaults.get(name) != value}
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the fleet's loop thread (where ``store`` lives); block for it."""
@@ -303,10 +318,12 @@ class EmbeddedFleet:
         with contextlib.suppress(OSError, ValueError):
             keys = json.loads(path.read_text())
             if isinstance(keys, dict) and isinstance(keys.get("local"), str):
+                self.reward_keys_file = path
                 return {"local": keys["local"]}
         keys = {"local": secrets.token_hex(16)}
         path.touch(mode=0o600)
         path.write_text(json.dumps(keys))
+        self.reward_keys_file = path
         return keys
 
     def _start_valkey(self) -> str:
