@@ -86,14 +86,20 @@ def open_snapshots(url: str | None) -> SnapshotStore | None:
 def load_callable(spec: str) -> Any:
     """``package.module:function``, imported; a ``ConfigurationError`` says what is wrong."""
     module_name, _, attr = spec.partition(":")
+    example = "e.g. fleet.examples.agent:better_style"
     if not module_name or not attr:
-        raise ConfigurationError(f"{spec!r} must look like 'package.module:function'")
+        raise ConfigurationError(f"{spec!r} must look like 'package.module:function' ({example})")
     try:
-        target = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigurationError(f"cannot load {spec!r}: {exc}") from exc
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r} ({exc}): a module of the "
+                                 "working directory or of PYTHONPATH") from exc
+    target = getattr(module, attr, None)
+    if target is None:
+        raise ConfigurationError(f"module {module_name!r} has no attribute {attr!r}")
     if not callable(target):
-        raise ConfigurationError(f"{spec!r} is not callable")
+        raise ConfigurationError(f"{spec!r} is not callable: it is a "
+                                 f"{type(target).__name__}, not a function ({example})")
     return target
 
 

@@ -9,6 +9,8 @@ The group runs every command the same way:
 - the working directory is on the import path first, as ``python -m`` puts it,
   so ``--flow myapp.flows:onboard``, ``--policy`` and ``FLEET_FLOWS`` find a
   module in the directory the command runs in;
+- the ``FLEET_*`` settings are read before a command parses its arguments: a
+  malformed one ends every command the same way;
 - whatever a command raises ends it with one line and an exit code
   (``fleet.cli.failures``); ``--debug`` (or ``FLEET_DEBUG=1``) adds the traceback.
 """
@@ -23,6 +25,7 @@ from typing import Any
 import click
 
 from fleet.cli.failures import as_click_exception, print_traceback
+from fleet.config import FleetSettings
 
 #: ``name: "module:attribute"`` of every command, in the order ``--help`` lists them.
 COMMANDS: dict[str, str] = {
@@ -100,6 +103,9 @@ def import_from_here() -> None:
 def main(debug: bool) -> None:
     """fleet: durable execution for Python."""
     import_from_here()
+    # Read once before any command parses or runs: a malformed FLEET_* setting ends
+    # every command, and every fleet process, the same way (fleet.cli.failures).
+    FleetSettings()
 
 
 __all__ = ["COMMANDS", "LazyGroup", "import_from_here", "main"]
