@@ -150,8 +150,9 @@ def learn_eval(target: Any, decision_id: str | None, policy_name: str | None, db
         which = " ".join(part for part in (
             f"decision {decision_id}" if decision_id else "",
             f"policy {policy_name}" if policy_name else "") if part)
-        table = Table(title=f"{spec} against {which or 'the decisions'} of "
-                            f"{found.executions} executions")
+        click.echo(f"{spec} against {which or 'the decisions'} of {found.executions} "
+                   "executions")
+        table = Table()
         table.add_column("measure")
         table.add_column("value", justify="right", overflow="fold")
         for name in ("samples", "skipped", "ips", "snips", "ess", "logged", "estimated",
