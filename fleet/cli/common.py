@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from fleet.config import FleetSettings
 from fleet.host.kernel import open_store
@@ -159,6 +162,31 @@ def id_column(table: Table, header: str, ids: list[str]) -> None:
     next command. The other columns give way."""
     table.add_column(header, no_wrap=True, overflow="ignore",
                      min_width=max([len(header), *map(len, ids)]))
+
+
+def natural_width(renderable: Any, *, minimum: bool = False) -> int:
+    """How wide ``renderable`` is when nothing squeezes it (``minimum``: squeezed as far
+    as its columns allow)."""
+    measured = Measurement.get(console, console.options.update_width(100_000), renderable)
+    return measured.minimum if minimum else measured.maximum
+
+
+def print_fitting(table: Table, rows: list[list[str]]) -> None:
+    """``table`` when it fits the terminal; else each row as a record (its first cell
+    on a line of its own, then ``header=value`` pairs wrapped between pairs), so
+    nothing is cut or cropped at the right edge."""
+    if natural_width(table, minimum=True) <= console.width:
+        console.print(table)
+        return
+    headers = [str(column.header) for column in table.columns]
+    if table.title:
+        console.print(Text(str(table.title), style="italic"))
+    for row in rows:
+        console.print(Text(f"{headers[0]} {row[0]}"))
+        pairs = " ".join(f"{h.replace(' ', '_')}={v}" for h, v in zip(headers[1:], row[1:],
+                                                                      strict=True) if v != "")
+        if pairs:
+            console.print(Padding(Text(pairs), (0, 0, 0, 2)))
 
 
 def json_arg(value: str | None, option: str) -> Any:

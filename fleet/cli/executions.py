@@ -19,6 +19,7 @@ from fleet.cli.common import (
     json_arg,
     log_table,
     open_store_at,
+    print_fitting,
     read_store_url,
     run_async,
     store_url,
@@ -215,12 +216,19 @@ def list_(db: str | None, status: str | None, flow_id: str | None, limit: int,
         return
     table = Table(title=f"executions in {url}")
     id_column(table, "execution", [row.execution_id for row in rows])
-    for col in ("flow", "status", "waiting on", "tenant"):
-        table.add_column(col, overflow="fold")
-    for row in rows:
-        table.add_row(row.execution_id, row.flow_id, row.status, row.waiting_on or "",
-                      row.tenant or "")
-    console.print(table)
+    id_column(table, "flow", [row.flow_id for row in rows])  # copied into --flow
+    id_column(table, "status", [row.status for row in rows])
+    # Only the columns that say something: the ids keep the width.
+    extra = [(header, attr) for header, attr in (("waiting on", "waiting_on"),
+                                                 ("tenant", "tenant"))
+             if any(getattr(row, attr) for row in rows)]
+    for header, _ in extra:
+        table.add_column(header, overflow="fold", min_width=7)
+    cells = [[row.execution_id, row.flow_id, row.status,
+              *(getattr(row, attr) or "" for _, attr in extra)] for row in rows]
+    for cell in cells:
+        table.add_row(*cell)
+    print_fitting(table, cells)
 
 
 __all__ = ["list_", "log", "park_line", "run"]

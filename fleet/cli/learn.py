@@ -12,8 +12,10 @@ from rich.table import Table
 from fleet.cli.common import (
     CallableSpec,
     console,
+    id_column,
     open_snapshots,
     open_store_at,
+    print_fitting,
     read_store_url,
     run_async,
     snapshots_option,
@@ -82,15 +84,18 @@ def learn_report(db: str | None, snapshots: str | None, flow_id: str | None,
         click.echo(json.dumps({"executions": found.executions, "policies": report,
                                "compactedUnread": found.compacted_unread}))
         return
-    table = Table(title=f"{found.executions} finished executions in {url}")
-    for col in ("policy", "version", "decisions", "rewarded", "mean propensity",
-                "mean reward"):
-        table.add_column(col)
-    for r in report:
-        table.add_row(r["policy"], r["version"], str(r["decisions"]), str(r["rewarded"]),
-                      f"{r['mean_propensity']:.3f}",
-                      "" if r["mean_reward"] is None else f"{r['mean_reward']:.3f}")
-    console.print(table)
+    table = Table(title=f"{found.executions} finished executions in {url} (propensity and "
+                        "reward: means)")
+    # A policy's name is copied into --policy-name: never cut.
+    id_column(table, "policy", [r["policy"] for r in report])
+    for col in ("version", "decisions", "rewarded", "propensity", "reward"):
+        table.add_column(col, justify="right", no_wrap=True)
+    cells = [[r["policy"], r["version"], str(r["decisions"]), str(r["rewarded"]),
+              f"{r['mean_propensity']:.3f}",
+              "" if r["mean_reward"] is None else f"{r['mean_reward']:.3f}"] for r in report]
+    for cell in cells:
+        table.add_row(*cell)
+    print_fitting(table, cells)
 
 
 @learn.command("eval")

@@ -9,10 +9,10 @@ import click
 from rich.table import Table
 
 from fleet.cli.common import (
-    console,
     id_column,
     open_snapshots,
     open_store_at,
+    print_fitting,
     read_store_url,
     run_async,
     snapshots_option,
@@ -61,10 +61,11 @@ def repair_terminal_event(execution_ids: tuple[str, ...], db: str | None,
     id_column(table, "execution", [r.execution_id for r in reports])
     for col in ("action", "sequence", "type", "ended at (ms)"):
         table.add_column(col, overflow="fold")
-    for r in reports:
-        table.add_row(r.execution_id, r.action, "" if r.sequence is None else str(r.sequence),
-                      r.type or "", "" if r.ended_at is None else str(r.ended_at))
-    console.print(table)
+    cells = [[r.execution_id, r.action, "" if r.sequence is None else str(r.sequence),
+              r.type or "", "" if r.ended_at is None else str(r.ended_at)] for r in reports]
+    for cell in cells:
+        table.add_row(*cell)
+    print_fitting(table, cells)
 
 
 __all__ = ["repair"]

@@ -17,11 +17,11 @@ import click
 from rich.table import Table
 
 from fleet.cli.common import (
-    console,
     db_option,
     id_column,
     open_snapshots,
     open_store_at,
+    print_fitting,
     read_store_url,
     require_database,
     run_async,
@@ -160,10 +160,11 @@ def check(flow_specs: tuple[str, ...], log_files: tuple[Path, ...],
         id_column(table, "execution", [v.execution_id for v in verdicts])
         for col in ("flow", "verdict", "detail"):
             table.add_column(col, overflow="fold")
-        for v in verdicts:
-            table.add_row(v.execution_id, v.flow_id or "", _verdict(v.status),
-                          _detail(v.status, v.skipped, v.frontier, v.detail))
-        console.print(table)
+        cells = [[v.execution_id, v.flow_id or "", _verdict(v.status),
+                  _detail(v.status, v.skipped, v.frontier, v.detail)] for v in verdicts]
+        for cell in cells:
+            table.add_row(*cell)
+        print_fitting(table, cells)
     if failed:
         sys.exit(1)
 

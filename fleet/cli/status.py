@@ -10,12 +10,18 @@ from typing import Any
 import click
 from rich.console import Console, Group
 from rich.live import Live
-from rich.measure import Measurement
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from fleet.cli.common import console, fleet_errors, id_column, json_option, require_database
+from fleet.cli.common import (
+    console,
+    fleet_errors,
+    id_column,
+    json_option,
+    natural_width,
+    require_database,
+)
 from fleet.config import FleetSettings
 from fleet.services.status import WORKER_FIELDS, StatusReader
 
@@ -56,22 +62,16 @@ def _status_view(status: Any, *, wide: bool = False, width: int | None = None) -
     for state, n in status.executions.items():
         counts.add_row(state, str(n))
     table = _workers_table(status, wide)
-    fits = _natural_width(table) <= (width or console.width)
+    fits = natural_width(table) <= (width or console.width)
     parts: list[Any] = [counts, *([table] if wide or fits else _workers_lines(status))]
     parts += [Text(problem, style="red") for problem in status.problems]
     parts.append(time.strftime("at %H:%M:%S", time.localtime(status.at)))
     return Group(*parts)
 
 
-def _natural_width(renderable: Any) -> int:
-    """How wide ``renderable`` is when nothing squeezes it."""
-    options = console.options.update_width(100_000)
-    return Measurement.get(console, options, renderable).maximum
-
-
 def _print(view: Group, wide: bool) -> None:
     # --wide: as wide as the table needs (the terminal wraps it), never squeezed.
-    out = Console(width=max(console.width, _natural_width(view))) if wide else console
+    out = Console(width=max(console.width, natural_width(view))) if wide else console
     out.print(view)
 
 

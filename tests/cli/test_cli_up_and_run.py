@@ -276,6 +276,8 @@ def test_status_and_list_fit_80_columns_and_cut_no_name(
     assert listed.returncode == 0, listed.stderr
     assert long_id in listed.stdout  # whole, on one line: it copies into fleet log
     assert "…" not in listed.stdout
-    assert max(len(line) for line in listed.stdout.splitlines()) <= 80 + len(long_id)
+    assert max(len(line) for line in listed.stdout.splitlines()) <= 80  # nothing cropped
+    roomy = fleet(tmp_path, "list", env={**env, "COLUMNS": "200"})
+    assert re.search(rf"│ {long_id} +│ onboard +│ \w+ +│", roomy.stdout), roomy.stdout
     logged = fleet(tmp_path, "log", long_id, "--json", env=env)
     assert logged.returncode == 0
