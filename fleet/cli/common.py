@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleet.config import FleetSettings
-from fleet.host.kernel import open_store
+from fleet.host.kernel import open_store, open_store_to_read
 from fleet.kernel.errors import ConfigurationError, FleetError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.security import Principal
@@ -77,6 +77,12 @@ def open_store_at(url: str) -> EventStore:
     limit, group commit) from ``FLEET_*``: every command opens it the way a fleet
     process does."""
     return open_store(FleetSettings(database_url=url))
+
+
+def open_reader_at(url: str) -> EventStore:
+    """The store at ``url`` for a command that only reads: never created, never
+    migrated (``host.kernel.open_store_to_read``)."""
+    return open_store_to_read(FleetSettings(database_url=url))
 
 
 def open_snapshots(url: str | None) -> SnapshotStore | None:
@@ -291,6 +297,7 @@ __all__ = [
     "load_callable",
     "log_table",
     "loglevel_option",
+    "open_reader_at",
     "open_snapshots",
     "open_store_at",
     "principal_from",

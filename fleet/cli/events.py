@@ -14,7 +14,7 @@ from fleet.cli.common import (
     db_option,
     fleet_errors,
     json_option,
-    open_store_at,
+    open_reader_at,
     read_store_url,
     run_async,
 )
@@ -155,7 +155,7 @@ async def _tail(settings: FleetSettings, after: Position | None, wanted: EventFi
         else:
             end = bounds.gap_after(after)
             if end is not None:  # the stream lost some above where we start: read the store
-                store = open_store_at(read_store_url(db))
+                store = open_reader_at(read_store_url(db))
                 try:
                     async for committed in backfill(store, after=after, until=end):
                         after = committed.position

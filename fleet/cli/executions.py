@@ -18,6 +18,7 @@ from fleet.cli.common import (
     id_column,
     json_arg,
     log_table,
+    open_reader_at,
     open_store_at,
     print_fitting,
     read_store_url,
@@ -173,7 +174,7 @@ def log(execution_id: str, db: str | None, as_json: bool) -> None:
     url = read_store_url(db)
 
     async def go() -> list[EventEnvelope]:
-        store = open_store_at(url)
+        store = open_reader_at(url)
         try:
             return await store.read(execution_id)
         finally:
@@ -201,7 +202,7 @@ def list_(db: str | None, status: str | None, flow_id: str | None, limit: int,
     url = read_store_url(db)
 
     async def go() -> list[Any]:
-        store = open_store_at(url)
+        store = open_reader_at(url)
         try:
             return await store.list_executions(status=status, flow_id=flow_id, limit=limit)
         finally:

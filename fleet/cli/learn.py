@@ -13,8 +13,8 @@ from fleet.cli.common import (
     CallableSpec,
     console,
     id_column,
+    open_reader_at,
     open_snapshots,
-    open_store_at,
     print_fitting,
     read_store_url,
     run_async,
@@ -27,7 +27,7 @@ from fleet.learning import collect_trajectories, evaluate_policy, promotion_gate
 def collect(url: str, snapshots: str | None, flow_id: str | None) -> Any:
     """Every finished execution's trajectories (checkpoints read when a snapshot store is set)."""
     async def go() -> Any:
-        store = open_store_at(url)
+        store = open_reader_at(url)
         snaps = open_snapshots(snapshots or url)
         try:
             return await collect_trajectories(store, snaps, flow_id=flow_id)

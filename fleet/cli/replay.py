@@ -19,8 +19,8 @@ from rich.table import Table
 from fleet.cli.common import (
     db_option,
     id_column,
+    open_reader_at,
     open_snapshots,
-    open_store_at,
     print_fitting,
     read_store_url,
     require_database,
@@ -59,7 +59,7 @@ def export(execution_id: str, output: Path | None, db: str | None,
     url = read_store_url(db)
 
     async def go() -> dict[str, Any]:
-        store = open_store_at(url)
+        store = open_reader_at(url)
         snaps = open_snapshots(snapshots or url)
         try:
             return await export_execution(store, execution_id, snapshots=snaps)
@@ -135,7 +135,7 @@ def check(flow_specs: tuple[str, ...], log_files: tuple[Path, ...],
                                                    features=features))
             return verdicts
         url = require_database(db or settings.database_url)
-        store = open_store_at(url)
+        store = open_reader_at(url)
         snaps = open_snapshots(snapshots or url)
         try:
             return await replay_check_store(

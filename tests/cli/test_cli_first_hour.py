@@ -425,3 +425,28 @@ def test_every_command_that_prints_takes_json_and_prints_json(fleet_env: Path) -
             printed = lines(args, codes)
             assert all(isinstance(item, dict) for item in printed), path
     assert json.loads(export.read_text())["log"][0]["executionId"] == eid
+
+
+def test_a_command_that_reads_never_migrates_a_postgres_database(clean_env: Path) -> None:
+    async def tables(url: str) -> int:
+        import asyncpg
+
+        conn = await asyncpg.connect(url)
+        try:
+            return int(await conn.fetchval(
+                "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'"))
+        finally:
+            await conn.close()
+
+    with throwaway_database() as pg:
+        for args in (["list"], ["log", "e1"], ["learn", "report"], ["replay", "export", "e1"],
+                     ["status", "--inspect-timeout", "0.2"]):
+            result = invoke(*args, env={"FLEET_DATABASE_URL": pg,
+                                        "FLEET_BROKER_URL": "memory://"})
+            assert result.exit_code == 1, (args, result.output)
+            assert "run `fleet db upgrade`" in result.output, args
+            assert "Traceback" not in result.output
+        assert asyncio.run(tables(pg)) == 0  # nothing created
+        assert invoke("db", "upgrade", "--db", pg).exit_code == 0
+        listed = invoke("list", "--json", env={"FLEET_DATABASE_URL": pg})
+        assert (listed.exit_code, listed.stdout) == (0, "")
