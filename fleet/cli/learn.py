@@ -22,6 +22,7 @@ from fleet.cli.common import (
 )
 from fleet.kernel.errors import EvaluationError
 from fleet.learning import collect_trajectories, evaluate_policy, promotion_gate
+from fleet.learning.evaluation import decision_kinds
 
 
 def collect(url: str, snapshots: str | None, flow_id: str | None) -> Any:
@@ -124,7 +125,7 @@ def learn_eval(target: Any, decision_id: str | None, policy_name: str | None, db
     spec = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', target)}"
     found = collect(url, snapshots, flow_id)
     warn_compacted(found.compacted_unread)
-    kinds = decision_kinds(found.trajectories, decision_id, policy_name)
+    kinds = decision_kinds(found.trajectories, policy=policy_name, decision_id=decision_id)
     if decision_id is None and policy_name is None and len(kinds) > 1:
         listed = ", ".join(f"{d} (policy {p}, {n})" for (d, p), n in sorted(kinds.items()))
         raise click.UsageError(
@@ -172,17 +173,4 @@ def learn_eval(target: Any, decision_id: str | None, policy_name: str | None, db
         sys.exit(1)
 
 
-def decision_kinds(paths: Any, decision_id: str | None,
-                   policy_name: str | None) -> dict[tuple[str, str], int]:
-    """``{(decision id, logging policy): decisions}`` among those the filters keep."""
-    kinds: dict[tuple[str, str], int] = {}
-    for path in paths:
-        for d in path.decisions:
-            if (decision_id is None or d.decision_id == decision_id) and (
-                    policy_name is None or d.policy_name == policy_name):
-                key = (str(d.decision_id), str(d.policy_name))
-                kinds[key] = kinds.get(key, 0) + 1
-    return kinds
-
-
-__all__ = ["collect", "decision_kinds", "learn", "warn_compacted"]
+__all__ = ["collect", "learn", "warn_compacted"]
