@@ -197,6 +197,14 @@ def test_a_command_that_reads_never_creates_the_database(clean_env: Path) -> Non
         assert result.exit_code == 1, (args, result.output)
         assert result.stderr.strip() == expected, args
         assert os.listdir(clean_env) == [], args
+    # The readiness probe reads the store too: unhealthy, and still nothing created.
+    probe = invoke("health", "--component", "timers", "--timeout", "1", "--json",
+                   env={"FLEET_BROKER_URL": "memory://", "FLEET_HEARTBEAT_DIR": "hb"})
+    assert probe.exit_code == 1
+    store = json.loads(probe.stdout)["checks"][-1]
+    assert (store["name"], store["ok"]) == ("store", False)
+    assert "no SQLite database at fleet.db" in store["detail"]
+    assert os.listdir(clean_env) == []
     elsewhere = clean_env / "data" / "fleet.db"
     result = invoke("list", "--db", f"sqlite:///{elsewhere}")
     assert result.exit_code == 1
