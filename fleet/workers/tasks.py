@@ -59,7 +59,7 @@ def register_tasks(app: Any) -> None:
 
     def drives(task: Any, execution_ids: Any, flow_id: str | None = None,
                tenant: str | None = None) -> list[str]:
-        ids = check_batch(execution_ids, app.fleet_settings.drive_batch)
+        ids = check_batch(execution_ids)
         if ids is None:
             log.error("fleet.drives refused: execution_ids must be a list of 1 to %d ids "
                       "(strings); got %s", MAX_BATCH, _describe(execution_ids))
@@ -111,12 +111,11 @@ MAX_BATCH = 256
 _MAX_ID = 1024
 
 
-def check_batch(execution_ids: Any, batch: int) -> list[str] | None:
+def check_batch(execution_ids: Any) -> list[str] | None:
     """The ids of a ``fleet.drives`` message, or None when they are not a list of 1 to
     ``MAX_BATCH`` non-empty strings (a forged or mangled message: refused, not retried).
-    ``batch`` (this worker's ``drive_batch``) is not the bound: a dispatcher configured
-    with a larger one is still served."""
-    del batch
+    The bound is not this worker's ``drive_batch``: a dispatcher configured with a
+    larger one is still served."""
     if not isinstance(execution_ids, list) or not 1 <= len(execution_ids) <= MAX_BATCH:
         return None
     if not all(isinstance(i, str) and 0 < len(i) <= _MAX_ID for i in execution_ids):
