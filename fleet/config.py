@@ -8,10 +8,14 @@ every fleet process's parts from it; ``fleet.host.kernel`` its store and Runtime
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import ValidationError as PydanticValidationError
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.store.factory import GroupCommit, StoreOptions
@@ -82,6 +86,11 @@ class FleetSettings(BaseSettings):
         default_factory=dict,
         description='JSON {"flow:<id>" or "tenant:<t>": queue}; heavy flows get own workers')
     worker_drives: int = Field(64, ge=1, description="concurrent drives per worker process")
+    drive_batch: int = Field(
+        16, ge=1, le=256, description="most drives one published message carries: drives "
+        "published together on one queue (a group of starts, sends) go out as `fleet.drives` "
+        "messages of up to this many executions, which one worker drives at once on its loop "
+        "(decision 0030); 1: a `fleet.drive` message each")
     worker_pool: str = Field(
         "threads", pattern="^(threads|prefork|solo)$",
         description="Celery pool of a worker: threads (one loop, worker_drives drives at "
@@ -210,3 +219,94 @@ class FleetSettings(BaseSettings):
             raise ConfigurationError(
                 "no broker: set FLEET_BROKER_URL or FLEET_REDIS_URL (redis:// or amqp://)")
         return url
+
+
+# -- explaining a bad setting (issue 10 item 11) ---------------------------------------
+
+#: Example values for the settings whose default is no example (unset or empty).
+SETTING_EXAMPLES: dict[str, str] = {
+    "database_url": "postgresql://fleet@db:5432/fleet",
+    "redis_url": "redis://127.0.0.1:6379/0",
+    "broker_url": "redis://127.0.0.1:6379/0",
+    "divergence": "warn",
+    "pg_pool_min": "1",
+    "pg_pool_max": "10",
+    "max_event_bytes": "1048576",
+    "broker_max_retries": "10",
+    "flows": "myapp.flows:onboard,myapp.flows:billing",
+    "routes": '{"flow:report": "fleet.heavy", "tenant:acme": "fleet.acme"}',
+    "heartbeat_dir": "/var/run/fleet",
+    "dispatch_keys": '{"web-1": {"client": "web", "secret": "<random>", "tenants": ["acme"]}}',
+    "dispatch_keys_file": "/etc/fleet/dispatch-keys.json",
+    "dispatch_key_id": "web-1",
+    "reward_keys": '{"billing": "<random secret>"}',
+}
+#: Settings whose value an error never repeats (secrets; URLs that may hold a password).
+_UNECHOED = ("url", "keys", "secret", "password")
+
+
+def setting_env_name(field: str) -> str:
+    """The environment variable of setting ``field``: ``lease_ms`` -> ``FLEET_LEASE_MS``."""
+    return f"FLEET_{field.upper()}"
+
+
+def setting_example(field: str) -> str:
+    """A good value of setting ``field``, as its environment variable takes it."""
+    if field in SETTING_EXAMPLES:
+        return SETTING_EXAMPLES[field]
+    info = FleetSettings.model_fields.get(field)
+    value = None if info is None else info.get_default(call_default_factory=True)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return "" if value is None else str(value)
+
+
+def describe_settings_error(exc: BaseException) -> list[str] | None:
+    """One line per bad ``FLEET_*`` setting in ``exc`` (which setting, what is wrong, a
+    good value), or None when ``exc`` is not about the settings.
+
+    ``exc`` is what ``FleetSettings()`` raised: pydantic's ``ValidationError`` (a
+    value of the wrong type or range), or pydantic-settings' ``SettingsError`` (a
+    JSON setting that is not JSON). A secret's or a URL's value is never repeated.
+    """
+    if isinstance(exc, SettingsError):
+        found = re.search(r'field "([^"]+)"', str(exc))
+        if found is None:
+            return [str(exc)]
+        field = found.group(1)
+        cause = exc.__cause__ or exc.__context__
+        why = f"is not JSON ({cause})" if isinstance(cause, ValueError) else f"is unusable ({exc})"
+        return [_line(field, why)]
+    if not isinstance(exc, PydanticValidationError) or exc.title != FleetSettings.__name__:
+        return None
+    lines = []
+    for error in exc.errors():
+        loc = [str(part) for part in error.get("loc", ())]
+        if not loc:
+            lines.append(f"FLEET_* settings: {error.get('msg')}")
+            continue
+        field, inner = loc[0], loc[1:]
+        where = f" (at {'.'.join(inner)})" if inner else ""
+        shown = "" if any(word in field for word in _UNECHOED) or inner else \
+            f"={_shown(error.get('input'))}"
+        message = str(error.get("msg", "is not valid"))
+        message = message[:1].lower() + message[1:]
+        lines.append(_line(field, f"{message}{where}", shown))
+    return lines
+
+
+def _shown(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return shlex.quote(text if len(text) <= 40 else text[:37] + "...")
+
+
+def _line(field: str, why: str, shown: str = "") -> str:
+    name = setting_env_name(field)
+    example = setting_example(field)
+    hint = f"; e.g. {name}={shlex.quote(example)}" if example else ""
+    joint = " " if why.startswith("is ") else ": "
+    return f"{name}{shown}{joint}{why}{hint}"

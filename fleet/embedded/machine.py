@@ -194,6 +194,19 @@ class EmbeddedFleet:
                 "reward_keys": self.settings.reward_keys_file or "FLEET_REWARD_KEYS",
                 "logs": str(self.data_dir / "logs")}
 
+    def exports(self) -> dict[str, str]:
+        """The ``FLEET_*`` variables that point a command in another shell at this fleet
+        (``fleet status``, ``fleet start``, ``fleet list``): its store, Redis, broker,
+        flows and queue, and every other setting it runs with that is not the default.
+        Secrets are left out: the reward keys are in ``reward_keys_file``, dispatch keys
+        are the caller's own. Unredacted: write them only where the secrets could be.
+        """
+        mine = settings_env(self.settings, exclude=("reward_keys", "dispatch_keys"))
+        defaults = settings_env(FleetSettings.model_construct())
+        always = ("FLEET_DATABASE_URL", "FLEET_REDIS_URL", "FLEET_FLOWS", "FLEET_QUEUE")
+        return {name: value for name, value in mine.items()
+                if name in always or defaults.get(name) != value}
+
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the fleet's loop thread (where ``store`` lives); block for it."""
         if self._loop is None:

@@ -190,6 +190,8 @@ class _Ticks:
 
 def test_status_watch_refreshes_until_interrupted(env: Env,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out = run("start", "cli-gate", "--input", "1")  # the store exists
+    assert code == 0, out
     monkeypatch.setattr(fleet.cli.status, "time", _Ticks())
     code, out = run("status", "--watch", "--json", "--interval", "0.2",
                     "--inspect-timeout", "0.2")
