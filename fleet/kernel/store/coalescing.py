@@ -5,7 +5,8 @@
 after at most ``max_wait_ms`` (0: whatever queued during the current loop
 turn, and whatever queues while the in-flight flushes run, which is the
 batching that matters under load) and hands them to the inner store at once.
-Every other call goes straight to the inner store.
+Every other call goes straight to the inner store, the leased writes of decision
+0029 (``append_acquiring``, ``append_releasing``) too: they are not batched.
 
 An append made while nothing is queued or being written goes straight to the
 inner store (a flush of one): at low concurrency the queue would only add task
@@ -38,6 +39,7 @@ from fleet.kernel.store.spi import (
     AppendRequest,
     AppendsMany,
     EventStore,
+    FenceGrant,
     append_many,
     check_batch,
 )
@@ -100,6 +102,24 @@ class CoalescingEventStore(ForwardingEventStore):
             await self._alone(self.inner.append_batch(events, fence=fence))
             return
         await self._enqueue(list(events), fence)
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        """Straight to the inner store (a leased write is not batched): a flush of one."""
+        try:
+            return await super().append_acquiring(events, holder=holder, lease_ms=lease_ms,
+                                                  release=release)
+        finally:
+            self.flushes += 1
+            self.flushed += 1
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        """Straight to the inner store (a leased write is not batched): a flush of one."""
+        try:
+            await super().append_releasing(events, fence=fence)
+        finally:
+            self.flushes += 1
+            self.flushed += 1
 
     def _idle(self) -> bool:
         """Nothing queued or being written: an append has nobody to share a flush with."""
