@@ -17,7 +17,7 @@ from fleet.config import FleetSettings
 from fleet.services.status import WORKER_FIELDS, StatusReader
 
 _SHORT = {"completed": "done", "stepped_aside": "aside", "fenced_out": "fenced",
-          "recovered": "recov", "handed_back": "handed"}
+          "recovered": "recov", "handed_back": "handed", "divergence_parked": "diverged"}
 
 
 def _status_view(status: Any) -> Group:
