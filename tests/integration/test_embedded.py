@@ -27,6 +27,7 @@ from redis_server import url_with_db
 
 from fleet.config import FleetSettings
 from fleet.embedded import EmbeddedFleet
+from fleet.kernel.errors import ConfigurationError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -168,6 +169,39 @@ def test_a_killed_worker_takes_its_pool_with_it_and_stop_reaps_the_rest(
         assert replacement.alive()
         data_dir = fleet.data_dir
     assert not any(alive(pid) for pid in survivors)
+    assert processes_mentioning(str(data_dir)) == []
+
+
+def test_a_standby_worker_takes_nothing_until_deployed_then_takes_the_queue(
+        no_fleet_env: None) -> None:
+    # The demo's blue-green deploy: a worker on other code waits on a queue of its
+    # own; deploy() moves the fleet's queues to it and off the others.
+    def drives(worker: Any) -> int:
+        stats = fleet.stats(timeout=1.0)
+        return int(next(w for w in stats["workers"] if w["pid"] == worker.pid)["fleet"].get(
+            "drives", 0))
+
+    def run_one(user: str) -> None:
+        execution_id = fleet.dispatcher.start_sync("onboard", user)
+        assert fleet.dispatcher.result_sync(execution_id, timeout=30)["plan"]
+
+    with EmbeddedFleet(workers=1) as fleet:
+        (blue,) = fleet.workers
+        with pytest.raises(ConfigurationError, match="cannot import"):
+            fleet.start_worker(flows=["fleet.examples.no_such_module:onboard"])
+        assert fleet.workers == [blue]  # refused before anything was spawned
+        green = fleet.start_worker(flows=["fleet.examples.onboarding:onboard"], standby=True)
+        run_one("u-1")
+        assert (drives(blue), drives(green)) == (1, 0)
+        assert fleet.deploy(green) == [blue]
+        run_one("u-2")
+        run_one("u-3")
+        assert (drives(blue), drives(green)) == (1, 2)
+        assert blue.alive()  # switched off, not stopped
+        fleet.kill_worker(0)
+        with pytest.raises(ConfigurationError, match="worker-1 is not running"):
+            fleet.deploy(blue)
+        data_dir = fleet.data_dir
     assert processes_mentioning(str(data_dir)) == []
 
 
