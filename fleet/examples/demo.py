@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -173,6 +174,17 @@ def _holder_pid(holder: str | None) -> int | None:
     return int(parts[2]) if len(parts) >= 4 and parts[2].isdigit() else None
 
 
+class _Captured(logging.Handler):
+    """Keeps what a fleet logger says during the demo (shown in a stage, not on stderr)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 class _Demo:
     def __init__(self, options: DemoOptions, reporter: Reporter) -> None:
         self.options = options
@@ -185,6 +197,7 @@ class _Demo:
         self.ids: list[str] = []
         self.tickets: dict[str, dict[str, Any]] = {}
         self.answers: dict[str, dict[str, Any]] = {}
+        self.sweeper_said = _Captured()
         self.settings = FleetSettings.model_construct()
 
     # ------------------------------------------------------------ helpers
@@ -213,6 +226,16 @@ class _Demo:
 
     # ------------------------------------------------------------ stages
     async def main(self) -> dict[str, Any]:
+        # The sweeper logs each diverged park (fleet.recovery); the deploy stage
+        # shows what it said instead of letting it interleave with the tables.
+        sweeper_log = logging.getLogger("fleet.recovery")
+        sweeper_log.addHandler(self.sweeper_said)
+        try:
+            return await self._main()
+        finally:
+            sweeper_log.removeHandler(self.sweeper_said)
+
+    async def _main(self) -> dict[str, Any]:
         began = time.monotonic()
         base = FleetSettings()
         settings = demo_settings(base, self.options, self.run, self.key)
@@ -455,9 +478,11 @@ class _Demo:
             status = await asyncio.to_thread(_fleet_status, fleet.settings)
             counter = next((int(w.fleet.get("divergence_parked", 0)) for w in status.workers
                             if w.name == changed.node), 0)
+            logged = [m for m in self.sweeper_said.messages if DIVERGED_GATE in m]
             info["parked"] = {"count": len(held), "skipped": skipped,
                               "status_parked": status.executions.get("parked", 0),
-                              "worker_divergence_parked": counter}
+                              "worker_divergence_parked": counter,
+                              "sweeper_logged": len(logged)}
             # The fix: the code that asks for classify again, deployed the same way.
             await asyncio.to_thread(fleet.deploy, fixed)
             info["fixed"] = {"worker": fixed.name, "pid": fixed.pid, "node": fixed.node}
@@ -483,6 +508,9 @@ class _Demo:
              [f"parked on {DIVERGED_GATE}", f"{len(held)} ({first}): refused before "
               "send/escalate ran"],
              [f"fleet status: {changed.name} divergence_parked", counter],
+             ["the recovery sweeper's log (fleet.recovery)",
+              logged[0] if logged else "(not yet: it lists them every "
+              f"{fleet.settings.recovery_interval_s:g} s)"],
              ["Flower", flower],
              ["the fix (classify is a step again)", f"{AGENT_FLOW} on {fixed.name} "
               f"(pid {fixed.pid})"],
