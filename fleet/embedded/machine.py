@@ -120,7 +120,9 @@ class EmbeddedFleet:
         store: The services' store; it lives on the fleet's loop thread, so
             use it through ``call`` / ``acall``.
         app: The fleet's Celery app (control commands, ``inspect``).
-        workers: The worker processes (``ChildProcess``), killed ones included.
+        workers: The worker processes (``ChildProcess``), killed ones included;
+            ``start_worker`` adds one (on other flows, or on standby until
+            ``deploy`` moves the fleet's queues to it: a blue-green deploy).
         services: The in-process services by name (``timers``, ``recovery``,
             ``attacher``, ``relay``).
     """

@@ -475,9 +475,12 @@ class _Demo:
             for eid in held:
                 state = await runtime.load_state(eid, principal=self.principal)
                 skipped[eid] = str((state.waiting or {}).get("correlationKey", ""))
-            status = await asyncio.to_thread(_fleet_status, fleet.settings)
-            counter = next((int(w.fleet.get("divergence_parked", 0)) for w in status.workers
-                            if w.name == changed.node), 0)
+            for _ in range(5):  # a reply that misses its second is asked again
+                status = await asyncio.to_thread(_fleet_status, fleet.settings)
+                counter = next((int(w.fleet.get("divergence_parked", 0))
+                                for w in status.workers if w.name == changed.node), 0)
+                if counter >= len(held):
+                    break
             logged = [m for m in self.sweeper_said.messages if DIVERGED_GATE in m]
             info["parked"] = {"count": len(held), "skipped": skipped,
                               "status_parked": status.executions.get("parked", 0),
