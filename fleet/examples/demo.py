@@ -260,8 +260,11 @@ class _Demo:
                                   standby=True))
             try:
                 await self.recover(fleet, runtime, orphans)
-            finally:
-                changed, fixed = await standby
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await standby  # started or failed: the fleet's stop reaps them
+                raise
+            changed, fixed = await standby
             held = self.ids[-self.held_back():]
             await self.approve(fleet, runtime, [e for e in self.ids if e not in held])
             await self.diverge(fleet, runtime, held, changed, fixed)
