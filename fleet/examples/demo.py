@@ -69,6 +69,7 @@ from typing import Any, Protocol
 from fleet.config import FleetSettings
 from fleet.embedded.machine import EmbeddedFleet
 from fleet.examples import agent
+from fleet.host.keys import reward_keys_of
 from fleet.kernel.events import TERMINAL_STATUSES, EventEnvelope, EventType
 from fleet.kernel.fold import DIVERGED_GATE
 from fleet.kernel.runtime import Runtime
@@ -143,7 +144,7 @@ def demo_settings(base: FleetSettings, options: DemoOptions, run: str, key: str
     update: dict[str, Any] = {
         "lease_ms": options.lease_ms, "recovery_grace_ms": 500, "recovery_interval_s": 0.5,
         "timer_interval_s": 0.2, "flows": flows,
-        "reward_keys": {**base.reward_keys, PRODUCER: key},
+        "reward_keys": {**reward_keys_of(base), PRODUCER: key}, "reward_keys_file": None,
         "worker_drives": max(base.worker_drives, options.executions),
         # A re-run whose body skipped a recorded step parks instead of going on.
         "divergence": "fail",
