@@ -86,6 +86,7 @@ AGENT_FLOW = "fleet.examples.agent:support_reply"
 CHANGED_FLOW = "fleet.examples.agent_changed:support_reply"
 FLOW_ID = "support-reply"
 PRODUCER = "demo"
+TENANT = "demo"  # the tenant the demo's operator starts every run in
 Progress = Callable[[int, str], None]
 
 
@@ -145,6 +146,8 @@ def demo_settings(base: FleetSettings, options: DemoOptions, run: str, key: str
         "lease_ms": options.lease_ms, "recovery_grace_ms": 500, "recovery_interval_s": 0.5,
         "timer_interval_s": 0.2, "flows": flows,
         "reward_keys": {**reward_keys_of(base), PRODUCER: key}, "reward_keys_file": None,
+        # The demo's producer rewards the demo's tenant only (decision 0025).
+        "reward_tenants": {**base.reward_tenants, PRODUCER: [TENANT]},
         "worker_drives": max(base.worker_drives, options.executions),
         # A re-run whose body skipped a recorded step parks instead of going on.
         "divergence": "fail",
@@ -193,7 +196,7 @@ class _Demo:
         self.run = secrets.token_hex(3)
         self.key = secrets.token_hex(16)
         self.rng = random.Random(options.seed)
-        self.principal = Principal("demo-operator", tenant="demo")
+        self.principal = Principal("demo-operator", tenant=TENANT)
         self.summary: dict[str, Any] = {"run": self.run, "stages_s": {}}
         self.ids: list[str] = []
         self.tickets: dict[str, dict[str, Any]] = {}
