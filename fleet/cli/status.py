@@ -26,7 +26,7 @@ from fleet.config import FleetSettings
 from fleet.services.status import WORKER_FIELDS, StatusReader
 
 _SHORT = {"completed": "done", "stepped_aside": "aside", "fenced_out": "fenced",
-          "recovered": "recov", "handed_back": "handed"}
+          "recovered": "recov", "handed_back": "handed", "divergence_parked": "diverged"}
 
 
 def _workers_table(status: Any, wide: bool) -> Table:

@@ -33,7 +33,7 @@ STATES: tuple[str, ...] = ("running", "parked", "completed", "failed", "cancelle
 #: The worker counters ``fleet status`` shows, in order.
 WORKER_FIELDS: tuple[str, ...] = ("active", "drives", "completed", "failed", "parked",
                                   "stepped_aside", "fenced_out", "recovered", "handed_back",
-                                  "errors")
+                                  "divergence_parked", "errors")
 
 
 @dataclass(frozen=True, slots=True)
