@@ -42,8 +42,9 @@ class FleetSettings(BaseSettings):
     max_event_bytes: int | None = Field(
         None, ge=1, description="largest event (JSON bytes) the store takes (every backend); "
         "unset: 16 MiB")
-    group_commit: bool = Field(False, description="batch appends of many executions into "
-                               "one transaction per flush (CoalescingEventStore)")
+    group_commit: bool | None = Field(
+        None, description="batch appends of many executions into one transaction per flush "
+        "(CoalescingEventStore); unset: on for Postgres, off for memory and SQLite")
     group_commit_max_batch: int = Field(256, ge=1, description="most appends in one flush")
     group_commit_max_wait_ms: float = Field(
         0.0, ge=0, description="longest an append waits for others to join its flush")
@@ -202,10 +203,12 @@ class FleetSettings(BaseSettings):
 
     def store_options(self) -> StoreOptions:
         """What ``open_event_store(database_url, ...)`` takes beside the URL."""
-        group = (GroupCommit(max_batch=self.group_commit_max_batch,
-                             max_wait_ms=self.group_commit_max_wait_ms,
-                             max_inflight=self.group_commit_max_inflight)
-                 if self.group_commit else None)
+        postgres = self.database_url.startswith(("postgresql://", "postgres://"))
+        group: GroupCommit | bool = (GroupCommit(max_batch=self.group_commit_max_batch,
+                                                 max_wait_ms=self.group_commit_max_wait_ms,
+                                                 max_inflight=self.group_commit_max_inflight)
+                                     if self.group_commit or (self.group_commit is None
+                                                              and postgres) else False)
         return StoreOptions(pool_min=self.pg_pool_min, pool_max=self.pg_pool_max,
                             max_event_bytes=self.max_event_bytes, group_commit=group)
 

@@ -25,6 +25,7 @@ from fleet.kernel.errors import (
     ExecutionBusyError,
     ExecutionConflictError,
     ExecutionNotFoundError,
+    RunAborted,
 )
 from fleet.kernel.events import EventEnvelope, EventType, wall_clock_ms
 from fleet.kernel.flows import FlowDefinition, FlowRegistry
@@ -131,6 +132,11 @@ class Engine:
         return await Lease.take(self.store, execution_id, holder=self.holder,
                                 lease_ms=self.lease_ms, warner=self.warner)
 
+    def deferred(self, execution_id: str) -> Lease:
+        """A lease the first write of ``execution_id`` takes (decision 0029)."""
+        return Lease.deferred(self.store, execution_id, holder=self.holder,
+                              lease_ms=self.lease_ms, warner=self.warner)
+
     async def take_if_free(self, execution_id: str) -> Lease | None:
         """The fence of ``execution_id`` if no live lease holds it; None otherwise."""
         return await Lease.take_if_free(self.store, execution_id, holder=self.holder,
@@ -179,9 +185,9 @@ class Engine:
 
     # -- runs ------------------------------------------------------------------------
     def journal(self, state: ExecutionState, lease: Lease) -> Journal:
-        return Journal(self.store, state, fence=lease.token, clock=self.clock,
-                       warner=self.warner, on_event=self.observers.on_event,
-                       on_durable_event=self.observers.on_durable_event)
+        return Journal(self.store, state, fence=None if lease.grant is None else lease.token,
+                       clock=self.clock, warner=self.warner, on_event=self.observers.on_event,
+                       on_durable_event=self.observers.on_durable_event, lease=lease)
 
     async def prepare(self, execution_id: str, lease: Lease) -> Run | RunOutcome:
         """Fold the log under ``lease``: a Run to launch (it takes the lease), or the
@@ -202,8 +208,9 @@ class Engine:
             if allowed is not None:
                 self.warner.warn(f"{allowed.message} (driven anyway: allow_flow_code_mismatch)",
                                  key=f"code-mismatch:{execution_id}")
-            journal = self.journal(state, lease)
-            run = Run(self, definition, journal, lease.pass_on())
+            run_lease = lease.pass_on()
+            journal = self.journal(state, run_lease)
+            run = Run(self, definition, journal, run_lease)
             if last_type not in WAKE_EVENTS:
                 # The log ends mid-run: an earlier holder stopped (died, was fenced out).
                 journal.commit(EventType.RECOVERED, {"by": self.holder, "reason": "drive"})
@@ -245,7 +252,9 @@ class Engine:
         finally:
             if self.runs.get(execution_id) is run:
                 del self.runs[execution_id]
-        if outcome.kind in _FAILS_WAITERS and outcome.cause is not None:
+        if outcome.last_sequence < 0:
+            pass  # a start whose first write failed: its caller hears why (begin)
+        elif outcome.kind in _FAILS_WAITERS and outcome.cause is not None:
             self.results.fail(execution_id, outcome.cause)
         elif outcome.ended:
             # Only an end the log holds wakes result() waiters: the live state
@@ -271,19 +280,51 @@ class Engine:
         None when no run was launched here: ``drive=False``, or another start
         wrote the log first (the start is idempotent by id).
         """
+        started = EventEnvelope.make(execution_id, 0, EventType.EXECUTION_STARTED,
+                                     self.clock(), payload)
+        if drive and lease.grant is None:
+            return await self._begin_carried(started, definition, lease)
         async with lease:
-            started = EventEnvelope.make(execution_id, 0, EventType.EXECUTION_STARTED,
-                                         self.clock(), payload)
             try:
-                await self.writer.write(lease, [started])
+                # Written alone and not driven here: the write ends the lease too.
+                await self.writer.write(lease, [started], last=not drive)
             except DuplicateSequenceError:
                 return None  # a concurrent start wrote it
             if not drive:
                 return None
             state = ExecutionState(execution_id=execution_id)
             apply(state, started)  # in place: fold_log would copy the state first
-            return self.launch(Run(self, definition, self.journal(state, lease),
-                                   lease.pass_on()))
+            run_lease = lease.pass_on()
+            return self.launch(Run(self, definition, self.journal(state, run_lease),
+                                   run_lease))
+
+    async def _begin_carried(self, started: EventEnvelope, definition: FlowDefinition,
+                             lease: Lease) -> RunFuture | None:
+        """Launch the run with ``started`` queued in its journal, so the run's first write
+        takes the fence and carries the start with the first step's ``STEP_STARTED``
+        (decision 0029); return once the start is durable.
+
+        None when the log exists (an idempotent start); ``ExecutionBusyError`` when a
+        live lease holds the fence (nothing was written: the caller waits for it).
+        """
+        state = ExecutionState(execution_id=started.execution_id)
+        apply(state, started)
+        run_lease = lease.pass_on()
+        journal = self.journal(state, run_lease)
+        journal.carry_start(started)
+        task = self.launch(Run(self, definition, journal, run_lease))
+        # One loop turn: the run reaches its first write (a step's STEP_STARTED, a
+        # park, its end) and that write carries the start; else the barrier below
+        # writes the start alone.
+        await asyncio.sleep(0)
+        try:
+            await journal.barrier(upto=started.sequence)
+        except RunAborted as aborted:
+            await asyncio.wait({task})
+            if isinstance(aborted.cause, DuplicateSequenceError):
+                return None  # a concurrent start wrote it
+            raise aborted.cause from None
+        return task
 
     async def existing(self, execution_id: str, flow_id: str,
                        principal: Principal | None) -> None:
@@ -362,7 +403,7 @@ class Engine:
                                   state.flow_version, state.code_hash,
                                   allow_code_mismatch=self.options.allow_flow_code_mismatch)
             events = make_events(execution_id, state.sequence, self.clock(), bodies)
-            await self.writer.write(lease, events)
+            await self.writer.write(lease, events, last=not drive)
             if not drive:
                 return None
             return await self.drive(execution_id, lease)

@@ -28,9 +28,10 @@ from typing import Any
 from fleet.kernel.errors import RunAborted
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.fold import ExecutionState, apply
+from fleet.kernel.lease import Lease
 from fleet.kernel.observers import EventObserver, Warner, WarnSink, deliver
 from fleet.kernel.store.spi import EventStore
-from fleet.kernel.writes import append_events
+from fleet.kernel.writes import append_events, append_under
 
 # The observer types and the warner live in fleet.kernel.observers; they are
 # named here too because the fleet packages import them from the journal.
@@ -47,16 +48,24 @@ class Journal:
     run needs no extra task per write.
     """
 
-    __slots__ = ("_error", "_flushing", "_pending", "_refused", "clock", "durable_seq",
-                 "fence", "on_durable_event", "on_event", "state", "store", "warner")
+    __slots__ = ("_error", "_flushing", "_held_reports", "_pending", "_refused", "clock",
+                 "durable_seq", "fence", "lease", "on_durable_event", "on_event", "state",
+                 "store", "warner")
 
     def __init__(self, store: EventStore, state: ExecutionState, *, fence: int | None,
                  clock: Callable[[], int], warner: Warner,
                  on_event: EventObserver | None = None,
-                 on_durable_event: EventObserver | None = None) -> None:
+                 on_durable_event: EventObserver | None = None,
+                 lease: Lease | None = None) -> None:
         self.store = store
         self.state = state
         self.fence = fence
+        # The run's lease: writes go under it (taking a deferred one, ending it with the
+        # last write: decision 0029). None: under ``fence`` (a dry replay's copy).
+        self.lease = lease
+        # Events whose on_event waits for their write (a start's EXECUTION_STARTED and
+        # what was committed before it was stored); None: on_event fires at commit.
+        self._held_reports: list[EventEnvelope] | None = None
         self.clock = clock
         self.warner = warner
         self.on_event = on_event
@@ -105,31 +114,50 @@ class Journal:
         event = EventEnvelope.make(self.state.execution_id, self.state.sequence + 1, type,
                                    self.clock(), payload, kernel=kernel, metadata=metadata)
         apply(self.state, event)
-        if self.on_event is not None:
+        if self._held_reports is not None:
+            self._held_reports.append(event)
+        elif self.on_event is not None:
             deliver(self.on_event, event, self.warner, "on_event")
         self._pending.append(event)
         return event
 
-    async def barrier(self) -> None:
-        """Wait until everything committed so far is durable, or raise RunAborted."""
-        target = self.state.sequence
+    def carry_start(self, started: EventEnvelope) -> None:
+        """Queue a new execution's ``EXECUTION_STARTED`` (already folded into the state)
+        so the run's first write carries it (decision 0029).
+
+        As for any write outside a run (decision 0015), ``on_event`` hears of it once
+        it is stored; so do the events the run commits before that write (their
+        ``on_event`` waits for it, in sequence order).
+        """
+        self.durable_seq = started.sequence - 1
+        self._pending.append(started)
+        self._held_reports = [started]
+
+    async def barrier(self, *, upto: int | None = None, last: bool = False) -> None:
+        """Wait until everything committed so far (or through ``upto``) is durable, or
+        raise RunAborted. ``last``: nothing more is written under the lease, so the
+        write that carries the end also ends the lease (decision 0029)."""
+        target = self.state.sequence if upto is None else upto
         while True:
+            if self.durable_seq >= target:
+                return  # (a later write may have failed since: not this barrier's)
             if self._error is not None:
                 raise RunAborted(self._error)
-            if self.durable_seq >= target:
-                return
             if self._flushing is not None:
                 # Another task is writing: wait for it, then look again.
                 await asyncio.shield(self._flushing)
                 continue
-            await self._flush_once()
+            await self._flush_once(last=last)
 
-    async def _flush_once(self) -> None:
+    async def _flush_once(self, *, last: bool = False) -> None:
         batch, self._pending = self._pending, []
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._flushing = done
         try:
-            await append_events(self.store, batch, fence=self.fence)
+            if self.lease is not None:
+                await append_under(self.lease, batch, last=last)
+            else:
+                await append_events(self.store, batch, fence=self.fence)
         except BaseException as exc:  # latch every kind of failure, then re-raise
             # Latch: a lost, rejected, fenced or interrupted write ends this
             # journal; nothing after it is written or reported as durable.
@@ -141,6 +169,12 @@ class Journal:
             raise
         else:
             self.durable_seq = batch[-1].sequence
+            held = self._held_reports
+            if held is not None:
+                self._held_reports = None
+                if self.on_event is not None:
+                    for event in held:
+                        deliver(self.on_event, event, self.warner, "on_event")
             if self.on_durable_event is not None:
                 for event in batch:
                     deliver(self.on_durable_event, event, self.warner, "on_durable_event")

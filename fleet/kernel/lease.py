@@ -58,15 +58,43 @@ class Lease:
         warner: Where a failed release is reported (the lease then expires on its own).
     """
 
-    __slots__ = ("_done", "grant", "kept", "store", "warner")
+    __slots__ = ("_done", "_wanted", "grant", "kept", "store", "warner")
 
-    def __init__(self, store: EventStore, grant: FenceGrant, *, warner: Warner) -> None:
+    def __init__(self, store: EventStore, grant: FenceGrant | None, *, warner: Warner,
+                 wanted: tuple[str, str, int] | None = None) -> None:
+        if grant is None and wanted is None:
+            raise ValueError("a lease is a grant, or the fence its first write takes")
         self.store = store
+        # None: not taken yet; the first write under this lease takes it (``deferred``).
         self.grant = grant
         self.warner = warner
+        # (execution id, holder, lease_ms) of a deferred lease.
+        self._wanted = wanted
         # Why the lease is left to expire (a write under it failed that way), or None.
         self.kept: BaseException | None = None
         self._done = False
+
+    @classmethod
+    def deferred(cls, store: EventStore, execution_id: str, *, holder: str, lease_ms: int,
+                 warner: Warner) -> Lease:
+        """A lease whose first write takes the fence (``append_acquiring``, decision 0029):
+        one round trip for the fence and the write. Until then it holds nothing."""
+        return cls(store, None, warner=warner, wanted=(execution_id, holder, lease_ms))
+
+    @property
+    def wanted(self) -> tuple[str, str, int]:
+        """(execution id, holder, lease_ms) for the write that takes a deferred lease."""
+        assert self._wanted is not None
+        return self._wanted
+
+    def granted(self, grant: FenceGrant, *, released: bool = False) -> None:
+        """The first write took the fence (and, with ``released``, ended the lease too)."""
+        self.grant = grant
+        self._done = self._done or released
+
+    def released_by_write(self) -> None:
+        """The last write under this lease ended it (``append_releasing``)."""
+        self._done = True
 
     @classmethod
     async def take(cls, store: EventStore, execution_id: str, *, holder: str, lease_ms: int,
@@ -84,10 +112,13 @@ class Lease:
 
     @property
     def execution_id(self) -> str:
-        return self.grant.execution_id
+        return self.grant.execution_id if self.grant is not None else self.wanted[0]
 
     @property
     def token(self) -> int:
+        if self.grant is None:
+            raise RuntimeError(f"the lease of {self.execution_id!r} is not taken yet: its "
+                               "first write takes it")
         return self.grant.token
 
     @property
@@ -103,15 +134,15 @@ class Lease:
     def pass_on(self) -> Lease:
         """Hand the fence to whoever continues the work; this lease then lets go of nothing."""
         self._done = True
-        return Lease(self.store, self.grant, warner=self.warner)
+        return Lease(self.store, self.grant, warner=self.warner, wanted=self._wanted)
 
     async def release(self) -> None:
         """Release the fence now (once), unless a failed write keeps it (see the module)."""
         if self._done:
             return
         self._done = True
-        if self.kept is not None:
-            return
+        if self.kept is not None or self.grant is None:
+            return  # kept to expire, or never taken
         try:
             await self.store.release_fence(self.grant.execution_id, self.grant.token)
         except Exception as exc:  # noqa: BLE001 - the lease expires on its own
@@ -132,7 +163,8 @@ class Lease:
         return Renewal(self, lease_ms=lease_ms, alive=alive, tasks=tasks)
 
     def __repr__(self) -> str:
-        return f"Lease({self.grant.execution_id!r}, token={self.grant.token})"
+        token = "deferred" if self.grant is None else self.grant.token
+        return f"Lease({self.execution_id!r}, token={token})"
 
 
 class Renewal:
@@ -159,6 +191,9 @@ class Renewal:
         if self._handle is None or not self._alive():
             return
         grant = self._lease.grant
+        if grant is None or self._lease.released:  # not taken yet, or ended by a write
+            self._handle = self._loop.call_later(self._interval, self._beat)
+            return
         task = self._loop.create_task(self._lease.store.renew_lease(
             grant.execution_id, grant.token, lease_ms=self._lease_ms))
         self._tasks.add(task)

@@ -276,7 +276,7 @@ class Run:
                 error = {"type": "DeadlineExceeded", "message": "the flow's deadline passed",
                          "retryable": False}
                 journal.commit(EventType.EXECUTION_FAILED, {"error": error})
-                await journal.barrier()
+                await journal.barrier(last=True)
                 stats.failed += 1
                 return self.outcome("failed", error=error)
             try:
@@ -284,7 +284,7 @@ class Run:
                 output = ensure_json(output, f"the output of flow {state.flow_id!r}")
                 await self.before_new_work(EventType.EXECUTION_COMPLETED, None)
                 journal.commit(EventType.EXECUTION_COMPLETED, {"output": output})
-                await journal.barrier()
+                await journal.barrier(last=True)
                 stats.completed += 1
                 return self.outcome("completed")
             except ExecutionParked as park:
@@ -295,7 +295,7 @@ class Run:
                 except FlowReplayDivergenceError as diverged:
                     return await self._park_diverged(diverged)
                 journal.commit(EventType.EXECUTION_SUSPENDED, {"condition": park.condition})
-                await journal.barrier()
+                await journal.barrier(last=True)
                 stats.parked += 1
                 return self.outcome("parked", waiting=Waiting.from_condition(park.condition))
             except FlowReplayDivergenceError as diverged:
@@ -318,7 +318,7 @@ class Run:
                     return self.outcome("aborted", cause=exc)
                 journal.commit(EventType.EXECUTION_CONTINUED,
                                {"nextExecutionId": cont.next_execution_id, "input": cont.input})
-                await journal.barrier()
+                await journal.barrier(last=True)
                 return self.outcome("continued", next_execution_id=cont.next_execution_id)
             except ValidationError as exc:
                 if self.refused is not None:
@@ -408,7 +408,7 @@ class Run:
         error = error if error is not None else error_of(cause)
         try:
             self.journal.commit(EventType.EXECUTION_FAILED, {"error": error})
-            await self.journal.barrier()
+            await self.journal.barrier(last=True)
         except RunAborted as aborted:
             failed = self.journal.failed
             if not rebased and isinstance(failed, ValidationError) and aborted.cause is failed:
@@ -434,6 +434,11 @@ class Run:
         """
         refused = self.journal.refused
         eid = self.state.execution_id
+        if self.journal.durable_seq < 0:
+            # The refused write carried the start (decision 0029): there is no log to
+            # fail; the caller of start hears the refusal.
+            self.host.stats.aborted += 1
+            return self.outcome("aborted", cause=cause)
         try:
             state, _ = await self.host.load(eid)
         except Exception as exc:  # noqa: BLE001 - the refusal stands; the run stops
@@ -469,7 +474,7 @@ class Run:
         lost: BaseException | None = None
         try:
             self.journal.commit(EventType.EXECUTION_SUSPENDED, {"condition": condition})
-            await self.journal.barrier()
+            await self.journal.barrier(last=True)
             error.parked = True
         except RunAborted as aborted:
             lost = aborted.cause

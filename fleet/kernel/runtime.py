@@ -224,10 +224,6 @@ class Runtime:
         if not fresh and await self.store.head(execution_id) is not None:
             await self.engine.existing(execution_id, definition.flow_id, principal)
             return ExecutionHandle(self, execution_id)  # an idempotent start
-        lease = await self.engine.lease_for_start(execution_id)
-        if lease is None:  # a concurrent start wrote it
-            await self.engine.existing(execution_id, definition.flow_id, principal)
-            return ExecutionHandle(self, execution_id)
         now = self.clock()
         payload: dict[str, Any] = {
             "flowId": definition.flow_id, "flowVersion": definition.version,
@@ -237,7 +233,22 @@ class Runtime:
             payload["codeHash"] = definition.code_fingerprint
         if definition.deadline is not None:
             payload["deadlineAt"] = now + int(definition.deadline * 1000)
-        run = await self.engine.begin(execution_id, definition, lease, payload, drive=drive)
+        # The first write takes the fence (decision 0029); a live lease over the id
+        # (another start in flight) is waited for as before.
+        try:
+            run = await self.engine.begin(execution_id, definition,
+                                          self.engine.deferred(execution_id), payload,
+                                          drive=drive)
+        except ExecutionBusyError:
+            lease = await self.engine.lease_for_start(execution_id)
+            if lease is None:  # a concurrent start wrote it
+                await self.engine.existing(execution_id, definition.flow_id, principal)
+                return ExecutionHandle(self, execution_id)
+            run = await self.engine.begin(execution_id, definition, lease, payload,
+                                          drive=drive)
+        if run is None and drive:  # a concurrent start wrote it
+            await self.engine.existing(execution_id, definition.flow_id, principal)
+            return ExecutionHandle(self, execution_id)
         return ExecutionHandle(self, execution_id, run)
 
     async def start_many(self, requests: Sequence[StartRequest]) -> list[ExecutionHandle]:

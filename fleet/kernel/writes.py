@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fleet.kernel.errors import DuplicateSequenceError
+from fleet.kernel.errors import DuplicateSequenceError, ExecutionBusyError
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.lease import Lease
 from fleet.kernel.observers import Observers
@@ -32,7 +32,9 @@ from fleet.kernel.store.spi import (
     ConditionalAppendResult,
     EventStore,
     TipObservation,
+    append_acquiring,
     append_many,
+    append_releasing,
 )
 
 
@@ -47,6 +49,31 @@ async def append_events(store: EventStore, events: Sequence[EventEnvelope], *,
         await store.append(events[0], fence=fence)
     else:
         await store.append_batch(events, fence=fence)
+
+
+async def append_under(lease: Lease, events: Sequence[EventEnvelope], *,
+                       last: bool = False) -> None:
+    """Append ``events`` (contiguous, one execution) under ``lease``, in one round trip.
+
+    A deferred lease is taken by this write (``append_acquiring``: refused with
+    ``ExecutionBusyError``, nothing written, when a live lease is held); with
+    ``last`` the write also ends the lease (``append_releasing``), so its holder
+    need not release it (decision 0029). A lease already let go (kept, passed
+    on) writes under its token and ends nothing.
+    """
+    if lease.grant is None:
+        execution_id, holder, lease_ms = lease.wanted
+        grant = await append_acquiring(lease.store, events, holder=holder, lease_ms=lease_ms,
+                                       release=last)
+        if grant is None:
+            raise ExecutionBusyError(f"execution {execution_id!r} is held by a live lease; "
+                                     "nothing was written, retry")
+        lease.granted(grant, released=last)
+    elif last and not lease.released and lease.kept is None:
+        await append_releasing(lease.store, events, fence=lease.grant.token)
+        lease.released_by_write()
+    else:
+        await append_events(lease.store, events, fence=lease.grant.token)
 
 
 def make_events(execution_id: str, after: int, now: int,
@@ -70,8 +97,12 @@ class LogWriter:
         self.store = store
         self.observers = observers
 
-    async def write(self, lease: Lease, events: Sequence[EventEnvelope]) -> None:
+    async def write(self, lease: Lease, events: Sequence[EventEnvelope], *,
+                    last: bool = False) -> None:
         """Append ``events`` under ``lease``'s fence and report them once stored.
+
+        A deferred lease is taken by this write; with ``last`` the write also ends
+        the lease (decision 0029: one round trip for all three).
 
         Raises:
             whatever the store raised (nothing was reported; ``lease`` knows).
@@ -80,7 +111,10 @@ class LogWriter:
             # Always the all-or-nothing batch append, even for one event: a
             # bootstrap is one batch (ADR 0116 round 3 A), and a store decorator
             # sees every write from outside a run the same way.
-            await self.store.append_batch(events, fence=lease.token)
+            if lease.grant is None or last:
+                await append_under(lease, events, last=last)
+            else:
+                await self.store.append_batch(events, fence=lease.token)
         except BaseException as exc:
             lease.write_failed(exc)
             self._refused(events, exc)

@@ -34,6 +34,7 @@ from fleet.kernel.store.conformance import (
 )
 from fleet.kernel.store.conformance_feed import settled_feed
 from fleet.kernel.store.factory import (
+    StoreOptions,
     open_event_store,
     open_snapshot_store,
     postgres_event_store_class,
@@ -231,12 +232,18 @@ async def test_snapshot_store_shares_the_pool(db: PostgresEventStore) -> None:
 
 async def test_factory_opens_postgres_urls(database_url: str) -> None:
     schema = fresh_schema()
-    store = open_event_store(f"{database_url}?schema={schema}&pool_max=2")
+    opened = open_event_store(f"{database_url}?schema={schema}&pool_max=2")
     snapshots = open_snapshot_store(f"{database_url}?schema={schema}&pool_max=2")
+    # Group commit is the default on Postgres (decision 0029); the store is inside.
+    assert isinstance(opened, CoalescingEventStore)
+    store = opened.inner
     try:
         assert isinstance(store, PostgresEventStore)
         assert isinstance(snapshots, PostgresSnapshotStore)
         assert store.schema == schema
+        assert isinstance(open_event_store(f"{database_url}?schema={schema}",
+                                           StoreOptions(group_commit=False)),
+                          PostgresEventStore)  # off when asked (never opened: no pool)
         await store.append(started("f"))
         await snapshots.save(Snapshot("f", 0, {}))
         assert await store.head("f") == 0

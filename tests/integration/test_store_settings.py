@@ -121,7 +121,12 @@ async def test_postgres_defaults_leave_the_url_options(database_url: str,
     schema = f"env_{secrets.token_hex(4)}"
     env.setenv("FLEET_DATABASE_URL", f"{database_url}?schema={schema}&pool_min=1&pool_max=5")
     store = open_store(FleetSettings())
-    assert isinstance(store, PostgresEventStore)  # group commit is off by default
+    assert isinstance(store, CoalescingEventStore)  # group commit is on by default
+    assert (store.max_batch, store.max_wait) == (256, 0.0)
+    await store.close()
+    env.setenv("FLEET_GROUP_COMMIT", "false")  # and off when asked
+    store = open_store(FleetSettings())
+    assert isinstance(store, PostgresEventStore)
     try:
         await store.open()
         assert (store._db.pool.get_min_size(), store._db.pool.get_max_size()) == (1, 5)
@@ -137,6 +142,7 @@ async def test_pool_sizes_from_env_win_over_the_url(database_url: str,
                                                     env: pytest.MonkeyPatch) -> None:
     env.setenv("FLEET_DATABASE_URL", f"{database_url}?schema=env_w&pool_min=1&pool_max=5")
     env.setenv("FLEET_PG_POOL_MAX", "2")
+    env.setenv("FLEET_GROUP_COMMIT", "false")
     store = open_store(FleetSettings())
     assert isinstance(store, PostgresEventStore)
     try:

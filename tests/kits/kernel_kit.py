@@ -19,7 +19,12 @@ import pytest
 from fleet.kernel.errors import ExecutionFailedError, StoreUnavailableError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.runtime import ExecutionHandle, Runtime
-from fleet.kernel.store.spi import EventStore
+from fleet.kernel.store.spi import (
+    EventStore,
+    FenceGrant,
+    append_acquiring,
+    append_releasing,
+)
 
 
 class ManualClock:
@@ -63,6 +68,16 @@ class FaultyStore:
                            fence: int | None = None) -> None:
         self._check(events)
         await self.inner.append_batch(events, fence=fence)
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        self._check(events)
+        return await append_acquiring(self.inner, events, holder=holder, lease_ms=lease_ms,
+                                      release=release)
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        self._check(events)
+        await append_releasing(self.inner, events, fence=fence)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -84,6 +84,20 @@ class Stamping(ForwardingEventStore):
         for event in events:
             self.timeline.note("stored", event)
 
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> Any:
+        grant = await super().append_acquiring(events, holder=holder, lease_ms=lease_ms,
+                                               release=release)
+        if grant is not None:
+            for event in events:
+                self.timeline.note("stored", event)
+        return grant
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        await super().append_releasing(events, fence=fence)
+        for event in events:
+            self.timeline.note("stored", event)
+
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: Any = None) -> Any:
         result = await self.inner.append_if_unchanged(execution_id, event, expect)

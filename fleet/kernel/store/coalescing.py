@@ -5,7 +5,12 @@
 after at most ``max_wait_ms`` (0: whatever queued during the current loop
 turn, and whatever queues while the in-flight flushes run, which is the
 batching that matters under load) and hands them to the inner store at once.
-Every other call goes straight to the inner store.
+Every other call goes straight to the inner store, the leased writes of decision
+0029 (``append_acquiring``, ``append_releasing``) too: they are not batched.
+
+An append made while nothing is queued or being written goes straight to the
+inner store (a flush of one): at low concurrency the queue would only add task
+hops; appends that arrive while it is in flight queue as usual.
 
 On a store that implements ``append_many`` (``spi.AppendsMany``; Postgres: one
 statement, one commit; SQLite: one transaction) a flush is one transaction. Each request is still
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
 from fleet.kernel.errors import FleetError, StoreError, ValidationError
@@ -34,6 +39,7 @@ from fleet.kernel.store.spi import (
     AppendRequest,
     AppendsMany,
     EventStore,
+    FenceGrant,
     append_many,
     check_batch,
 )
@@ -78,17 +84,59 @@ class CoalescingEventStore(ForwardingEventStore):
         self._full = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
+        self._alone_now = 0  # appends written alone (``_alone``) in flight
         self._closed = False
 
     # -- the coalesced writes ---------------------------------------------------
 
     async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
+        if self._idle():
+            await self._alone(self.inner.append(event, fence=fence))
+            return
         await self._enqueue((event,), fence)
 
     async def append_batch(self, events: Sequence[EventEnvelope], *,
                            fence: int | None = None) -> None:
         check_batch(events)
+        if self._idle():
+            await self._alone(self.inner.append_batch(events, fence=fence))
+            return
         await self._enqueue(list(events), fence)
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        """Straight to the inner store (a leased write is not batched): a flush of one."""
+        try:
+            return await super().append_acquiring(events, holder=holder, lease_ms=lease_ms,
+                                                  release=release)
+        finally:
+            self.flushes += 1
+            self.flushed += 1
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        """Straight to the inner store (a leased write is not batched): a flush of one."""
+        try:
+            await super().append_releasing(events, fence=fence)
+        finally:
+            self.flushes += 1
+            self.flushed += 1
+
+    def _idle(self) -> bool:
+        """Nothing queued or being written: an append has nobody to share a flush with."""
+        return not (self._pending or self._inflight or self._alone_now or self._closed
+                    or self._driver is not None)
+
+    async def _alone(self, write: Awaitable[None]) -> None:
+        """An append made while the store is idle goes straight to the inner store (a
+        flush of one, without the queue's task hops); appends arriving meanwhile queue
+        behind it as behind any flush in flight, so batching under load is unchanged."""
+        self._alone_now += 1
+        try:
+            await write
+        finally:
+            self._alone_now -= 1
+            self.flushes += 1
+            self.flushed += 1
 
     def _enqueue(self, events: Sequence[EventEnvelope],
                  fence: int | None) -> asyncio.Future[None]:

@@ -16,8 +16,9 @@ it, so asyncpg stays an optional extra.
 
 ``open_event_store(url, options)`` takes a ``StoreOptions`` for what a URL does not
 say: the Postgres pool sizes and event size limit, and group commit (the store
-wrapped in ``CoalescingEventStore``). The kernel reads no application settings:
-``fleet.config.FleetSettings.store_options()`` turns ``FLEET_*`` into these.
+wrapped in ``CoalescingEventStore``; on by default for Postgres). The kernel reads
+no application settings: ``fleet.config.FleetSettings.store_options()`` turns
+``FLEET_*`` into these.
 """
 
 from __future__ import annotations
@@ -71,13 +72,16 @@ class StoreOptions:
         max_event_bytes: The largest event (JSON bytes) the store takes, any
             backend (None: 16 MiB; decision 0023).
         group_commit: Wrap the store (any backend) in ``CoalescingEventStore``
-            with these bounds; None: every append is its own transaction.
+            with these bounds (True: the default bounds); False: every append is
+            its own transaction; None: the backend's default, which is group
+            commit on Postgres (a flush shares one commit among concurrent runs'
+            appends; decision 0029) and off on memory and SQLite.
     """
 
     pool_min: int | None = None
     pool_max: int | None = None
     max_event_bytes: int | None = None
-    group_commit: GroupCommit | None = None
+    group_commit: GroupCommit | bool | None = None
 
 
 def open_event_store(url: str, options: StoreOptions | None = None, *,
@@ -109,7 +113,11 @@ def open_event_store(url: str, options: StoreOptions | None = None, *,
         store = cast(EventStore, _postgres().PostgresEventStore(target, clock=clock, **pg))
     batching = options.group_commit
     if batching is None:
+        batching = kind == "postgres"  # the fast configuration is the default
+    if batching is False:
         return store
+    if batching is True:
+        batching = GroupCommit()
     return CoalescingEventStore(store, max_batch=batching.max_batch,
                                 max_wait_ms=batching.max_wait_ms,
                                 max_inflight=batching.max_inflight)

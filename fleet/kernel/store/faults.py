@@ -26,6 +26,7 @@ from fleet.kernel.store.spi import (
     AppendRequest,
     ConditionalAppendResult,
     EventStore,
+    FenceGrant,
     TipObservation,
     append_many,
 )
@@ -144,6 +145,18 @@ class FaultInjectingEventStore(ForwardingEventStore):
         for i, answer in zip(passed, answers, strict=True):
             results[i] = answer
         return results
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        if events:
+            await self._fault(events)
+        return await super().append_acquiring(events, holder=holder, lease_ms=lease_ms,
+                                              release=release)
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        if events:
+            await self._fault(events)
+        await super().append_releasing(events, fence=fence)
 
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,

@@ -23,7 +23,9 @@ from fleet.kernel.store.spi import (
     FenceGrant,
     Position,
     TipObservation,
+    append_acquiring,
     append_many,
+    append_releasing,
 )
 
 
@@ -44,6 +46,16 @@ class ForwardingEventStore:
                           ) -> list[BaseException | None]:
         """The inner store's ``append_many`` (one round trip), or one request at a time."""
         return await append_many(self.inner, requests)
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        """The inner store's leased append (one round trip), or the separate calls."""
+        return await append_acquiring(self.inner, events, holder=holder, lease_ms=lease_ms,
+                                      release=release)
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        """The inner store's releasing append (one round trip), or the separate calls."""
+        await append_releasing(self.inner, events, fence=fence)
 
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,

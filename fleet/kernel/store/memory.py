@@ -143,6 +143,48 @@ class MemoryEventStore:
                 results.append(None)
         return results
 
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        """Take the fence if free and append under it, in one step (decision 0029)."""
+        execution_id = check_batch(events)
+        self._check_acquire(execution_id, holder, lease_ms)
+        self._encode(events)
+        await _tick()
+        held = self._fences.get(execution_id)
+        if (held is not None and held.lease_expires_at is not None
+                and held.lease_expires_at > self._clock()):
+            return None
+        before = None if held is None else (held.token, held.holder, held.lease_expires_at)
+        grant = self._grant(execution_id, holder, lease_ms)
+        try:
+            self._write(execution_id, events)
+        except BaseException:
+            if before is None:
+                del self._fences[execution_id]
+            else:
+                taken = self._fences[execution_id]
+                taken.token, taken.holder, taken.lease_expires_at = before
+            raise
+        if release:
+            self._end_lease(execution_id)
+        return grant
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        """Append under ``fence`` and end its lease, in one step (decision 0029)."""
+        execution_id = check_batch(events)
+        check_int64(fence, "fence")
+        self._encode(events)
+        await _tick()
+        self._check_fence(execution_id, fence)
+        self._write(execution_id, events)
+        if fence != 0:
+            self._end_lease(execution_id)
+
+    def _end_lease(self, execution_id: str) -> None:
+        held = self._fences[execution_id]
+        held.holder = None
+        held.lease_expires_at = None
+
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,
                                   ) -> ConditionalAppendResult:

@@ -540,11 +540,74 @@ _V3_APPEND_MANY = _edit(
      + "    END IF;\nEND $$;"),
 )
 
+# Leased writes (decision 0029): an append that takes the fence when it is free
+# (p_holder set: acquire_fence_if's rule, then the append under the new token) and
+# one that ends the lease it wrote under (p_release), each one statement. Every
+# check of the append is made before the token moves, so a refused append leaves
+# the fence as it was; then fleet_append (whose checks now pass: this call holds
+# the row) writes. code 5: a live lease is held (detail: its token); on success
+# with p_holder, detail is the new token.
+_V4_APPEND_LEASED = """
+CREATE FUNCTION fleet_append_leased(p_key bytea, p_id text, p_fence bigint, p_holder text,
+    p_expires bigint, p_now bigint, p_release boolean, p_first bigint,
+    p_types text[], p_ts bigint[], p_bodies text[], p_status text, p_waiting text,
+    p_flow text, p_tenant text, p_owner text, p_anchor text, p_clear boolean,
+    p_timer_ids text[], p_timer_dues bigint[], OUT code integer, OUT detail bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    f record;
+    h bigint;
+    lx bigint;
+    t bigint := p_fence;
+BEGIN
+""" + _READ_COMMITTED + """
+    IF p_holder IS NOT NULL THEN
+        SELECT * INTO f FROM fleet_lock_fence(p_key, true);
+        IF f.o_lease IS NOT NULL AND f.o_lease > p_now THEN
+            code := 5;
+            detail := f.o_token;
+            RETURN;
+        END IF;
+        SELECT e.head, e.last_txid INTO h, lx FROM executions AS e WHERE e.ekey = p_key;
+        IF p_first <> coalesce(h + 1, 0) OR lx > """ + _CURRENT_TXID + """ THEN
+            IF f.o_created THEN
+                DELETE FROM fences WHERE ekey = p_key AND token = 0;
+            END IF;
+            code := CASE WHEN p_first < coalesce(h + 1, 0) THEN 2
+                         WHEN p_first > coalesce(h + 1, 0) THEN 3 ELSE 4 END;
+            detail := h;
+            RETURN;
+        END IF;
+        UPDATE fences SET token = token + 1, holder = p_holder, lease_expires_at = p_expires
+        WHERE ekey = p_key RETURNING token INTO t;
+    END IF;
+    SELECT a.code, a.detail INTO code, detail
+    FROM fleet_append(p_key, p_id, t, p_first, p_types, p_ts, p_bodies, p_status, p_waiting,
+                      p_flow, p_tenant, p_owner, p_anchor, p_clear, p_timer_ids,
+                      p_timer_dues) AS a;
+    IF code <> 0 THEN
+        IF p_holder IS NOT NULL THEN
+            RAISE EXCEPTION 'fleet_append_leased: the append was refused after its checks '
+                            '(code %)', code;
+        END IF;
+        RETURN;
+    END IF;
+    IF p_holder IS NOT NULL THEN
+        detail := t;
+    END IF;
+    IF p_release AND t > 0 THEN
+        UPDATE fences SET lease_expires_at = NULL, holder = NULL
+        WHERE ekey = p_key AND token = t;
+    END IF;
+END $$;
+"""
+
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1_TABLES + _V1_LOCK + _V1_APPEND + _V1_APPEND_MANY + _V1_APPEND_IF
      + _V1_FENCES),
     (2, _V2_COMPACT),
     (3, _V3_FEED + _V3_APPEND + _V3_APPEND_IF + _V3_APPEND_MANY),
+    (4, _V4_APPEND_LEASED),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -31,9 +31,9 @@ from fleet.kernel.store.spi import (
     index_change,
 )
 
-__all__ = ["APPEND_IF_SQL", "APPEND_MANY_SQL", "APPEND_SQL", "DUE_TIMERS_SQL", "SUMMARY_SQL",
-           "TIP_SQL", "Write", "execution_key", "listing_sql", "many_columns", "parse_event",
-           "refusal", "summary"]
+__all__ = ["APPEND_IF_SQL", "APPEND_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL",
+           "DUE_TIMERS_SQL", "SUMMARY_SQL", "TIP_SQL", "Write", "execution_key", "listing_sql",
+           "many_columns", "parse_event", "refusal", "summary"]
 
 PREFIX = 200  # characters of a text key that listing indexes hold (see pg_migrations)
 
@@ -54,6 +54,8 @@ _WRITE_ARGS = ("$5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16")
 APPEND_SQL = f"SELECT code, detail FROM fleet_append($1, $2, $3, $4, {_WRITE_ARGS})"
 APPEND_IF_SQL = ("SELECT * FROM fleet_append_if($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
                   "$11, $12, $13, $14, $15, $16, $17, $18)")
+APPEND_LEASED_SQL = ("SELECT code, detail FROM fleet_append_leased($1, $2, $3, $4, $5, $6, $7, "
+                     "$8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)")
 APPEND_MANY_SQL = ("SELECT codes, details FROM fleet_append_many("
                     + ", ".join(f"${i}" for i in range(1, 24)) + ")")
 

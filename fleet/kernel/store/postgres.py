@@ -33,30 +33,30 @@ reading its slots back: the same bytes there mean it committed.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar, cast
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from fleet.kernel.errors import (
-    ConfigurationError,
     CorruptLogError,
     DuplicateSequenceError,
     FleetError,
-    MissingDependencyError,
-    SchemaVersionError,
-    StoreError,
     StoreUnavailableError,
-    UnstorableValueError,
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, wall_clock_ms
+from fleet.kernel.store.pg_connections import (
+    CONNECTION_LOST,
+    Database,
+    SchemaStatus,
+    asyncpg,
+    translate,
+)
 from fleet.kernel.store.pg_feed import PostgresCommitSignal, channel_for, committed, feed_query
-from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
+from fleet.kernel.store.pg_migrations import SCHEMA_VERSION
 from fleet.kernel.store.pg_queries import (
     APPEND_IF_SQL,
+    APPEND_LEASED_SQL,
     APPEND_MANY_SQL,
     APPEND_SQL,
     DUE_TIMERS_SQL,
@@ -90,243 +90,18 @@ from fleet.kernel.store.spi import (
 )
 from fleet.kernel.values import check_int64, check_ms, check_text
 
-try:
-    import asyncpg  # type: ignore[import-untyped]
-except ImportError as exc:  # pragma: no cover - exercised by the factory test
-    raise MissingDependencyError("the Postgres store needs asyncpg: "
-                                 "pip install 'fleet[postgres]'") from exc
-
 __all__ = ["DEFAULT_MAX_EVENT_BYTES", "SCHEMA_VERSION", "PostgresEventStore",
            "PostgresSnapshotStore", "SchemaStatus",
            "execution_key"]
 
 T = TypeVar("T")
 _RETRY = 4  # fleet_append's code for "an older transaction than the log's last writer"
+_BUSY = 5  # fleet_append_leased's code for "a live lease is held"
 _ORDER_RETRIES = 3  # one is enough (a new transaction is newer); more is a guard
-_OWN_QUERY_KEYS = ("schema", "pool_min", "pool_max")
-
-_CONNECTION_LOST: tuple[type[BaseException], ...] = (
-    asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError, TimeoutError,
-    asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.TooManyConnectionsError,
-    asyncpg.exceptions.InternalClientError)  # a connection left in a broken state
-
-
-def _unavailable(exc: BaseException) -> StoreUnavailableError:
-    return StoreUnavailableError(f"Postgres is unavailable: {type(exc).__name__}: {exc}")
-
-
-def _translate(exc: Exception) -> Exception:
-    """A typed fleet error for whatever asyncpg or the server raised."""
-    if isinstance(exc, FleetError):
-        return exc
-    if isinstance(exc, _CONNECTION_LOST):
-        return _unavailable(exc)
-    if isinstance(exc, (UnicodeError, OverflowError)):
-        # The checks before a call refuse these first; a backstop, typed alike.
-        return UnstorableValueError(f"Postgres cannot keep a value: {type(exc).__name__}: "
-                                    f"{exc}")
-    if isinstance(exc, asyncpg.PostgresError):
-        state = str(getattr(exc, "sqlstate", "") or "")
-        if state == "FL004":
-            return ConfigurationError(
-                f"{exc}: fleet's Postgres connections must run at READ COMMITTED. A "
-                "connection pooler that drops startup parameters (PgBouncer in "
-                "transaction mode) loses it; set default_transaction_isolation = "
-                "'read committed' on the fleet role or connect directly")
-        if state == "23505":
-            return DuplicateSequenceError(f"Postgres refused a duplicate row: {exc}")
-        if state in ("40001", "40P01", "55P03", "57014"):
-            # serialization failure, deadlock, lock or statement timeout: nothing was written
-            return StoreUnavailableError(f"Postgres gave up on the call ({state}): {exc}; "
-                                         "nothing was written, retry")
-        if state.startswith("22") or state == "54000":
-            return ValidationError(f"Postgres refused a value: {exc}")
-        return StoreError(f"Postgres failed ({state}): {exc}")
-    return exc
-
-
-
-
-def _split_url(url: str) -> tuple[str, dict[str, str]]:
-    """The URL asyncpg gets, and this module's own query options taken out of it."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    own = {k: v for k, v in query if k in _OWN_QUERY_KEYS}
-    rest = [(k, v) for k, v in query if k not in _OWN_QUERY_KEYS]
-    return urlunsplit(parts._replace(query=urlencode(rest))), own
-
-
-def _quote_ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
-async def _keep_session(conn: Any) -> None:
-    """Pool reset hook: fleet never changes session state, so no reset round trip."""
-
-
-@dataclass(frozen=True, slots=True)
-class SchemaStatus:
-    """Where a database's fleet schema stands (``fleet db status`` / ``fleet db upgrade``).
-
-    Attributes:
-        version: The schema version the database holds (0: no fleet schema yet).
-        latest: The newest version this fleet knows (``SCHEMA_VERSION``).
-        applied: The migrations this call applied, oldest first (empty for a status).
-        schema: The Postgres schema holding the tables (None: the ``search_path``).
-    """
-
-    version: int
-    latest: int
-    applied: tuple[int, ...] = ()
-    schema: str | None = None
-
-    @property
-    def pending(self) -> tuple[int, ...]:
-        """Migrations this fleet would apply (none when the database is newer)."""
-        return tuple(range(self.version + 1, self.latest + 1))
-
-    @property
-    def state(self) -> str:
-        """``current``, ``behind`` (``fleet db upgrade`` applies ``pending``) or ``newer``."""
-        if self.version > self.latest:
-            return "newer"
-        return "behind" if self.version < self.latest else "current"
-
-
-class _Database:
-    """One pool, opened lazily and migrated once; shared by an event and a snapshot store."""
-
-    def __init__(self, url: str, *, pool_min: int | None, pool_max: int | None,
-                 schema: str | None, connect_timeout: float, migrate: bool) -> None:
-        dsn, own = _split_url(url)
-        self.dsn = dsn
-        self.schema = schema if schema is not None else own.get("schema")
-        try:
-            self.pool_min = pool_min if pool_min is not None else int(own.get("pool_min", 1))
-            self.pool_max = pool_max if pool_max is not None else int(own.get("pool_max", 10))
-        except ValueError as exc:
-            raise ConfigurationError(f"pool_min / pool_max in the URL must be integers: "
-                                     f"{exc}") from exc
-        if not 0 <= self.pool_min <= self.pool_max or self.pool_max < 1:
-            raise ConfigurationError(f"pool sizes need 0 <= pool_min <= pool_max >= 1, got "
-                                     f"{self.pool_min} and {self.pool_max}")
-        self.connect_timeout = connect_timeout
-        self.migrate = migrate
-        self.pool: Any = None
-        self.users = 1
-        self.closed = False
-        self._opening: asyncio.Lock | None = None
-
-    async def ready(self) -> Any:
-        if self.pool is not None:
-            return self.pool
-        if self.closed:
-            raise StoreError("the Postgres store is closed")
-        if self._opening is None:
-            self._opening = asyncio.Lock()
-        async with self._opening:
-            if self.pool is None:
-                self.pool = await self._open()
-        return self.pool
-
-    def server_settings(self) -> dict[str, str]:
-        settings = {"default_transaction_isolation": "read committed", "jit": "off"}
-        if self.schema:
-            settings["search_path"] = _quote_ident(self.schema)
-        return settings
-
-    async def _open(self) -> Any:
-        try:
-            pool = await asyncpg.create_pool(
-                self.dsn, min_size=self.pool_min, max_size=self.pool_max,
-                timeout=self.connect_timeout, server_settings=self.server_settings(),
-                reset=_keep_session)
-        except Exception as exc:
-            raise _translate(exc) from exc
-        try:
-            async with pool.acquire() as conn:
-                await self._check_and_migrate(conn)
-        except BaseException:
-            await pool.close()
-            raise
-        return pool
-
-    async def schema_status(self, *, upgrade: bool) -> SchemaStatus:
-        """The schema version on a connection of its own (no pool); migrate first if asked."""
-        try:
-            conn = await asyncpg.connect(self.dsn, timeout=self.connect_timeout,
-                                         server_settings=self.server_settings())
-        except Exception as exc:
-            raise _translate(exc) from exc
-        try:
-            applied = await self._check_and_migrate(conn, force=True) if upgrade else ()
-            version = await self._version(conn)
-        except Exception as exc:
-            raise _translate(exc) from exc
-        finally:
-            await conn.close()
-        return SchemaStatus(version, SCHEMA_VERSION, applied, self.schema)
-
-    async def _check_and_migrate(self, conn: Any, *, force: bool = False) -> tuple[int, ...]:
-        """Refuse a newer schema; apply missing migrations (if allowed); what was applied."""
-        try:
-            encoding = await conn.fetchval("SHOW server_encoding")
-            if str(encoding).upper() not in ("UTF8", "UTF-8"):
-                raise ConfigurationError(f"the database encoding is {encoding}; fleet needs "
-                                         "UTF8 to keep ids and payloads exactly")
-            current = await self._version(conn)
-            if current > SCHEMA_VERSION:
-                raise SchemaVersionError(f"the database schema is version {current}; this "
-                                         f"fleet knows up to {SCHEMA_VERSION}: upgrade fleet")
-            if current < SCHEMA_VERSION:
-                if not (self.migrate or force):
-                    raise SchemaVersionError(f"the database schema is version {current}, "
-                                             f"this fleet needs {SCHEMA_VERSION}: run "
-                                             "`fleet db upgrade`")
-                return await self._migrate(conn)
-        except Exception as exc:
-            raise _translate(exc) from exc
-        return ()
-
-    async def _version(self, conn: Any) -> int:
-        if await conn.fetchval("SELECT to_regclass('fleet_schema_version')") is None:
-            return 0
-        return int(await conn.fetchval(
-            "SELECT coalesce(max(version), 0) FROM fleet_schema_version"))
-
-    async def _migrate(self, conn: Any) -> tuple[int, ...]:
-        applied: list[int] = []
-        async with conn.transaction(isolation="read_committed"):
-            # Serialise migrators of this schema across processes.
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))",
-                               f"fleet-migrate:{self.schema or ''}")
-            if self.schema:
-                await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {_quote_ident(self.schema)}")
-            await conn.execute(VERSION_TABLE)
-            current = await self._version(conn)
-            if current > SCHEMA_VERSION:
-                raise SchemaVersionError(f"the database schema is version {current}; this "
-                                         f"fleet knows up to {SCHEMA_VERSION}: upgrade fleet")
-            for version, sql in MIGRATIONS:
-                if version > current:
-                    await conn.execute(sql)
-                    await conn.execute("INSERT INTO fleet_schema_version (version) VALUES ($1)",
-                                       version)
-                    applied.append(version)
-        return tuple(applied)
-
-    async def release(self) -> None:
-        self.users -= 1
-        if self.users > 0 or self.closed:
-            return
-        self.closed = True
-        pool, self.pool = self.pool, None
-        if pool is not None:
-            await pool.close()
 
 
 class _PostgresBase:
-    _db: _Database
+    _db: Database
 
     async def _call(self, op: Callable[[Any], Awaitable[T]], *, idempotent: bool) -> T:
         """Run ``op(pool)``; typed errors; an idempotent op is retried once on a lost link."""
@@ -335,8 +110,8 @@ class _PostgresBase:
             try:
                 return await op(pool)
             except Exception as exc:
-                error = _translate(exc)
-                lost = isinstance(exc, _CONNECTION_LOST)
+                error = translate(exc)
+                lost = isinstance(exc, CONNECTION_LOST)
                 if lost:
                     # A lost link is rarely alone (a restart kills every pooled
                     # connection): have the pool replace them all on next use.
@@ -367,7 +142,7 @@ class PostgresEventStore(_PostgresBase):
                  schema: str | None = None, clock: Callable[[], int] | None = None,
                  max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES, migrate: bool = True,
                  connect_timeout: float = 10.0) -> None:
-        self._db = _Database(url, pool_min=pool_min, pool_max=pool_max, schema=schema,
+        self._db = Database(url, pool_min=pool_min, pool_max=pool_max, schema=schema,
                              connect_timeout=connect_timeout, migrate=migrate)
         self._clock = clock or wall_clock_ms
         self._max_event_bytes = max_event_bytes
@@ -442,6 +217,57 @@ class PostgresEventStore(_PostgresBase):
                 break
             # This transaction's id is older than the log's last writer's (decision
             # 0020): nothing was written; a new transaction gets a newer id.
+            self.order_retries += 1
+        if row["code"] != 0:
+            raise refusal(write, fence, row["code"], row["detail"])
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        """Take the fence if free and append under it: one statement (decision 0029).
+
+        Not retried on a lost link (as an acquire is not): the token may have
+        moved; the caller leaves the lease to expire.
+        """
+        check_batch(events)
+        write = self._prepare(events)
+        check_text(holder, "holder")
+        check_lease_ms(lease_ms)
+        for _ in range(_ORDER_RETRIES):
+            now = self._clock()
+            expires = check_int64(now + lease_ms, "lease expiry")
+
+            async def op(pool: Any, now: int = now, expires: int = expires) -> Any:
+                return await pool.fetchrow(APPEND_LEASED_SQL, write.key, write.execution_id,
+                                           None, holder, expires, now, release,
+                                           *write.args())
+
+            row = await self._call(op, idempotent=False)
+            if row["code"] != _RETRY:
+                break
+            self.order_retries += 1  # see _append
+        if row["code"] == _BUSY:
+            return None
+        if row["code"] != 0:
+            raise refusal(write, None, row["code"], row["detail"])
+        return FenceGrant(write.execution_id, int(row["detail"]), holder, expires)
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        """Append under ``fence`` and end its lease: one statement (decision 0029)."""
+        check_batch(events)
+        check_int64(fence, "fence")
+        write = self._prepare(events)
+        for _ in range(_ORDER_RETRIES):
+            try:
+                row = await self._call(lambda pool: pool.fetchrow(
+                    APPEND_LEASED_SQL, write.key, write.execution_id, fence, None, None, None,
+                    True, *write.args()), idempotent=False)
+            except StoreUnavailableError as lost:
+                # Committed (the same bytes are there) or not: never written twice.
+                if await self._bodies(write) == write.bodies:
+                    return
+                raise lost from None
+            if row["code"] != _RETRY:
+                break
             self.order_retries += 1
         if row["code"] != 0:
             raise refusal(write, fence, row["code"], row["detail"])
@@ -728,12 +554,12 @@ class PostgresSnapshotStore(_PostgresBase):
     def __init__(self, url: str, *, pool_min: int | None = None, pool_max: int | None = None,
                  schema: str | None = None, migrate: bool = True,
                  connect_timeout: float = 10.0) -> None:
-        self._db = _Database(url, pool_min=pool_min, pool_max=pool_max, schema=schema,
+        self._db = Database(url, pool_min=pool_min, pool_max=pool_max, schema=schema,
                              connect_timeout=connect_timeout, migrate=migrate)
         self._closed = False
 
     @classmethod
-    def _sharing(cls, db: _Database) -> PostgresSnapshotStore:
+    def _sharing(cls, db: Database) -> PostgresSnapshotStore:
         store = cls.__new__(cls)
         store._db = db
         store._closed = False

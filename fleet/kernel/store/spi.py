@@ -38,10 +38,11 @@ import asyncio
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 from fleet.kernel.errors import (
     CorruptLogError,
+    DuplicateSequenceError,
     NotSerializableError,
     PayloadTooLargeError,
     SequenceGapError,
@@ -376,8 +377,9 @@ async def append_many(store: EventStore, requests: Sequence[AppendRequest],
                       ) -> list[BaseException | None]:
     """``store.append_many(requests)``, or the same answers one request at a time
     (executions concurrently, each one's requests in order) for a store without it."""
-    if isinstance(store, AppendsMany):
-        return await store.append_many(requests)
+    own = getattr(store, "append_many", None)
+    if own is not None:
+        return cast(list[BaseException | None], await own(requests))
     return await append_each(store, requests)
 
 
@@ -402,6 +404,67 @@ async def append_each(store: EventStore, requests: Sequence[AppendRequest],
 
     await asyncio.gather(*(lane(indexes) for indexes in lanes.values()))
     return results
+
+
+@runtime_checkable
+class AppendsLeased(Protocol):
+    """Optional: an append that takes or ends the lease in the same round trip (decision 0029).
+
+    ``append_acquiring(events, holder=, lease_ms=)`` takes the fence only when
+    no live lease is held (as ``acquire_fence_if``) and appends ``events`` under
+    the new token, atomically: the grant, or ``None`` when a live lease is held
+    (nothing written, the fence untouched). A refused append
+    (``DuplicateSequenceError``, ``SequenceGapError``, ``ValidationError``...)
+    raises and leaves the fence as it was. With ``release=True`` the lease ends
+    with the write (the token stays bumped): a write-only start.
+
+    ``append_releasing(events, fence=)`` appends under ``fence`` and ends its
+    lease (as ``release_fence``), atomically: a stale fence raises
+    ``StaleFenceError`` and neither happens.
+
+    Every built-in store has both in one statement or transaction; the decorators
+    forward them; ``append_acquiring`` / ``append_releasing`` below serve a store
+    without them with the separate calls (the same answers, not atomic).
+    """
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None: ...
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None: ...
+
+
+async def append_acquiring(store: EventStore, events: Sequence[EventEnvelope], *, holder: str,
+                           lease_ms: int, release: bool = False) -> FenceGrant | None:
+    """``store.append_acquiring``, or ``acquire_fence_if`` + ``append_batch`` (+ release)."""
+    # getattr, not isinstance: a runtime-checkable protocol's check costs more than
+    # the rest of this call, and it runs on every start.
+    own = getattr(store, "append_acquiring", None)
+    if own is not None:
+        return cast(FenceGrant | None, await own(events, holder=holder, lease_ms=lease_ms,
+                                                 release=release))
+    execution_id = check_batch(events)
+    grant = await store.acquire_fence_if(execution_id, holder=holder, lease_ms=lease_ms)
+    if grant is None:
+        return None
+    try:
+        await store.append_batch(events, fence=grant.token)
+    except (ValidationError, SequenceGapError, DuplicateSequenceError):
+        await store.release_fence(execution_id, grant.token)  # nothing was written
+        raise
+    if release:
+        await store.release_fence(execution_id, grant.token)
+    return grant
+
+
+async def append_releasing(store: EventStore, events: Sequence[EventEnvelope], *,
+                           fence: int) -> None:
+    """``store.append_releasing``, or ``append_batch`` then ``release_fence``."""
+    own = getattr(store, "append_releasing", None)
+    if own is not None:
+        await own(events, fence=fence)
+        return
+    await store.append_batch(events, fence=fence)
+    await store.release_fence(events[0].execution_id, fence)
 
 
 @runtime_checkable
@@ -435,7 +498,13 @@ class IndexChange:
 
 
 def index_change(event: EventEnvelope) -> IndexChange:
-    """How ``event`` moves the index. Status and timers never need the fold."""
+    """How ``event`` moves the index. Status and timers never need the fold.
+
+    Most events (a step's) move nothing but the head: they share one empty change,
+    which callers only read.
+    """
+    if event.type not in _MOVES_INDEX:
+        return _NO_CHANGE
     change = IndexChange()
     status = STATUS_AFTER.get(event.type)
     if status is not None and not (event.type is EventType.EXECUTION_STARTED
@@ -455,6 +524,11 @@ def index_change(event: EventEnvelope) -> IndexChange:
     if change.status in TERMINAL_STATUSES:
         change.clear_timers = True
     return change
+
+
+# The kinds index_change looks at (status, gate, timers); any other moves only the head.
+_MOVES_INDEX = frozenset({*STATUS_AFTER, EventType.TIMER_SCHEDULED})
+_NO_CHANGE = IndexChange()
 
 
 def check_lease_ms(lease_ms: int) -> None:

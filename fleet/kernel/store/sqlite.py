@@ -34,7 +34,7 @@ import queue
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fleet.kernel.errors import (
@@ -42,14 +42,13 @@ from fleet.kernel.errors import (
     CorruptLogError,
     DuplicateSequenceError,
     FleetError,
-    SequenceGapError,
     StaleFenceError,
     StoreError,
     StoreUnavailableError,
     UnstorableValueError,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
+from fleet.kernel.events import EventEnvelope, wall_clock_ms
 from fleet.kernel.store.spi import (
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
@@ -67,11 +66,9 @@ from fleet.kernel.store.spi import (
     check_lease_ms,
     check_limit,
     check_listing,
-    creation_anchor,
-    encode_event,
-    index_change,
 )
-from fleet.kernel.store.sqlite_schema import FEED_SQL, SCHEMA_VERSION, migrate, next_positions
+from fleet.kernel.store.sqlite_schema import FEED_SQL, SCHEMA_VERSION, migrate
+from fleet.kernel.store.sqlite_writes import Write as _Write
 from fleet.kernel.values import check_int64, check_ms, check_text
 
 __all__ = ["SCHEMA_VERSION", "SqliteEventStore", "open_database"]
@@ -367,90 +364,6 @@ def _tip(conn: sqlite3.Connection, execution_id: str) -> TipObservation:
                           lease_expires_at=lease)
 
 
-@dataclass(slots=True)
-class _Write:
-    """A write prepared on the loop: validated, serialised, ready to insert."""
-
-    execution_id: str
-    events: Sequence[EventEnvelope]
-    rows: list[tuple[str, int, str, int, str]] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, execution_id: str, events: Sequence[EventEnvelope],
-           max_bytes: int | None) -> _Write:
-        write = cls(execution_id, events)
-        for event in events:
-            if event.execution_id != execution_id:
-                raise ValidationError(f"event of {event.execution_id!r} in a write for "
-                                      f"{execution_id!r}")
-            body = encode_event(event, max_bytes)
-            write.rows.append((execution_id, event.sequence, str(event.type),
-                               event.timestamp, body))
-        return write
-
-    def place(self, conn: sqlite3.Connection, head: int | None) -> None:
-        """Insert at ``head + 1`` and move the index; the fence was checked already."""
-        expected = 0 if head is None else head + 1
-        first = self.events[0].sequence
-        if first < expected:
-            raise DuplicateSequenceError(f"{self.execution_id!r} already holds sequence "
-                                         f"{first} (head {head})")
-        if first > expected:
-            raise SequenceGapError(f"{self.execution_id!r} expects sequence {expected}, "
-                                   f"got {first}")
-        # Positions come from the counter inside this write transaction: SQLite
-        # commits one writer at a time, so they follow commit order (decision 0020).
-        first_position = next_positions(conn, len(self.rows))
-        conn.executemany("INSERT INTO events (execution_id, sequence, type, timestamp, body, "
-                         "position) VALUES (?, ?, ?, ?, ?, ?)",
-                         [(*row, first_position + i) for i, row in enumerate(self.rows)])
-        rest: Sequence[EventEnvelope] = self.events
-        if head is None:
-            born = self.events[0]
-            change = index_change(born)
-            started = change.started
-            conn.execute("INSERT INTO executions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                         (self.execution_id, started.get("flow_id", ""), started.get("tenant"),
-                          started.get("owner"), change.status or "running", change.waiting_on,
-                          born.timestamp, born.timestamp, born.sequence,
-                          creation_anchor(born)))
-            _move_timers(conn, self.execution_id, change.timer_add, change.timer_remove,
-                         change.clear_timers)
-            rest = self.events[1:]
-        if not rest:
-            return
-        status: tuple[Status, str | None] | None = None
-        for event in rest:
-            change = index_change(event)
-            if change.status is not None:
-                status = (change.status, change.waiting_on)
-            _move_timers(conn, self.execution_id, change.timer_add, change.timer_remove,
-                         change.clear_timers)
-        last = rest[-1]
-        if status is None:
-            conn.execute("UPDATE executions SET head = ?, updated_at = ? WHERE execution_id = ?",
-                         (last.sequence, last.timestamp, self.execution_id))
-        else:
-            conn.execute("UPDATE executions SET head = ?, updated_at = ?, status = ?, "
-                         "waiting_on = ? WHERE execution_id = ?",
-                         (last.sequence, last.timestamp, status[0], status[1],
-                          self.execution_id))
-
-
-def _move_timers(conn: sqlite3.Connection, execution_id: str, add: DueTimer | None,
-                 remove: str | None, clear: bool) -> None:
-    if add is not None:
-        conn.execute("INSERT OR REPLACE INTO timers VALUES (?, ?, ?)",
-                     (execution_id, add.timer_id, add.due_at))
-    if remove is not None:
-        conn.execute("DELETE FROM timers WHERE execution_id = ? AND timer_id = ?",
-                     (execution_id, remove))
-    if clear:
-        conn.execute("DELETE FROM timers WHERE execution_id = ?", (execution_id,))
-
-
-
-
 def _parse(execution_id: str, sequence: int, body: Any) -> EventEnvelope:
     try:
         event = EventEnvelope.from_json(body)
@@ -463,6 +376,22 @@ def _parse(execution_id: str, sequence: int, body: Any) -> EventEnvelope:
                               f"envelope of {event.id!r}", execution_id=execution_id,
                               sequence=sequence)
     return event
+
+
+def _place_fenced(conn: sqlite3.Connection, write: _Write, fence: int | None) -> None:
+    """Check ``fence`` (None: unfenced) against the log's, then place ``write``."""
+    tip = _tip(conn, write.execution_id)
+    if fence is not None and fence != tip.fence:
+        raise StaleFenceError(f"fence {fence} of {write.execution_id!r} was superseded by "
+                              f"{tip.fence}; this writer must stop", presented=fence,
+                              current=tip.fence)
+    write.place(conn, tip.head)
+
+
+def _end_lease(conn: sqlite3.Connection, execution_id: str, token: int) -> bool:
+    return conn.execute("UPDATE fences SET lease_expires_at = NULL, holder = NULL "
+                        "WHERE execution_id = ? AND token = ? AND token > 0",
+                        (execution_id, token)).rowcount > 0
 
 
 class SqliteEventStore:
@@ -498,12 +427,36 @@ class SqliteEventStore:
 
     async def _append(self, write: _Write, fence: int | None) -> None:
         def job(conn: sqlite3.Connection) -> None:
-            tip = _tip(conn, write.execution_id)
-            if fence is not None and fence != tip.fence:
-                raise StaleFenceError(f"fence {fence} of {write.execution_id!r} was "
-                                      f"superseded by {tip.fence}; this writer must stop",
-                                      presented=fence, current=tip.fence)
-            write.place(conn, tip.head)
+            _place_fenced(conn, write, fence)
+
+        await self._db.writer.call(job)
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        """Take the fence if free and append under it, in one transaction (decision 0029)."""
+        execution_id = check_batch(events)
+        self._check_acquire(execution_id, holder, lease_ms)
+        write = _Write.of(execution_id, events, self._max_event_bytes)
+
+        def job(conn: sqlite3.Connection) -> FenceGrant | None:
+            grant, head = self._grant_if_free(conn, execution_id, holder, lease_ms)
+            if grant is None:
+                return None
+            write.place(conn, head)  # a refusal raises: the transaction rolls back
+            if release:
+                _end_lease(conn, execution_id, grant.token)
+            return grant
+
+        return await self._db.writer.call(job)
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        """Append under ``fence`` and end its lease, in one transaction (decision 0029)."""
+        check_int64(fence, "fence")
+        write = _Write.of(check_batch(events), events, self._max_event_bytes)
+
+        def job(conn: sqlite3.Connection) -> None:
+            _place_fenced(conn, write, fence)
+            _end_lease(conn, write.execution_id, fence)
 
         await self._db.writer.call(job)
 
@@ -526,13 +479,7 @@ class SqliteEventStore:
             for _, write, fence in prepared:
                 conn.execute("SAVEPOINT many")
                 try:
-                    tip = _tip(conn, write.execution_id)
-                    if fence is not None and fence != tip.fence:
-                        raise StaleFenceError(
-                            f"fence {fence} of {write.execution_id!r} was superseded by "
-                            f"{tip.fence}; this writer must stop", presented=fence,
-                            current=tip.fence)
-                    write.place(conn, tip.head)
+                    _place_fenced(conn, write, fence)
                 except Exception as exc:  # noqa: BLE001 - this request's verdict only
                     conn.execute("ROLLBACK TO many")
                     answers.append(_translate(exc))
@@ -599,14 +546,16 @@ class SqliteEventStore:
     async def acquire_fence_if(self, execution_id: str, *, holder: str,
                                lease_ms: int) -> FenceGrant | None:
         self._check_acquire(execution_id, holder, lease_ms)
+        return await self._db.writer.call(
+            lambda conn: self._grant_if_free(conn, execution_id, holder, lease_ms)[0])
 
-        def job(conn: sqlite3.Connection) -> FenceGrant | None:
-            tip = _tip(conn, execution_id)
-            if tip.lease_expires_at is not None and tip.lease_expires_at > self._clock():
-                return None
-            return self._grant(conn, execution_id, holder, lease_ms)
-
-        return await self._db.writer.call(job)
+    def _grant_if_free(self, conn: sqlite3.Connection, execution_id: str, holder: str,
+                       lease_ms: int) -> tuple[FenceGrant | None, int | None]:
+        """The fence if no live lease holds it (None otherwise), and the log's head."""
+        tip = _tip(conn, execution_id)
+        if tip.lease_expires_at is not None and tip.lease_expires_at > self._clock():
+            return None, tip.head
+        return self._grant(conn, execution_id, holder, lease_ms), tip.head
 
     def _check_acquire(self, execution_id: str, holder: str, lease_ms: int) -> None:
         check_id(execution_id)
@@ -641,10 +590,7 @@ class SqliteEventStore:
         check_int64(token, "token")
 
         def job(conn: sqlite3.Connection) -> bool:
-            return conn.execute(
-                "UPDATE fences SET lease_expires_at = NULL, holder = NULL "
-                "WHERE execution_id = ? AND token = ? AND token > 0",
-                (execution_id, token)).rowcount > 0
+            return _end_lease(conn, execution_id, token)
 
         return await self._db.writer.call(job)
 

@@ -9,6 +9,7 @@ the store refused outright wrote nothing, so that lease is released.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -40,6 +41,11 @@ class CountsReleases(ForwardingEventStore):
     async def release_fence(self, execution_id: str, token: int) -> bool:
         self.releases.append((execution_id, token))
         return await self.inner.release_fence(execution_id, token)
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        """A release made by the last write (decision 0029) counts as one."""
+        await super().append_releasing(events, fence=fence)
+        self.releases.append((events[0].execution_id, fence))
 
 
 async def free(store: EventStore, execution_id: str) -> bool:

@@ -20,6 +20,7 @@ from fleet import Context, Runtime, flow
 from fleet.kernel.errors import StoreUnavailableError
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.store.memory import MemoryEventStore
+from fleet.kernel.store.spi import FenceGrant
 
 LEASE_MS = 300
 
@@ -48,6 +49,18 @@ class LosesOneStart(MemoryEventStore):
             self.lose_write = False
             raise StoreUnavailableError("the link went down before the write")
         await super().append_batch(events, fence=fence)
+
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        """As a store whose leased write is two calls (``spi.append_acquiring``'s
+        fallback) loses the link between them: the fence is taken, the write lost."""
+        if self.lose_write:
+            self.lose_write = False
+            await self.acquire_fence_if(events[0].execution_id, holder=holder,
+                                        lease_ms=lease_ms)
+            raise StoreUnavailableError("the link went down before the write")
+        return await super().append_acquiring(events, holder=holder, lease_ms=lease_ms,
+                                              release=release)
 
     async def release_fence(self, execution_id: str, token: int) -> bool:
         if self.lose_release:

@@ -8,6 +8,7 @@ from typing import Any
 from fleet import Context, Runtime, flow
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.memory import MemoryEventStore
+from fleet.kernel.store.spi import FenceGrant
 
 
 class CountingStore(MemoryEventStore):
@@ -26,6 +27,17 @@ class CountingStore(MemoryEventStore):
         await super().append_batch(events, fence=fence)
         self.writes.append([e.type.value for e in events])
 
+    async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
+                               lease_ms: int, release: bool = False) -> FenceGrant | None:
+        grant = await super().append_acquiring(events, holder=holder, lease_ms=lease_ms,
+                                               release=release)
+        self.writes.append(["acquire", *(e.type.value for e in events)])
+        return grant
+
+    async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
+        await super().append_releasing(events, fence=fence)
+        self.writes.append([*(e.type.value for e in events), "release"])
+
 
 @flow("two", steps=["a", "b"])
 async def two(ctx: Context, _: Any) -> str:
@@ -39,9 +51,11 @@ async def test_without_on_event_a_completion_and_the_next_start_share_a_write() 
     runtime = Runtime(store, flows=[two])
     handle = await runtime.start("two", None)
     assert await handle.result() == "ok"
-    assert store.writes == [["EXECUTION_STARTED"], ["STEP_STARTED"],
+    # Decision 0029: the start and the first STEP_STARTED take the fence in one write,
+    # the end releases it in the last; 1 + one write per step.
+    assert store.writes == [["acquire", "EXECUTION_STARTED", "STEP_STARTED"],
                             ["STEP_COMPLETED", "STEP_STARTED"],
-                            ["STEP_COMPLETED", "EXECUTION_COMPLETED"]]
+                            ["STEP_COMPLETED", "EXECUTION_COMPLETED", "release"]]
 
 
 async def test_with_on_event_the_past_is_durable_before_a_step_is_announced() -> None:
@@ -50,6 +64,7 @@ async def test_with_on_event_the_past_is_durable_before_a_step_is_announced() ->
     runtime = Runtime(store, flows=[two], on_event=lambda e: live.append(e.sequence))
     handle = await runtime.start("two", None)
     assert await handle.result() == "ok"
-    assert store.writes == [["EXECUTION_STARTED"], ["STEP_STARTED"], ["STEP_COMPLETED"],
-                            ["STEP_STARTED"], ["STEP_COMPLETED", "EXECUTION_COMPLETED"]]
+    assert store.writes == [["acquire", "EXECUTION_STARTED"], ["STEP_STARTED"],
+                            ["STEP_COMPLETED"], ["STEP_STARTED"],
+                            ["STEP_COMPLETED", "EXECUTION_COMPLETED", "release"]]
     assert live == list(range(6))
