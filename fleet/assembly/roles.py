@@ -51,6 +51,7 @@ from fleet.kernel.store.factory import StoreOptions, open_event_store
 from fleet.kernel.store.spi import CommitSignal, EventStore, SignalsCommits
 from fleet.recovery.sweeper import RecoverySweeper
 from fleet.services.base import PeriodicService, Service, run_services
+from fleet.services.counters import StatsReporter, numbers, process_name
 from fleet.services.health import Heartbeat
 from fleet.streams.attacher import RewardAttacher
 from fleet.streams.redis_client import aioredis
@@ -133,11 +134,35 @@ async def _open(settings: FleetSettings, name: str, *,
     return Role(name, store, runtime)
 
 
-def _heartbeat(settings: FleetSettings, role: Role, **options: Any) -> None:
+def _heartbeat(settings: FleetSettings, role: Role, *,
+               collect: Callable[[], dict[str, float]] | None = None,
+               process: str | None = None, **options: Any) -> None:
+    """The role's heartbeat file (``fleet health``) and its report to Redis (decision 0022)."""
     service = role.service
     if isinstance(service, PeriodicService):
         options.setdefault("stuck", service.stuck)  # a wedged tick fails liveness
+    reporter = StatsReporter.for_settings(settings, role.name, process or process_name(),
+                                          collect or functools.partial(role_counters, role))
+    if reporter is not None:
+        role.services.append(reporter)
     role.services.append(Heartbeat.for_component(settings, role.name, **options))
+
+
+#: A service's counters under the names the workers use (``fleet.workers.stats``).
+_RENAMES: dict[str, dict[str, str]] = {
+    "attacher": {"attached": "outcomes_attached", "dead_lettered": "outcomes_dead_lettered"}}
+
+
+def role_counters(role: Role) -> dict[str, float]:
+    """What a service role reports: its service's numeric stats (renamed where a
+    worker counter means the same), plus the kernel's ``timers_fired`` for the timers."""
+    service = role.service
+    values = numbers(service.stats(), _RENAMES.get(role.name)) if service is not None else {}
+    if role.name == "attacher":
+        values.setdefault("outcomes_dead_lettered", 0)  # {} until the first dead letter
+    if role.name == "timers" and role.runtime is not None:
+        values["timers_fired"] = role.runtime.timers_fired
+    return values
 
 
 def _bounds(settings: FleetSettings) -> dict[str, Any]:
@@ -148,17 +173,26 @@ def _bounds(settings: FleetSettings) -> dict[str, Any]:
 
 async def open_worker(settings: FleetSettings, *, slot: int | None = None,
                       on_durable_event: EventObserver | None = None,
-                      on_beat: Callable[[], Any] | None = None) -> Role:
-    """A worker process's parts: its store, its Runtime, its heartbeat.
+                      on_beat: Callable[[], Any] | None = None,
+                      collect: Callable[[], dict[str, float]] | None = None,
+                      name: str | None = None) -> Role:
+    """A worker process's parts: its store, its Runtime, its heartbeat, its report.
 
     Args:
         settings: The worker's settings.
         slot: A prefork child's pool index (its own heartbeat file).
         on_durable_event: The ``WorkerProcess``'s observer.
         on_beat: Called on the loop after each heartbeat (the drain poll).
+        collect: The process's counters (``WorkerProcess.snapshot``), reported to
+            ``fleet:stats:worker:<name>``.
+        name: The worker's Celery node name (a prefork child adds ``#<slot>``).
     """
     role = await _open(settings, "worker", on_durable_event=on_durable_event)
-    _heartbeat(settings, role, slot=slot, on_beat=on_beat)
+    process = name or process_name()
+    if slot is not None:
+        process = f"{process}#{slot}"
+    _heartbeat(settings, role, slot=slot, on_beat=on_beat, process=process,
+               collect=collect or (lambda: {}))
     return role
 
 

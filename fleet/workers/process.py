@@ -116,7 +116,8 @@ class WorkerProcess:
         # The store, the runtime and the heartbeat: built as
         # every role's are (fleet.assembly.roles), started here on the loop.
         role = await open_worker(self.settings, slot=self.slot,
-                                 on_durable_event=self._observe, on_beat=self._poll_drain)
+                                 on_durable_event=self._observe, on_beat=self._poll_drain,
+                                 collect=self.totals, name=_node)
         started: list[Service] = []
         try:
             for service in start_order(role.services):
@@ -276,15 +277,19 @@ class WorkerProcess:
         values.update(stats.source_values())
         return values
 
+    def totals(self) -> dict[str, float]:
+        """This process's counters, continuing its prefork row's (what it reports to Redis)."""
+        values = self.snapshot()
+        for name in stats.COUNTERS:
+            values[name] = values.get(name, 0) + self._base.get(name, 0)
+        return {k: float(v) for k, v in values.items()}
+
     def write_stats_row(self) -> None:
         """Write this child's totals to its row of the prefork stats table (if any)."""
         board = stats.shared_board()
         if board is None or self.slot is None:
             return
-        values = self.snapshot()
-        for name in stats.COUNTERS:
-            values[name] = values.get(name, 0) + self._base.get(name, 0)
-        board.write_row(self.slot, values)
+        board.write_row(self.slot, self.totals())
 
 
 # --------------------------------------------------------------------------
@@ -293,6 +298,14 @@ class WorkerProcess:
 
 _process: WorkerProcess | None = None
 _process_lock = threading.Lock()
+_node: str | None = None
+
+
+def set_node_name(name: str | None) -> None:
+    """The worker's Celery node name (set before a prefork pool forks: children inherit it),
+    which names its report to Redis (``fleet:stats:worker:<node>``)."""
+    global _node
+    _node = name
 
 
 def local_process() -> WorkerProcess | None:

@@ -1,0 +1,297 @@
+"""What an operator sees, true across processes (issue 14): every fleet process's
+counters in Redis, ``fleet status``, the Fleet page inside a real Flower, its JSON
+API, Retry of diverged executions, ``fleet diverged``, and ``/metrics``.
+
+Real processes throughout: two ``fleet worker`` subprocesses, ``fleet timers``,
+``recovery``, ``attacher`` and ``relay``, ``fleet flower`` (unauthenticated, then
+one with basic auth for the operator-role tests), on Redis and a throwaway
+Postgres database. Keys, streams and queues carry a random token; the stats
+prefix too (FLEET_STATS_PREFIX), so other fleets on the same Redis are not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from base64 import b64encode
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from fleet_page_flows import ALL
+from postgres_server import throwaway_database
+from redis_server import url_with_db
+
+from fleet.config import FleetSettings
+from fleet.host.kernel import open_store
+from fleet.host.loop import EventLoopThread
+from fleet.kernel.events import EventEnvelope
+from fleet.kernel.store.spi import EventStore, ExecutionSummary
+from fleet.services.counters import CountersReader
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+KITS = ROOT / "tests" / "kits"
+FLEET = str(Path(sys.executable).with_name("fleet"))
+REDIS_DB = 13
+PRODUCER, SECRET = "p1", "test-secret"
+OPERATOR = "operator:oncall"
+T = TypeVar("T")
+
+
+def until(check: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+class Proc:
+    """One ``fleet ...`` subprocess, its log in a file."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path,
+                 nodename: str | None = None) -> None:
+        self.name = name
+        self.env = env
+        self.nodename = nodename
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([FLEET, *args], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, cwd=str(ROOT))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if not self._log.closed:
+            self._log.close()
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+class Store:
+    def __init__(self, settings: FleetSettings) -> None:
+        self.loop = EventLoopThread("test-store")
+        self.loop.start()
+        self.store: EventStore = open_store(settings)
+
+    def read(self, execution_id: str) -> list[EventEnvelope]:
+        return self.loop.run_coroutine(self.store.read(execution_id), timeout=30)
+
+    def summary(self, execution_id: str) -> ExecutionSummary | None:
+        return self.loop.run_coroutine(self.store.get_execution(execution_id), timeout=30)
+
+    def until(self, execution_id: str, status: str, waiting_on: str | None = None,
+              timeout: float = 30.0) -> ExecutionSummary:
+        def check() -> ExecutionSummary | None:
+            row = self.summary(execution_id)
+            if row is not None and row.status == status and (
+                    waiting_on is None or row.waiting_on == waiting_on):
+                return row
+            return None
+        return until(check, f"{execution_id} {status} {waiting_on or ''}", timeout)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.loop.run_coroutine(self.store.close(), timeout=10)
+        self.loop.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Fleet:
+    env: dict[str, str]
+    settings: FleetSettings
+    store: Store
+    log_dir: Path
+    token: str
+    procs: dict[str, Proc] = field(default_factory=dict)
+    flower_url: str = ""
+
+    def env_for(self, name: str, **extra: str) -> dict[str, str]:
+        env = dict(self.env)
+        env["FLEET_HEARTBEAT_DIR"] = str(self.log_dir / "heartbeats" / name)
+        env.update(extra)
+        return env
+
+    def start_worker(self, name: str) -> Proc:
+        nodename = f"{name}.{self.token}@{socket.gethostname()}"
+        proc = Proc(name, ["worker", "--concurrency", "4", "-n", nodename, "-E",
+                           "--without-mingle", "--without-gossip"],
+                    self.env_for(name), self.log_dir, nodename)
+        self.procs[name] = proc
+        return proc
+
+    def start_service(self, component: str) -> Proc:
+        proc = Proc(component, [component], self.env_for(component), self.log_dir)
+        self.procs[component] = proc
+        return proc
+
+    def start_flower(self, name: str, *args: str, **env: str) -> str:
+        port = free_port()
+        proc = Proc(name, ["flower", "--port", str(port), "--address", "127.0.0.1",
+                           "--inspect_timeout=1000", *args], self.env_for(name, **env),
+                    self.log_dir)
+        self.procs[name] = proc
+        base = f"http://127.0.0.1:{port}"
+        headers = {}
+        if "FLOWER_BASIC_AUTH" in env:
+            user = env["FLOWER_BASIC_AUTH"].split(",")[0]
+            headers["Authorization"] = "Basic " + b64encode(user.encode()).decode()
+
+        def up() -> bool:
+            if not proc.alive():
+                raise AssertionError(f"flower exited:\n{proc.log()[-4000:]}")
+            try:
+                request = urllib.request.Request(f"{base}/healthcheck", headers=headers)
+                with urllib.request.urlopen(request, timeout=1) as reply:
+                    return reply.status == 200
+            except OSError:
+                return False
+        until(up, "flower to serve", 60)
+        return base
+
+    def cli(self, *args: str, check: bool = True, **env: str
+            ) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([FLEET, *args], env=self.env_for("cli", **env), cwd=str(ROOT),
+                              capture_output=True, text=True, timeout=90)
+        if check:
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done
+
+    def counters(self) -> Any:
+        reader = CountersReader(self.settings)
+        try:
+            return reader.read()
+        finally:
+            reader.close()
+
+    def total(self, name: str) -> float:
+        return float(self.counters().totals.get(name, 0))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    token = secrets.token_hex(3)
+    broker = url_with_db(REDIS_DB)
+    log_dir = tmp_path_factory.mktemp("fleet-page")
+    with throwaway_database() as database_url:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("FLEET_", "FLOWER_"))}
+        settings_env = {
+            "FLEET_DATABASE_URL": database_url, "FLEET_BROKER_URL": broker,
+            "FLEET_REDIS_URL": broker, "FLEET_QUEUE": f"fleet.page-{token}",
+            "FLEET_FLOWS": ALL, "FLEET_DIVERGENCE": "fail",
+            "FLEET_LEASE_MS": "5000", "FLEET_RECOVERY_GRACE_MS": "3000",
+            "FLEET_RECOVERY_INTERVAL_S": "0.5", "FLEET_TIMER_INTERVAL_S": "0.2",
+            "FLEET_WORKER_DRAIN_S": "2",
+            "FLEET_STATS_PREFIX": f"fleet-test:{token}:stats:", "FLEET_STATS_INTERVAL_S": "0.5",
+            "FLEET_STATS_STALE_S": "3",
+            "FLEET_OPERATOR": OPERATOR, "FLEET_OPERATORS": "ops",
+            "FLEET_REWARD_KEYS": json.dumps({PRODUCER: SECRET}),
+            "FLEET_REWARDS_STREAM": f"fleet-test:{token}:rewards",
+            "FLEET_REWARDS_DEAD": f"fleet-test:{token}:rewards:dead",
+            "FLEET_REWARDS_GROUP": f"fleet-test-{token}",
+            "FLEET_EVENTS_STREAM": f"fleet-test:{token}:events"}
+        env.update(settings_env)
+        env.update({"PYTHONPATH": os.pathsep.join([str(KITS), str(ROOT),
+                                                   env.get("PYTHONPATH", "")]),
+                    "C_FORCE_ROOT": "1"})
+        settings = FleetSettings(**{k[len("FLEET_"):].lower(): v  # type: ignore[arg-type]
+                                    for k, v in settings_env.items()
+                                    if k not in ("FLEET_REWARD_KEYS",)})
+        store = Store(settings)
+        built = Fleet(env, settings, store, log_dir, token)
+        try:
+            built.cli("db", "upgrade")
+            starting = [built.start_worker("a"), built.start_worker("b"),
+                        *(built.start_service(c)
+                          for c in ("timers", "recovery", "attacher", "relay"))]
+
+            def reported() -> bool:
+                for proc in starting:
+                    if not proc.alive():
+                        raise AssertionError(f"{proc.name} exited:\n{proc.log()[-4000:]}")
+                roles = [p.role for p in built.counters().processes if not p.stale]
+                return roles.count("worker") >= 2 and all(
+                    r in roles for r in ("timers", "recovery", "attacher", "relay"))
+            until(reported, "every process to report", 90)
+            built.flower_url = built.start_flower("flower", "--unauthenticated")
+            yield built
+        finally:
+            for proc in built.procs.values():
+                proc.stop()
+            store.close()
+
+
+# -- the counters in Redis, fleet status ------------------------------------------------
+
+def test_every_process_reports_its_counters_and_heartbeat(fleet: Fleet) -> None:
+    counters = fleet.counters()
+    by_role = {p.role: p for p in counters.processes}
+    assert set(by_role) == {"worker", "timers", "recovery", "attacher", "relay"}
+    workers = sorted(p.name for p in counters.of("worker"))
+    assert workers == sorted(fleet.procs[n].nodename or "" for n in ("a", "b"))
+    for process in counters.processes:
+        assert not process.stale and process.age_s < 3, process
+        assert process.pid and process.host
+    assert {"drives", "divergence_parked", "fenced_out"} <= set(by_role["worker"].counters)
+    assert {"timers_fired", "fired", "enqueued"} <= set(by_role["timers"].counters)
+    assert {"outcomes_attached", "outcomes_dead_lettered"} <= set(
+        by_role["attacher"].counters)
+    assert {"published", "lag_ms"} <= set(by_role["relay"].counters)
+
+
+def test_a_reward_attached_and_a_timer_fired_read_true_in_fleet_status(fleet: Fleet) -> None:
+    attached, fired = fleet.total("outcomes_attached"), fleet.total("timers_fired")
+    eid = fleet.cli("start", "page-decide", "--input", "7").stdout.strip()
+    fleet.store.until(eid, "completed")
+    fleet.cli("reward", "submit", "--execution", eid, "--decision", "size",
+              "--producer", PRODUCER, "--key", "csat:1", "--score", "0.9",
+              FLEET_REWARD_KEYS=json.dumps({PRODUCER: SECRET}))
+    until(lambda: fleet.total("outcomes_attached") == attached + 1, "outcomes_attached")
+    timed = fleet.cli("start", "page-timer", "--input", "2.5").stdout.strip()
+    fleet.store.until(timed, "completed", timeout=30)
+    until(lambda: fleet.total("timers_fired") >= fired + 1, "timers_fired")
+    status = json.loads(fleet.cli("status", "--json", check=False).stdout)
+    services = {s["role"]: s for s in status["services"]}
+    assert services["attacher"]["counters"]["outcomes_attached"] == attached + 1
+    assert services["timers"]["counters"]["timers_fired"] >= fired + 1
+    assert status["totals"]["outcomes_attached"] == attached + 1
+    table = fleet.cli("status", check=False, COLUMNS="80").stdout
+    assert "dv.w" in table and "dv.p" in table
+    assert "outcomes_attached=" in table
+    assert max(len(line) for line in table.splitlines()) <= 80
