@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import secrets
 import signal
 import socket
@@ -266,8 +265,10 @@ def test_every_process_reports_its_counters_and_heartbeat(fleet: Fleet) -> None:
     workers = sorted(p.name for p in counters.of("worker"))
     assert workers == sorted(fleet.procs[n].nodename or "" for n in ("a", "b"))
     for process in counters.processes:
-        assert not process.stale and process.age_s < 3, process
-        assert process.pid and process.host
+        assert not process.stale, process
+        assert process.age_s < 3, process
+        assert process.pid
+        assert process.host
     assert {"drives", "divergence_parked", "fenced_out"} <= set(by_role["worker"].counters)
     assert {"timers_fired", "fired", "enqueued"} <= set(by_role["timers"].counters)
     assert {"outcomes_attached", "outcomes_dead_lettered"} <= set(
@@ -292,6 +293,7 @@ def test_a_reward_attached_and_a_timer_fired_read_true_in_fleet_status(fleet: Fl
     assert services["timers"]["counters"]["timers_fired"] >= fired + 1
     assert status["totals"]["outcomes_attached"] == attached + 1
     table = fleet.cli("status", check=False, COLUMNS="80").stdout
-    assert "dv.w" in table and "dv.p" in table
+    assert "dv.w" in table
+    assert "dv.p" in table
     assert "outcomes_attached=" in table
     assert max(len(line) for line in table.splitlines()) <= 80
