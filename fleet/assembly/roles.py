@@ -399,13 +399,20 @@ def flower_app(settings: FleetSettings) -> Any:
 
 def run_flower(settings: FleetSettings, *, port: int | None = None,
                address: str | None = None, basic_auth: str | None = None,
-               unauthenticated: bool = False, extra: Sequence[str] = ()) -> int:
-    """Serve Flower on the fleet's broker (workers' ``stats["fleet"]``) until SIGTERM."""
+               unauthenticated: bool = False, extra: Sequence[str] = (),
+               prepare: Callable[[FleetSettings], Any] | None = None) -> int:
+    """Serve Flower on the fleet's broker until SIGTERM.
+
+    ``prepare(settings)`` runs once authentication is settled, before Flower
+    builds its app: ``fleet flower`` adds the Fleet page there (``fleet.flowerui``).
+    """
     argv = flower_argv(port=port, address=address, basic_auth=basic_auth,
                        unauthenticated=unauthenticated, extra=extra)
     if unauthenticated:
         # Flower reads this itself: its API answers without credentials.
         os.environ["FLOWER_UNAUTHENTICATED_API"] = "true"
+    if prepare is not None:
+        prepare(settings)
     return run_command(flower_app(settings), argv)
 
 

@@ -12,8 +12,10 @@ prefix too (FLEET_STATS_PREFIX), so other fleets on the same Redis are not read.
 from __future__ import annotations
 
 import contextlib
+import http.cookiejar
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -297,3 +299,116 @@ def test_a_reward_attached_and_a_timer_fired_read_true_in_fleet_status(fleet: Fl
     assert "dv.p" in table
     assert "outcomes_attached=" in table
     assert max(len(line) for line in table.splitlines()) <= 80
+
+
+# -- the Fleet page in Flower -------------------------------------------------------------
+
+class Browser:
+    """An HTTP client with a cookie jar (the xsrf cookie), optionally basic auth."""
+
+    def __init__(self, base: str, user: str | None = None) -> None:
+        self.base = base
+        self.jar = http.cookiejar.CookieJar()
+        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar),
+                                                  _NoRedirect())
+        self.headers = {}
+        if user:
+            self.headers["Authorization"] = "Basic " + b64encode(user.encode()).decode()
+
+    def get(self, path: str) -> tuple[int, str]:
+        request = urllib.request.Request(self.base + path, headers=self.headers)
+        try:
+            with self.opener.open(request, timeout=60) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace")
+
+    def json(self, path: str) -> Any:
+        status, body = self.get(path)
+        assert status == 200, (status, body[:2000])
+        return json.loads(body)
+
+    def xsrf(self) -> str:
+        return next(c.value for c in self.jar if c.name == "_xsrf")
+
+    def post(self, path: str, form: dict[str, str] | None = None) -> tuple[int, str, str]:
+        data = urllib.parse.urlencode(form or {}).encode()
+        request = urllib.request.Request(self.base + path, data=data, headers=self.headers,
+                                         method="POST")
+        try:
+            with self.opener.open(request, timeout=90) as reply:
+                return reply.status, reply.read().decode(), reply.headers.get("Location", "")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace"), exc.headers.get(
+                "Location", "")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def cell(html: str, row_attr: str, counter: str) -> str:
+    """The text of the ``data-counter`` cell in the row with ``row_attr``."""
+    row = html[html.index(row_attr):]
+    row = row[:row.index("</tr>")]
+    match = re.search(rf'data-counter="{counter}"[^>]*>([^<]*)<', row)
+    assert match, (row_attr, counter, row[:3000])
+    return match.group(1).strip().replace(",", "")
+
+
+def service_counter(html: str, role: str, counter: str) -> float:
+    text = cell(html, f'data-service="{role}"', counter)
+    return float(text.split()[-1])
+
+
+def test_the_fleet_page_is_one_click_from_flowers_first_page(fleet: Fleet) -> None:
+    browser = Browser(fleet.flower_url)
+    status, first = browser.get("/")
+    assert status == 200
+    link = re.search(r'id="fleet-nav"\s+href="([^"]+)"', first)
+    assert link, first[:3000]
+    assert link.group(1) == "/fleet"
+    status, page = browser.get(link.group(1))
+    assert status == 200
+    assert "css/bootstrap.min.css" in page  # Flower's look: its own base template
+    assert 'aria-current="page">Fleet</a>' in page
+    for table in ("fleet-workers", "fleet-services", "fleet-streams", "fleet-parked"):
+        assert f'id="{table}"' in page
+    for worker in ("a", "b"):
+        assert f'data-worker="{fleet.procs[worker].nodename}"' in page
+    for role in ("timers", "recovery", "attacher", "relay"):
+        assert f'data-service="{role}"' in page
+    # A column per counter, not a dict in a cell.
+    assert page.count('data-counter="divergence_parked"') >= 3
+    api = browser.json("/fleet/api/status")
+    assert {p["role"] for p in api["processes"]} == {"worker", "timers", "recovery",
+                                                     "attacher", "relay"}
+    assert {s["stream"] for s in api["streams"]} == {fleet.env["FLEET_EVENTS_STREAM"],
+                                                     fleet.env["FLEET_REWARDS_STREAM"]}
+
+
+def test_page_and_api_show_a_reward_attached_and_a_timer_fired(fleet: Fleet) -> None:
+    browser = Browser(fleet.flower_url)
+    before = browser.json("/fleet/api/status")["totals"]
+    _, page = browser.get("/fleet")
+    attached = service_counter(page, "attacher", "outcomes_attached")
+    assert attached == before["outcomes_attached"]
+    eid = fleet.cli("start", "page-decide", "--input", "8").stdout.strip()
+    fleet.store.until(eid, "completed")
+    fleet.cli("reward", "submit", "--execution", eid, "--decision", "size",
+              "--producer", PRODUCER, "--key", "csat:2", "--score", "0.5",
+              FLEET_REWARD_KEYS=json.dumps({PRODUCER: SECRET}))
+    timed = fleet.cli("start", "page-timer", "--input", "2.5").stdout.strip()
+    fleet.store.until(timed, "completed", timeout=30)
+    def moved() -> dict[str, float] | None:
+        totals: dict[str, float] = browser.json("/fleet/api/status")["totals"]
+        if (totals["outcomes_attached"] == before["outcomes_attached"] + 1
+                and totals["timers_fired"] > before["timers_fired"]):
+            return totals
+        return None
+    after = until(moved, "the API to show the reward and the timer")
+    assert after["drives"] > before["drives"]
+    _, page = browser.get("/fleet")
+    assert service_counter(page, "attacher", "outcomes_attached") == attached + 1
+    assert service_counter(page, "timers", "timers_fired") == after["timers_fired"]
