@@ -348,6 +348,14 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
+def status_when(browser: Browser, check: Callable[[dict[str, Any]], bool], what: str
+                ) -> dict[str, Any]:
+    def read() -> dict[str, Any] | None:
+        data: dict[str, Any] = browser.json("/fleet/api/status")
+        return data if check(data) else None
+    return until(read, what)
+
+
 def cell(html: str, row_attr: str, counter: str) -> str:
     """The text of the ``data-counter`` cell in the row with ``row_attr``."""
     row = html[html.index(row_attr):]
@@ -412,3 +420,113 @@ def test_page_and_api_show_a_reward_attached_and_a_timer_fired(fleet: Fleet) -> 
     _, page = browser.get("/fleet")
     assert service_counter(page, "attacher", "outcomes_attached") == attached + 1
     assert service_counter(page, "timers", "timers_fired") == after["timers_fired"]
+
+
+# -- diverged executions: the list, Retry, the operator role -----------------------------
+
+def diverge(fleet: Fleet, tmp_path: Path) -> tuple[str, Path]:
+    """Start page-shape, then change its shape (the marker) and resume it: it diverges."""
+    marker = tmp_path / f"shape-{secrets.token_hex(3)}"
+    eid = fleet.cli("start", "page-shape", "--input", json.dumps(str(marker))).stdout.strip()
+    fleet.store.until(eid, "parked", "go")
+    marker.write_text("the code changed shape\n")
+    fleet.cli("resume", eid, "go", "--payload", '"yes"')
+    fleet.store.until(eid, "parked", "__fleet_diverged__")
+    return eid, marker
+
+
+def test_a_diverged_run_is_listed_with_its_reason_and_retry_reparks_until_fixed(
+        fleet: Fleet, tmp_path: Path) -> None:
+    browser = Browser(fleet.flower_url)
+    before = browser.json("/fleet/api/status")["totals"]["divergence_parked"]
+    eid, marker = diverge(fleet, tmp_path)
+    # The counter, on the page and in the API, from the worker that parked it.
+    api = status_when(browser, lambda d: d["totals"]["divergence_parked"] == before + 1,
+                      "divergence_parked to move")
+    (listed,) = [p for p in api["parked"] if p["executionId"] == eid]
+    assert listed["flow"] == "page-shape"
+    assert listed["version"] == 3
+    assert listed["reason"] == "skipped 1: a"
+    assert listed["kind"] == "diverged"
+    assert listed["parkedAt"] > 0
+    assert "executions parked diverged" in api["alarms"]
+    _, page = browser.get("/fleet")
+    row = page[page.index(f'data-execution="{eid}"'):]
+    row = row[:row.index("</tr>")]
+    assert "skipped 1: a" in row
+    assert 'class="table-danger"' in page[:page.index(f'data-execution="{eid}"') + 40]
+    assert "needs the operator role" in row  # FLEET_OPERATORS=ops; open Flower: no user
+    assert f'href="/fleet/execution/{eid}"' in row
+    status, log_page = browser.get(f"/fleet/execution/{eid}")
+    assert status == 200
+    assert "EXECUTION_SUSPENDED" in log_page
+    assert "__fleet_diverged__" in log_page
+    assert 'id="fleet-alarms"' in page
+    workers = [w for w in api["processes"] if w["role"] == "worker"]
+    assert sum(w["counters"]["divergence_parked"] for w in workers) == before + 1
+    # fleet diverged list: the same row.
+    listed_cli = json.loads(fleet.cli("diverged", "list", "--json").stdout)
+    assert [p["reason"] for p in listed_cli if p["executionId"] == eid] == ["skipped 1: a"]
+    assert eid in fleet.cli("diverged", "list", COLUMNS="200").stdout
+    # Retry before the code is fixed: parked again, and the answer says so.
+    retried = fleet.cli("diverged", "retry", eid, "--json", check=False)
+    assert retried.returncode == 2, (retried.stdout, retried.stderr)
+    result = json.loads(retried.stdout)
+    assert result["reparked"] is True
+    assert "diverged again" in result["message"]
+    resumed = [e for e in fleet.store.read(eid) if str(e.type) == "EXECUTION_RESUMED"]
+    assert resumed[-1].payload["gate"] == "__fleet_diverged__"
+    assert resumed[-1].payload["by"] == OPERATOR  # the audit: who retried
+    until(lambda: browser.json("/fleet/api/status")["totals"]["divergence_parked"]
+          == before + 2, "the re-park to count")
+    # Fixed (the marker gone): the retry runs on; it waits on its gate again.
+    marker.unlink()
+    done = json.loads(fleet.cli("diverged", "retry", eid, "--json").stdout)
+    assert done["reparked"] is False
+    assert done["settled"] is True
+    assert done["status"] == "completed"
+    assert fleet.store.read(eid)[-1].payload["output"] == {"b": 5, "go": "yes"}
+    assert [p for p in browser.json("/fleet/api/status")["parked"]
+            if p["executionId"] == eid] == []
+
+
+def test_retry_on_the_page_needs_the_operator_role_and_the_xsrf_token(
+        fleet: Fleet, tmp_path: Path) -> None:
+    base = fleet.start_flower("flower-auth", FLOWER_BASIC_AUTH="ops:pw1,viewer:pw2")
+    eid, _ = diverge(fleet, tmp_path)
+    count = len(fleet.store.read(eid))
+    viewer = Browser(base, "viewer:pw2")
+    status, page = viewer.get("/fleet")
+    assert status == 200
+    assert f'data-execution="{eid}"' in page
+    assert "needs the operator role" in page  # no Retry button for a viewer
+    refused = viewer.post(f"/fleet/diverged/{eid}/retry", {"_xsrf": viewer.xsrf()})
+    assert refused[0] == 403
+    assert "operator role" in refused[1]
+    refused = viewer.post(f"/fleet/api/diverged/{eid}/retry", {"_xsrf": viewer.xsrf()})
+    assert refused[0] == 403
+    assert json.loads(refused[1])["error"] == "operator_role_required"
+    assert Browser(base).get("/fleet")[0] == 401  # no credentials: Flower's own auth
+    ops = Browser(base, "ops:pw1")
+    _, page = ops.get("/fleet")
+    assert "Retry</button>" in page
+    # An operator without the token (a forged cross-site form): refused.
+    assert ops.post(f"/fleet/diverged/{eid}/retry")[0] == 403
+    assert ops.post(f"/fleet/diverged/{eid}/retry", {"_xsrf": "forged"})[0] == 403
+    assert len(fleet.store.read(eid)) == count  # the log untouched by every refusal
+    status, _, location = ops.post(f"/fleet/diverged/{eid}/retry", {"_xsrf": ops.xsrf()})
+    assert status == 303
+    _, page = ops.get(location)
+    assert "diverged again" in page  # the code is not fixed: the page says so
+    assert 'id="fleet-message"' in page
+    events = fleet.store.read(eid)
+    assert [e.payload.get("by") for e in events if str(e.type) == "EXECUTION_RESUMED"
+            ][-1] == OPERATOR
+    # Not parked on the divergence gate: a clear refusal, nothing written.
+    gate = fleet.cli("start", "page-gate", "--input", "1").stdout.strip()
+    fleet.store.until(gate, "parked", "approval")
+    written = len(fleet.store.read(gate))
+    wrong = ops.post(f"/fleet/api/diverged/{gate}/retry", {"_xsrf": ops.xsrf()})
+    assert wrong[0] == 409
+    assert json.loads(wrong[1])["error"] == "gate_mismatch"
+    assert len(fleet.store.read(gate)) == written
