@@ -60,6 +60,48 @@ _REPORTED: dict[OutcomeKind, str] = {
     "nothing_to_do": IDLE}
 
 
+class DriveResult(str):
+    """How a drive ended: equal to its kind (``"parked"``, ``"handed_back"``...), with
+    ``detail``, the sentence the ``fleet.drive`` task returns (what Flower shows as its
+    result): ``completed``, ``parked on approval (gate)``, ``parked on
+    __fleet_diverged__ (skipped 1: a)``, ``fenced out: ...``, ``handed back``."""
+
+    detail: str
+
+    def __new__(cls, kind: str, detail: str | None = None) -> DriveResult:
+        made = super().__new__(cls, kind)
+        made.detail = detail or kind.replace("_", " ")
+        return made
+
+
+def describe(outcome: RunOutcome) -> str:
+    """One line for an operator: how the run ended."""
+    waiting = outcome.waiting
+    where = ""
+    if waiting is not None:
+        where = f" on {waiting.on} ({waiting.kind}"
+        where += f": {waiting.correlation_key})" if waiting.correlation_key else ")"
+    cause = outcome.cause
+    why = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+    if outcome.kind == "diverged_parked":
+        return f"parked{where}: the replay diverged; fix the code, then retry it"
+    if outcome.kind in ("parked", "nothing_to_do"):
+        text = "parked" if outcome.kind == "parked" else f"nothing to do ({outcome.status})"
+        return text + (where if outcome.status == "parked" else "")
+    if outcome.kind == "failed":
+        error = outcome.error or {}
+        return f"failed: {error.get('type', '')}: {error.get('message', '')}".rstrip(": ")
+    if outcome.kind == "continued":
+        return f"continued as {outcome.next_execution_id}"
+    if outcome.kind == "fenced_out":
+        return f"fenced out (a later holder took it; nothing more written){why}"
+    if outcome.kind == "handed_back":
+        return "handed back (the worker is shutting down; re-enqueued)"
+    if outcome.kind == "aborted":
+        return f"aborted{why}"
+    return outcome.kind.replace("_", " ")
+
+
 @dataclass(slots=True)
 class WorkerCounters:
     """What the worker counts beside the kernel's own counters."""
@@ -196,34 +238,35 @@ class WorkerProcess:
             self.begin_drain()
 
     # ----------------------------------------------------------------- drive
-    def drive(self, execution_id: str) -> str:
+    def drive(self, execution_id: str) -> DriveResult:
         """Drive ``execution_id`` to the end of its run; how it stopped (sync)."""
         try:
             return self.loop.run_coroutine(self.drive_async(execution_id))
         finally:
             self.write_stats_row()
 
-    async def drive_async(self, execution_id: str) -> str:
+    async def drive_async(self, execution_id: str) -> DriveResult:
         runtime = self.runtime
         self.counters.deliveries += 1
         if self._draining or runtime.handing_back:
             # Shutting down: take nothing; the task hands the message on.
             self.counters.handed_back += 1
-            return HANDED_BACK
+            return DriveResult(HANDED_BACK, "handed back (the worker is shutting down; "
+                               "re-enqueued)")
         grant = await runtime.store.acquire_fence_if(execution_id, holder=runtime.holder,
                                                      lease_ms=runtime.lease_ms)
         if grant is None:
             # A live lease: another drive (here or elsewhere) holds the run.
             self.counters.stepped_aside += 1
             log.info("drive of %s stepped aside: a live lease holds it", execution_id)
-            return STEPPED_ASIDE
+            return DriveResult(STEPPED_ASIDE, "stepped aside (another drive holds its lease)")
         try:
             handle = await runtime.drive(execution_id, grant=grant, wait=True)
             outcome = await handle.outcome()
         except ExecutionNotFoundError:
             self.counters.errors += 1
             log.warning("drive of %s: no such execution", execution_id)
-            return NOT_FOUND
+            return DriveResult(NOT_FOUND, f"no execution {execution_id!r}")
         except StoreUnavailableError:
             raise  # not a refusal: the task retries it (and the sweeper finds it)
         except FleetError as exc:
@@ -231,11 +274,11 @@ class WorkerProcess:
             # code mismatch): nothing was written, the fence is released.
             self.counters.errors += 1
             log.error("drive of %s refused: %s: %s", execution_id, type(exc).__name__, exc)
-            return REFUSED
+            return DriveResult(REFUSED, f"refused: {type(exc).__name__}: {exc}")
         assert outcome is not None  # a drive always says how its run ended
         return self._report(outcome)
 
-    def _report(self, outcome: RunOutcome) -> str:
+    def _report(self, outcome: RunOutcome) -> DriveResult:
         execution_id, cause = outcome.execution_id, outcome.cause
         if outcome.kind == "fenced_out":
             self.counters.fenced_out += 1
@@ -251,7 +294,7 @@ class WorkerProcess:
             log.info("drive of %s handed back (the worker is shutting down)", execution_id)
         elif outcome.kind == "nothing_to_do":
             self.counters.idle += 1  # already parked or ended: nothing to do
-        return _REPORTED[outcome.kind]
+        return DriveResult(_REPORTED[outcome.kind], describe(outcome))
 
     def _observe(self, event: EventEnvelope) -> Any:
         observer = self.event_observer

@@ -530,3 +530,25 @@ def test_retry_on_the_page_needs_the_operator_role_and_the_xsrf_token(
     assert wrong[0] == 409
     assert json.loads(wrong[1])["error"] == "gate_mismatch"
     assert len(fleet.store.read(gate)) == written
+
+
+# -- tasks an operator can read ---------------------------------------------------------
+
+def test_drive_tasks_in_flower_name_the_execution_and_flow_and_say_how_the_run_ended(
+        fleet: Fleet, tmp_path: Path) -> None:
+    browser = Browser(fleet.flower_url)
+    eid, _ = diverge(fleet, tmp_path)
+
+    def drives() -> list[dict[str, Any]] | None:
+        tasks = browser.json("/api/tasks?taskname=fleet.drive&limit=1000")
+        mine = [t for t in tasks.values() if eid in str(t.get("args"))
+                and t.get("state") == "SUCCESS"]
+        return mine if len(mine) >= 2 else None
+    mine = sorted(until(drives, "Flower to see both drives"),
+                  key=lambda t: t.get("succeeded") or 0)
+    for task in mine:
+        assert "page-shape" in str(task["kwargs"]), task  # the flow, beside the id
+    results = [str(t["result"]) for t in mine]
+    assert "parked on go (gate)" in results[0]
+    assert "parked on __fleet_diverged__ (diverged: skipped 1: a)" in results[-1]
+    assert "the replay diverged" in results[-1]
