@@ -34,6 +34,7 @@ import asyncio
 import functools
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,8 +52,15 @@ from fleet.kernel.store.factory import StoreOptions, open_event_store
 from fleet.kernel.store.spi import CommitSignal, EventStore, SignalsCommits
 from fleet.recovery.sweeper import RecoverySweeper
 from fleet.services.base import PeriodicService, Service, run_services
-from fleet.services.counters import StatsReporter, numbers, process_name
+from fleet.services.counters import (
+    FleetCounters,
+    ProcessReport,
+    StatsReporter,
+    numbers,
+    process_name,
+)
 from fleet.services.health import Heartbeat
+from fleet.services.metrics import FleetCollector
 from fleet.streams.attacher import RewardAttacher
 from fleet.streams.redis_client import aioredis
 from fleet.streams.relay import EventRelay, RelayLease
@@ -323,15 +331,40 @@ async def serve(settings: FleetSettings, name: str, *,
     log.info("fleet %s (pid %d) running: %s", name, os.getpid(),
              ", ".join(s.name for s in role.services))
     relay = role.service if isinstance(role.service, EventRelay) else None
+    metrics = serve_metrics(settings, role)
     try:
         await run_services(role.services, until=_first(until, relay))
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         await role.aclose()
     stats = role.stats()
     log.info("fleet %s stopped: %s", name, stats)
     if relay is not None and relay.failed is not None:
         raise relay.failed  # a refusal that can never succeed ends the process
     return stats
+
+
+def serve_metrics(settings: FleetSettings, role: Role) -> Any:
+    """This process's ``/metrics`` on ``FLEET_METRICS_PORT`` (None when unset): its own
+    counters, in the families Flower's ``/metrics`` serves for the whole fleet."""
+    if settings.metrics_port is None:
+        return None
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    reporter = next((s for s in role.services if isinstance(s, StatsReporter)), None)
+    process = reporter.process if reporter is not None else process_name()
+
+    def read() -> FleetCounters:
+        counters = role_counters(role)
+        return FleetCounters((ProcessReport(role.name, process, counters, at=time.time(),
+                                            age_s=0.0, stale=False, pid=os.getpid()),))
+
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(read))
+    server, _ = start_http_server(settings.metrics_port, registry=registry)
+    log.info("fleet %s: Prometheus /metrics on port %d", role.name, settings.metrics_port)
+    return server
 
 
 async def _first(until: Awaitable[Any] | None, relay: EventRelay | None) -> None:

@@ -72,7 +72,8 @@ ALARMS: tuple[str, ...] = ("divergence_warnings", "divergence_parked", "fenced_o
                            "outcomes_dead_lettered", "dispatch_refused", "errors",
                            "enqueue_errors", "failed")
 #: Gauges: read as they are, never summed into totals.
-GAUGES: frozenset[str] = frozenset({"active", "lag_ms", "leader", "peak_batch_bytes"})
+GAUGES: frozenset[str] = frozenset({"active", "lag_ms", "leader", "peak_batch_bytes", "diverged",
+                                  "failures"})
 #: Longest name part of a key (a node name); longer is cut.
 _NAME_MAX = 200
 

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import pytest
 from fleet_page_flows import ALL
 from postgres_server import throwaway_database
+from prometheus_client.parser import text_string_to_metric_families
 from redis_server import url_with_db
 
 from fleet.config import FleetSettings
@@ -41,7 +42,7 @@ from fleet.host.kernel import open_store
 from fleet.host.loop import EventLoopThread
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.spi import EventStore, ExecutionSummary
-from fleet.services.counters import CountersReader
+from fleet.services.counters import WORKER_COUNTERS, CountersReader
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -141,6 +142,7 @@ class Fleet:
     token: str
     procs: dict[str, Proc] = field(default_factory=dict)
     flower_url: str = ""
+    metrics_port: int = 0
 
     def env_for(self, name: str, **extra: str) -> dict[str, str]:
         env = dict(self.env)
@@ -156,9 +158,10 @@ class Fleet:
         self.procs[name] = proc
         return proc
 
-    def start_service(self, component: str) -> Proc:
-        proc = Proc(component, [component], self.env_for(component), self.log_dir)
-        self.procs[component] = proc
+    def start_service(self, component: str, name: str | None = None, **env: str) -> Proc:
+        name = name or component
+        proc = Proc(name, [component], self.env_for(name, **env), self.log_dir)
+        self.procs[name] = proc
         return proc
 
     def start_flower(self, name: str, *args: str, **env: str) -> str:
@@ -238,9 +241,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         built = Fleet(env, settings, store, log_dir, token)
         try:
             built.cli("db", "upgrade")
+            built.metrics_port = free_port()
             starting = [built.start_worker("a"), built.start_worker("b"),
-                        *(built.start_service(c)
-                          for c in ("timers", "recovery", "attacher", "relay"))]
+                        built.start_service("timers",
+                                            FLEET_METRICS_PORT=str(built.metrics_port)),
+                        *(built.start_service(c) for c in ("recovery", "attacher", "relay"))]
 
             def reported() -> bool:
                 for proc in starting:
@@ -262,11 +267,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 def test_every_process_reports_its_counters_and_heartbeat(fleet: Fleet) -> None:
     counters = fleet.counters()
-    by_role = {p.role: p for p in counters.processes}
+    by_role = {p.role: p for p in counters.processes if not p.stale}
     assert set(by_role) == {"worker", "timers", "recovery", "attacher", "relay"}
     workers = sorted(p.name for p in counters.of("worker"))
     assert workers == sorted(fleet.procs[n].nodename or "" for n in ("a", "b"))
+    ours = {proc.proc.pid for name, proc in fleet.procs.items() if name in (
+        "a", "b", "timers", "recovery", "attacher", "relay")}
     for process in counters.processes:
+        if process.pid not in ours:
+            continue  # test_a_stopped_service_turns_stale's, if it ran first
         assert not process.stale, process
         assert process.age_s < 3, process
         assert process.pid
@@ -552,3 +561,96 @@ def test_drive_tasks_in_flower_name_the_execution_and_flow_and_say_how_the_run_e
     assert "parked on go (gate)" in results[0]
     assert "parked on __fleet_diverged__ (diverged: skipped 1: a)" in results[-1]
     assert "the replay diverged" in results[-1]
+
+
+# -- Prometheus ----------------------------------------------------------------------------
+
+def families(text: str) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_flowers_metrics_parse_and_carry_every_counter_by_process(
+        fleet: Fleet, tmp_path: Path) -> None:
+    browser = Browser(fleet.flower_url)
+    before = fleet.total("divergence_parked")
+    diverge(fleet, tmp_path)
+
+    def scraped() -> dict[str, Any] | None:
+        status, text = browser.get("/metrics")
+        assert status == 200
+        found = families(text)
+        moved = sum(s.value for s in found["fleet_divergence_parked"].samples
+                    if s.name == "fleet_divergence_parked_total") == before + 1
+        return found if moved else None
+    found = until(scraped, "fleet_divergence_parked_total to move")
+    assert "flower_events" in found  # Flower's own metrics are still there
+    for counter in WORKER_COUNTERS:
+        assert f"fleet_{counter}" in found, counter
+    drives = found["fleet_drives"]
+    assert drives.type == "counter"
+    by_process = {(s.labels["role"], s.labels["process"]): s.value for s in drives.samples
+                  if s.name == "fleet_drives_total"}
+    assert {(role, name) for role, name in by_process if role == "worker"} == {
+        ("worker", fleet.procs[n].nodename) for n in ("a", "b")}
+    assert found["fleet_active"].type == "gauge"
+    services = {s.labels["role"] for s in found["fleet_timers_fired"].samples}
+    assert "timers" in services
+    assert {s.labels["role"] for s in found["fleet_outcomes_attached"].samples} >= {"attacher"}
+    assert "relay" in {s.labels["role"] for s in found["fleet_published"].samples}
+    stale = {s.labels["role"]: s.value for s in found["fleet_process_stale"].samples}
+    assert set(stale) == {"worker", "timers", "recovery", "attacher", "relay"}
+    parked = {s.labels["gate"]: s.value for s in found["fleet_executions_parked"].samples}
+    assert parked["diverged"] >= 1
+    assert browser.json("/fleet/api/status")["totals"]["divergence_parked"] == before + 1
+    assert "fleet_stream_dead_letters" in found
+    assert "fleet_stream_group_lag" in found
+
+
+def test_a_service_serves_its_own_metrics(fleet: Fleet) -> None:
+    url = f"http://127.0.0.1:{fleet.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        found = families(reply.read().decode())
+    (sample,) = [s for s in found["fleet_timers_fired"].samples
+                 if s.name == "fleet_timers_fired_total"]
+    assert sample.labels["role"] == "timers"
+    reported = {p.role: p for p in fleet.counters().processes}["timers"]
+    assert sample.value >= reported.counters["timers_fired"]  # live, the report a bit older
+    assert found["fleet_enqueued"].type == "counter"
+    assert [s.value for s in found["fleet_process_stale"].samples] == [0]
+
+
+# -- stale --------------------------------------------------------------------------------
+
+def test_a_stopped_service_turns_stale_with_its_last_values(fleet: Fleet) -> None:
+    extra = fleet.start_service("timers", "timers-2")  # a second replica, then stopped
+    browser = Browser(fleet.flower_url)
+
+    def mine() -> dict[str, Any] | None:
+        data = browser.json("/fleet/api/status")
+        return next((p for p in data["processes"] if p["pid"] == extra.proc.pid), None)
+    live = until(lambda: (m := mine()) and (not m["stale"]) and m["counters"]["ticks"] > 0
+                 and m, "the second timers process to report ticks")
+    assert live["role"] == "timers"
+    extra.stop()
+    stale = until(lambda: (m := mine()) and m["stale"] and m, "it to turn stale", 20)
+    assert stale["stopped"] is True
+    assert stale["counters"]["ticks"] >= live["counters"]["ticks"] > 0  # not zeros
+    time.sleep(1.5)
+    older = mine()
+    assert older is not None
+    assert older["age_s"] > stale["age_s"]  # its age grows; its values stay
+    assert older["counters"] == stale["counters"]
+    _, page = browser.get("/fleet")
+    row = page[page.index(f'data-process="{stale["name"]}"'):]
+    row = row[:row.index("</tr>")]
+    assert "stale" in row
+    assert "(stopped)" in row
+    assert "stale processes" in browser.json("/fleet/api/status")["alarms"]
+    status = json.loads(fleet.cli("status", "--json", check=False).stdout)
+    (shown,) = [p for p in status["services"] if p["pid"] == extra.proc.pid]
+    assert shown["stale"] is True
+    assert shown["counters"]["ticks"] == stale["counters"]["ticks"]
+    _, text = browser.get("/metrics")
+    (flag,) = [s.value for s in families(text)["fleet_process_stale"].samples
+               if s.labels["process"] == stale["name"]]
+    assert flag == 1
