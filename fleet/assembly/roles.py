@@ -143,7 +143,7 @@ async def _open(settings: FleetSettings, name: str, *,
 
 
 def _heartbeat(settings: FleetSettings, role: Role, *,
-               collect: Callable[[], dict[str, float]] | None = None,
+               collect: Callable[[], dict[str, Any]] | None = None,
                process: str | None = None, **options: Any) -> None:
     """The role's heartbeat file (``fleet health``) and its report to Redis (decision 0022)."""
     service = role.service
@@ -182,7 +182,7 @@ def _bounds(settings: FleetSettings) -> dict[str, Any]:
 async def open_worker(settings: FleetSettings, *, slot: int | None = None,
                       on_durable_event: EventObserver | None = None,
                       on_beat: Callable[[], Any] | None = None,
-                      collect: Callable[[], dict[str, float]] | None = None,
+                      collect: Callable[[], dict[str, Any]] | None = None,
                       name: str | None = None) -> Role:
     """A worker process's parts: its store, its Runtime, its heartbeat, its report.
 

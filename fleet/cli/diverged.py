@@ -9,6 +9,7 @@ parked again (the code still diverges: exit code 2), or run on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -19,6 +20,7 @@ from rich.table import Table
 from fleet.cli.common import console, fleet_errors, json_option
 from fleet.config import FleetSettings
 from fleet.dispatcher.operator import GATES, Operator
+from fleet.services.counters import CountersReader
 
 #: The exit code of a retry whose re-run diverged again.
 REPARKED = 2
@@ -37,11 +39,15 @@ def diverged() -> None:
 @fleet_errors
 def list_(all_gates: bool, limit: int, as_json: bool) -> None:
     """Each parked execution: flow, version, worker, when, and the recorded reason."""
-    operator = Operator(FleetSettings())
+    settings = FleetSettings()
+    operator = Operator(settings)
     try:
         parked = operator.parked(gates=GATES if all_gates else GATES[:1], limit=limit)
     finally:
         operator.close()
+    by = _parked_by(settings)
+    parked = [p if p.worker else dataclasses.replace(p, worker=by.get(p.execution_id))
+              for p in parked]
     if as_json:
         click.echo(json.dumps([p.to_dict() for p in parked]))
         return
@@ -54,6 +60,17 @@ def list_(all_gates: bool, limit: int, as_json: bool) -> None:
                       time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(p.parked_at / 1000)),
                       p.reason)
     console.print(table)
+
+
+def _parked_by(settings: FleetSettings) -> dict[str, str]:
+    """Which worker parked each execution, from the workers' reports (none without Redis)."""
+    if not settings.redis_url:
+        return {}
+    reader = CountersReader(settings)
+    try:
+        return reader.read(streams=False).parked_by()
+    finally:
+        reader.close()
 
 
 @diverged.command()

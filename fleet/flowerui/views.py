@@ -91,7 +91,9 @@ class FleetState:
             parked = self.operator.parked(gates=GATES)
         except Exception as exc:  # noqa: BLE001 - shown on the page, the rest still served
             data["problems"].append(f"store: {type(exc).__name__}: {exc}")
-        data["parked"] = [p.to_dict() for p in parked]
+        by = counters.parked_by()
+        data["parked"] = [{**p.to_dict(), "worker": p.worker or by.get(p.execution_id)}
+                          for p in parked]
         if parked:
             data["alarms"]["executions parked diverged"] = sum(
                 1 for p in parked if p.gate == DIVERGED_GATE)

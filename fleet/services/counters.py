@@ -74,6 +74,9 @@ ALARMS: tuple[str, ...] = ("divergence_warnings", "divergence_parked", "fenced_o
 #: Gauges: read as they are, never summed into totals.
 GAUGES: frozenset[str] = frozenset({"active", "lag_ms", "leader", "peak_batch_bytes", "diverged",
                                   "failures"})
+#: The most recent parks on an operator's gate a worker reports (which worker parked
+#: which execution: the store's index forgets the holder when the lease is released).
+PARKS_KEPT = 50
 #: Longest name part of a key (a node name); longer is cut.
 _NAME_MAX = 200
 
@@ -112,7 +115,7 @@ def numbers(values: Mapping[str, Any], renames: Mapping[str, str] | None = None
     return out
 
 
-Collect = Callable[[], Mapping[str, float]]
+Collect = Callable[[], Mapping[str, Any]]
 
 
 class StatsReporter:
@@ -164,8 +167,13 @@ class StatsReporter:
 
     def fields(self, *, stopped: bool = False) -> dict[str, str]:
         """What one report writes."""
+        parks: list[Any] = []
         try:
-            counters = numbers(self.collect())
+            values = dict(self.collect())
+            found = values.pop("parks", None)
+            if isinstance(found, list):
+                parks = found[-PARKS_KEPT:]
+            counters = numbers(values)
         except Exception as exc:  # noqa: BLE001 - a broken source must not stop the report
             log.warning("%s: collecting counters failed: %s: %s", self.key,
                         type(exc).__name__, exc)
@@ -174,7 +182,8 @@ class StatsReporter:
         out = {"role": self.role, "name": self.process, "pid": str(os.getpid()),
                "host": socket.gethostname(), "at": f"{now:.3f}",
                "interval_s": f"{self.interval_s:g}", "started_at": f"{self.started_at:.3f}",
-               "counters": json.dumps(counters, separators=(",", ":")), "stopped_at": ""}
+               "counters": json.dumps(counters, separators=(",", ":")), "stopped_at": "",
+               "parks": json.dumps(parks, separators=(",", ":"))}
         if stopped:
             out["stopped_at"] = f"{now:.3f}"
         return out
@@ -254,9 +263,12 @@ class ProcessReport:
     host: str = ""
     interval_s: float = 0.0
     started_at: float | None = None
+    #: A worker's recent parks on an operator's gate: ``{"executionId", "gate", "at"}``.
+    parks: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"role": self.role, "name": self.name, "counters": dict(self.counters),
+                "parks": [dict(p) for p in self.parks],
                 "at": self.at, "age_s": round(self.age_s, 1), "stale": self.stale,
                 "stopped": self.stopped, "pid": self.pid, "host": self.host,
                 "interval_s": self.interval_s, "started_at": self.started_at}
@@ -302,6 +314,16 @@ class FleetCounters:
                 out[name] = out.get(name, 0) + value
         return out
 
+    def parked_by(self) -> dict[str, str]:
+        """Which worker process last parked each execution (from the workers' reports)."""
+        out: dict[str, tuple[float, str]] = {}
+        for process in self.processes:
+            for park in process.parks:
+                eid, at = str(park.get("executionId", "")), float(park.get("at") or 0)
+                if eid and (eid not in out or at > out[eid][0]):
+                    out[eid] = (at, process.name)
+        return {eid: name for eid, (_, name) in out.items()}
+
     @property
     def stale(self) -> list[ProcessReport]:
         return [p for p in self.processes if p.stale]
@@ -346,11 +368,18 @@ def parse_report(raw: Mapping[Any, Any], *, now: float, stale_s: float) -> Proce
         started: float | None = float(data.get("started_at") or "")
     except ValueError:
         started = None
+    try:
+        parks_raw = json.loads(data.get("parks") or "[]")
+    except ValueError:
+        parks_raw = []
+    parks = tuple(p for p in parks_raw if isinstance(p, dict)) if isinstance(
+        parks_raw, list) else ()
     # A process reporting less often than the stale limit is judged by its own interval.
     limit = max(stale_s, 3 * interval)
     return ProcessReport(role=role, name=name, counters=counters, at=at, age_s=age,
                          stale=stopped or age > limit, stopped=stopped, pid=pid,
-                         host=data.get("host", ""), interval_s=interval, started_at=started)
+                         host=data.get("host", ""), interval_s=interval, started_at=started,
+                         parks=parks)
 
 
 def _keys(client: Any, limit: int, prefix: str, since: float) -> list[str]:
@@ -453,7 +482,8 @@ class CountersReader:
             self.client.close()
 
 
-__all__ = ["ALARMS", "GAUGES", "PREFIX", "ROLES", "SERVICE_COUNTERS", "WORKER_COUNTERS",
+__all__ = ["ALARMS", "GAUGES", "PARKS_KEPT", "PREFIX", "ROLES", "SERVICE_COUNTERS",
+           "WORKER_COUNTERS",
            "CountersReader", "FleetCounters", "ProcessReport", "StatsReporter", "StreamInfo",
            "fleet_streams", "numbers", "parse_report", "process_name", "read_fleet",
            "stats_key", "stream_infos"]

@@ -19,10 +19,12 @@ and ``begin_drain`` is the graceful shutdown (``fleet.workers.shutdown``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +37,13 @@ from fleet.kernel.errors import (
     StoreUnavailableError,
 )
 from fleet.kernel.events import EventEnvelope
+from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
 from fleet.kernel.journal import EventObserver
 from fleet.kernel.run_outcome import OutcomeKind, RunOutcome
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.spi import EventStore
 from fleet.services.base import Service, start_order
+from fleet.services.counters import PARKS_KEPT
 from fleet.workers import shutdown, stats
 
 log = logging.getLogger("fleet.workers")
@@ -134,6 +138,8 @@ class WorkerProcess:
         self._runtime: Runtime | None = None
         self._store: EventStore | None = None
         self._base: dict[str, stats.Number] = {}
+        #: Recent parks on the divergence or in-doubt gate: (executionId, gate, at).
+        self.parks: collections.deque[dict[str, Any]] = collections.deque(maxlen=PARKS_KEPT)
         self._draining = False
 
     @property
@@ -159,7 +165,7 @@ class WorkerProcess:
         # every role's are (fleet.assembly.roles), started here on the loop.
         role = await open_worker(self.settings, slot=self.slot,
                                  on_durable_event=self._observe, on_beat=self._poll_drain,
-                                 collect=self.totals, name=_node)
+                                 collect=self.report, name=_node)
         started: list[Service] = []
         try:
             for service in start_order(role.services):
@@ -294,6 +300,11 @@ class WorkerProcess:
             log.info("drive of %s handed back (the worker is shutting down)", execution_id)
         elif outcome.kind == "nothing_to_do":
             self.counters.idle += 1  # already parked or ended: nothing to do
+        waiting = outcome.waiting
+        if outcome.kind in ("diverged_parked", "parked") and waiting is not None and \
+                waiting.on in (DIVERGED_GATE, INDOUBT_GATE):
+            self.parks.append({"executionId": execution_id, "gate": waiting.on,
+                               "at": round(time.time(), 3)})
         return DriveResult(_REPORTED[outcome.kind], describe(outcome))
 
     def _observe(self, event: EventEnvelope) -> Any:
@@ -321,11 +332,16 @@ class WorkerProcess:
         return values
 
     def totals(self) -> dict[str, float]:
-        """This process's counters, continuing its prefork row's (what it reports to Redis)."""
+        """This process's counters, continuing its prefork row's."""
         values = self.snapshot()
         for name in stats.COUNTERS:
             values[name] = values.get(name, 0) + self._base.get(name, 0)
         return {k: float(v) for k, v in values.items()}
+
+    def report(self) -> dict[str, Any]:
+        """What it reports to Redis: its totals, and its recent parks on an operator's gate
+        (the Fleet page's "worker" of a diverged execution)."""
+        return {**self.totals(), "parks": list(self.parks)}
 
     def write_stats_row(self) -> None:
         """Write this child's totals to its row of the prefork stats table (if any)."""

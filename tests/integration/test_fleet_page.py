@@ -17,14 +17,17 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from base64 import b64encode
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -458,6 +461,8 @@ def test_a_diverged_run_is_listed_with_its_reason_and_retry_reparks_until_fixed(
     assert listed["reason"] == "skipped 1: a"
     assert listed["kind"] == "diverged"
     assert listed["parkedAt"] > 0
+    # The worker that parked it (its report names it: the index forgot the holder).
+    assert listed["worker"] in {fleet.procs[n].nodename for n in ("a", "b")}
     assert "executions parked diverged" in api["alarms"]
     _, page = browser.get("/fleet")
     row = page[page.index(f'data-execution="{eid}"'):]
@@ -475,7 +480,8 @@ def test_a_diverged_run_is_listed_with_its_reason_and_retry_reparks_until_fixed(
     assert sum(w["counters"]["divergence_parked"] for w in workers) == before + 1
     # fleet diverged list: the same row.
     listed_cli = json.loads(fleet.cli("diverged", "list", "--json").stdout)
-    assert [p["reason"] for p in listed_cli if p["executionId"] == eid] == ["skipped 1: a"]
+    assert [(p["reason"], p["worker"]) for p in listed_cli if p["executionId"] == eid] == [
+        ("skipped 1: a", listed["worker"])]
     assert eid in fleet.cli("diverged", "list", COLUMNS="200").stdout
     # Retry before the code is fixed: parked again, and the answer says so.
     retried = fleet.cli("diverged", "retry", eid, "--json", check=False)
@@ -654,3 +660,90 @@ def test_a_stopped_service_turns_stale_with_its_last_values(fleet: Fleet) -> Non
     (flag,) = [s.value for s in families(text)["fleet_process_stale"].samples
                if s.labels["process"] == stale["name"]]
     assert flag == 1
+
+
+# -- a real browser: headless Chromium ------------------------------------------------------
+# Debian's chromium (.ci/run installs it when missing). FLEET_UPDATE_SCREENSHOT=1 also
+# writes the screenshot to docs/fleet-page.png, which the README shows.
+
+CHROMIUM = os.environ.get("FLEET_CHROMIUM", "/usr/bin/chromium")
+
+
+def chromium(*args: str) -> subprocess.CompletedProcess[bytes]:
+    if not Path(CHROMIUM).exists() and shutil.which("chromium") is None:
+        pytest.fail("headless Chromium renders the Fleet page: apt-get install -y chromium "
+                    "(.ci/run does it), or set FLEET_CHROMIUM")
+    binary = CHROMIUM if Path(CHROMIUM).exists() else str(shutil.which("chromium"))
+    return subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu",
+                           "--hide-scrollbars", "--disable-dev-shm-usage",
+                           "--virtual-time-budget=3000", *args],
+                          capture_output=True, timeout=120)
+
+
+def png_pixels(data: bytes) -> tuple[int, int, list[tuple[int, int, int]]]:
+    """(width, height, RGB pixels) of an 8-bit RGB/RGBA non-interlaced PNG."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, width = 8, b"", 0
+    height = depth = color = 0
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, color = struct.unpack(">IIBB", body[:10])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    assert depth == 8
+    assert color in (2, 6)
+    step = 3 if color == 2 else 4
+    raw = zlib.decompress(idat)
+    stride = width * step
+    rows: list[bytearray] = []
+    prev = bytearray(stride)
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, line = raw[start], bytearray(raw[start + 1:start + 1 + stride])
+        for i in range(stride):
+            a = line[i - step] if i >= step else 0
+            b, c = prev[i], prev[i - step] if i >= step else 0
+            if kind == 1:
+                line[i] = (line[i] + a) & 0xFF
+            elif kind == 2:
+                line[i] = (line[i] + b) & 0xFF
+            elif kind == 3:
+                line[i] = (line[i] + (a + b) // 2) & 0xFF
+            elif kind == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                pred = a if pa <= pb and pa <= pc else (b if pb <= pc else c)
+                line[i] = (line[i] + pred) & 0xFF
+        rows.append(line)
+        prev = line
+    pixels = [(row[x], row[x + 1], row[x + 2]) for row in rows for x in range(0, stride, step)]
+    return width, height, pixels
+
+
+def test_chromium_renders_the_fleet_page_with_a_diverged_execution(
+        fleet: Fleet, tmp_path: Path) -> None:
+    eid, _ = diverge(fleet, tmp_path)
+    # A Flower where everyone it lets in is an operator: the Retry button shows.
+    base = fleet.start_flower("flower-shot", "--unauthenticated", FLEET_OPERATORS="*")
+    url = f"{base}/fleet"
+    dom = chromium("--dump-dom", url)
+    assert dom.returncode == 0, dom.stderr.decode(errors="replace")[-2000:]
+    html = dom.stdout.decode()
+    assert f'data-execution="{eid}"' in html
+    assert "skipped 1: a" in html
+    assert 'id="fleet-nav"' in html  # Flower's navbar, with the Fleet link
+    assert "Retry</button>" in html
+    shot = tmp_path / "fleet-page.png"
+    done = chromium(f"--screenshot={shot}", "--window-size=1440,1500", url)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    width, height, pixels = png_pixels(shot.read_bytes())
+    assert (width, height) == (1440, 1500)
+    # Bootstrap's danger red (#dc3545 and its table tint): the alarms, the parked row.
+    red = sum(1 for r, g, b in pixels if r > 180 and g < 90 and b < 100)
+    assert red > 500, red
+    assert len(set(pixels[::97])) > 20  # a page, not a blank or an error screen
+    if os.environ.get("FLEET_UPDATE_SCREENSHOT") == "1":
+        shutil.copyfile(shot, ROOT / "docs" / "fleet-page.png")
