@@ -8,10 +8,14 @@ every fleet process's parts from it; ``fleet.host.kernel`` its store and Runtime
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import ValidationError as PydanticValidationError
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.store.factory import GroupCommit, StoreOptions
@@ -187,7 +191,27 @@ class FleetSettings(BaseSettings):
         1_048_576, ge=1024, description="the largest fleet.dispatch message (JSON bytes) a "
         "worker reads")
     reward_keys: dict[str, str] = Field(
-        default_factory=dict, description='JSON {"producer": "secret"}: HMAC keys')
+        default_factory=dict, description='JSON {"producer": "secret"}: the reward producers\' '
+        'HMAC keys (the attacher verifies with them, `fleet reward submit` signs with one)')
+    reward_keys_file: str | None = Field(
+        None, description="a file holding the same JSON object (what `fleet up` writes to "
+        ".fleet/reward-keys.json; a mounted Secret); instead of FLEET_REWARD_KEYS")
+    reward_tenants: dict[str, list[str]] = Field(
+        default_factory=dict, description='JSON {"producer": ["tenant", ...]}: the tenants '
+        'whose executions each producer may reward ("*": every tenant, and executions with '
+        "none). Unset: every producer may reward every execution. Set: a producer rewards only "
+        "its tenants' executions, and one it does not list only executions with no tenant "
+        "(decision 0025)")
+
+    @field_validator("reward_tenants")
+    @classmethod
+    def _check_reward_tenants(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for producer, tenants in value.items():
+            if not producer or not tenants or not all(tenants):
+                raise ValueError(
+                    f"producer {producer!r} needs a non-empty list of tenant names; example: "
+                    '{"crm": ["acme", "globex"], "ops": ["*"]}')
+        return value
 
     @field_validator("flows", "operators", mode="before")
     @classmethod
@@ -212,3 +236,94 @@ class FleetSettings(BaseSettings):
             raise ConfigurationError(
                 "no broker: set FLEET_BROKER_URL or FLEET_REDIS_URL (redis:// or amqp://)")
         return url
+
+
+# -- explaining a bad setting (issue 10 item 11) ---------------------------------------
+
+#: Example values for the settings whose default is no example (unset or empty).
+SETTING_EXAMPLES: dict[str, str] = {
+    "database_url": "postgresql://fleet@db:5432/fleet",
+    "redis_url": "redis://127.0.0.1:6379/0",
+    "broker_url": "redis://127.0.0.1:6379/0",
+    "divergence": "warn",
+    "pg_pool_min": "1",
+    "pg_pool_max": "10",
+    "max_event_bytes": "1048576",
+    "broker_max_retries": "10",
+    "flows": "myapp.flows:onboard,myapp.flows:billing",
+    "routes": '{"flow:report": "fleet.heavy", "tenant:acme": "fleet.acme"}',
+    "heartbeat_dir": "/var/run/fleet",
+    "dispatch_keys": '{"web-1": {"client": "web", "secret": "<random>", "tenants": ["acme"]}}',
+    "dispatch_keys_file": "/etc/fleet/dispatch-keys.json",
+    "dispatch_key_id": "web-1",
+    "reward_keys": '{"billing": "<random secret>"}',
+}
+#: Settings whose value an error never repeats (secrets; URLs that may hold a password).
+_UNECHOED = ("url", "keys", "secret", "password")
+
+
+def setting_env_name(field: str) -> str:
+    """The environment variable of setting ``field``: ``lease_ms`` -> ``FLEET_LEASE_MS``."""
+    return f"FLEET_{field.upper()}"
+
+
+def setting_example(field: str) -> str:
+    """A good value of setting ``field``, as its environment variable takes it."""
+    if field in SETTING_EXAMPLES:
+        return SETTING_EXAMPLES[field]
+    info = FleetSettings.model_fields.get(field)
+    value = None if info is None else info.get_default(call_default_factory=True)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return "" if value is None else str(value)
+
+
+def describe_settings_error(exc: BaseException) -> list[str] | None:
+    """One line per bad ``FLEET_*`` setting in ``exc`` (which setting, what is wrong, a
+    good value), or None when ``exc`` is not about the settings.
+
+    ``exc`` is what ``FleetSettings()`` raised: pydantic's ``ValidationError`` (a
+    value of the wrong type or range), or pydantic-settings' ``SettingsError`` (a
+    JSON setting that is not JSON). A secret's or a URL's value is never repeated.
+    """
+    if isinstance(exc, SettingsError):
+        found = re.search(r'field "([^"]+)"', str(exc))
+        if found is None:
+            return [str(exc)]
+        field = found.group(1)
+        cause = exc.__cause__ or exc.__context__
+        why = f"is not JSON ({cause})" if isinstance(cause, ValueError) else f"is unusable ({exc})"
+        return [_line(field, why)]
+    if not isinstance(exc, PydanticValidationError) or exc.title != FleetSettings.__name__:
+        return None
+    lines = []
+    for error in exc.errors():
+        loc = [str(part) for part in error.get("loc", ())]
+        if not loc:
+            lines.append(f"FLEET_* settings: {error.get('msg')}")
+            continue
+        field, inner = loc[0], loc[1:]
+        where = f" (at {'.'.join(inner)})" if inner else ""
+        shown = "" if any(word in field for word in _UNECHOED) or inner else \
+            f"={_shown(error.get('input'))}"
+        message = str(error.get("msg", "is not valid"))
+        message = message[:1].lower() + message[1:]
+        lines.append(_line(field, f"{message}{where}", shown))
+    return lines
+
+
+def _shown(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return shlex.quote(text if len(text) <= 40 else text[:37] + "...")
+
+
+def _line(field: str, why: str, shown: str = "") -> str:
+    name = setting_env_name(field)
+    example = setting_example(field)
+    hint = f"; e.g. {name}={shlex.quote(example)}" if example else ""
+    joint = " " if why.startswith("is ") else ": "
+    return f"{name}{shown}{joint}{why}{hint}"

@@ -11,7 +11,9 @@ timers     the fleet's flows                       ``TimerService`` (drives enqu
                                                    through a ``Dispatcher``), heartbeat
 recovery   the fleet's flows                       ``RecoverySweeper`` (the same),
                                                    heartbeat
-attacher   ``annotate: any`` (decision 0011)       ``RewardAttacher``, heartbeat
+attacher   ``annotate: tenant`` with producers     ``RewardAttacher``, heartbeat
+           scoped (``FLEET_REWARD_TENANTS``),
+           else ``any`` (decisions 0011, 0025)
 relay      (none: it only reads the store)         ``EventRelay`` (the store's committed
                                                    feed -> the events stream, one
                                                    replica at a time), heartbeat
@@ -243,10 +245,19 @@ async def open_attacher(settings: FleetSettings, *, heartbeat: bool = True) -> R
     """The reward attacher: signed rewards from the stream -> late outcomes.
 
     A producer is never an execution's owner: only the attacher's runtime lets
-    one ``annotate`` (decision 0011); nobody else's does.
+    one ``annotate`` (decision 0011); nobody else's does. With
+    ``FLEET_REWARD_TENANTS`` its rule is ``tenant`` and each producer acts within
+    its scope (decision 0025); without, ``any``.
     """
-    role = await _open(settings, "attacher",
-                       access_policy=AccessPolicy(rules={"annotate": "any"}))
+    # Scoped producers (FLEET_REWARD_TENANTS) are judged by the kernel's tenant rule
+    # against each producer's scope; unscoped, any producer key may annotate anything.
+    scoped = bool(settings.reward_tenants)
+    if not scoped:
+        log.warning("reward producers are not scoped to tenants (FLEET_REWARD_TENANTS is "
+                    "unset): any producer key may reward any tenant's executions "
+                    "(decision 0025)")
+    role = await _open(settings, "attacher", access_policy=AccessPolicy(
+        rules={"annotate": "tenant" if scoped else "any"}))
     try:
         role.service = RewardAttacher.from_settings(settings, role.require_runtime(),
                                                     on_warn=log.warning)

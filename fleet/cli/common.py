@@ -13,14 +13,18 @@ import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from fleet.config import FleetSettings
-from fleet.host.kernel import open_store
+from fleet.host.kernel import open_store, open_store_to_read
 from fleet.kernel.errors import ConfigurationError, FleetError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.security import Principal
@@ -75,6 +79,12 @@ def open_store_at(url: str) -> EventStore:
     return open_store(FleetSettings(database_url=url))
 
 
+def open_reader_at(url: str) -> EventStore:
+    """The store at ``url`` for a command that only reads: never created, never
+    migrated (``host.kernel.open_store_to_read``)."""
+    return open_store_to_read(FleetSettings(database_url=url))
+
+
 def open_snapshots(url: str | None) -> SnapshotStore | None:
     """The snapshot store at ``url``; ``None`` (or ``"none"``): no snapshots."""
     if url is None or url == "none":
@@ -85,15 +95,104 @@ def open_snapshots(url: str | None) -> SnapshotStore | None:
 def load_callable(spec: str) -> Any:
     """``package.module:function``, imported; a ``ConfigurationError`` says what is wrong."""
     module_name, _, attr = spec.partition(":")
+    example = "e.g. fleet.examples.agent:better_style"
     if not module_name or not attr:
-        raise ConfigurationError(f"{spec!r} must look like 'package.module:function'")
+        raise ConfigurationError(f"{spec!r} must look like 'package.module:function' ({example})")
     try:
-        target = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigurationError(f"cannot load {spec!r}: {exc}") from exc
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r} ({exc}): a module of the "
+                                 "working directory or of PYTHONPATH") from exc
+    target = getattr(module, attr, None)
+    if target is None:
+        raise ConfigurationError(f"module {module_name!r} has no attribute {attr!r}")
     if not callable(target):
-        raise ConfigurationError(f"{spec!r} is not callable")
+        raise ConfigurationError(f"{spec!r} is not callable: it is a "
+                                 f"{type(target).__name__}, not a function ({example})")
     return target
+
+
+if TYPE_CHECKING:  # generic from click 8.2 on; pyproject allows 8.1, where it is not
+    OptionType = click.ParamType[Any, Any]
+else:
+    OptionType = click.ParamType
+
+
+class CallableSpec(OptionType):
+    """An option naming ``package.module:function``: imported when parsed, so a wrong one
+    is a usage error (exit 2) saying what is wrong, before any work starts."""
+
+    name = "module:function"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if callable(value):
+            return value
+        try:
+            return load_callable(str(value))
+        except ConfigurationError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def database_missing(url: str) -> str | None:
+    """Why the store ``url`` cannot be read without creating it (None: it exists, or it
+    is not a file). A command that only reads never creates a database."""
+    if not url.startswith("sqlite:///"):
+        return None
+    path = url[len("sqlite:///"):]
+    if not path or Path(path).exists():
+        return None
+    shown = path if Path(path).is_absolute() or path.startswith(".") else f"./{path}"
+    hint = ""
+    if Path(".fleet/env").exists():
+        hint = " (`fleet up` here wrote .fleet/env: `. .fleet/env` points this shell at it)"
+    return (f"no fleet database at {shown}; set FLEET_DATABASE_URL or --db, or run "
+            f"`fleet up`{hint}")
+
+
+def require_database(url: str) -> str:
+    """``url``, once it names a database that exists (see ``database_missing``)."""
+    missing = database_missing(url)
+    if missing is not None:
+        raise click.ClickException(missing)
+    return url
+
+
+def read_store_url(db: str | None) -> str:
+    """The store a reading command reads (``store_url``); it must exist already."""
+    return require_database(store_url(db))
+
+
+def id_column(table: Table, header: str, ids: list[str]) -> None:
+    """A column of ids that is never cut nor folded: an id must copy whole into the
+    next command. The other columns give way."""
+    table.add_column(header, no_wrap=True, overflow="ignore",
+                     min_width=max([len(header), *map(len, ids)]))
+
+
+def natural_width(renderable: Any, *, minimum: bool = False) -> int:
+    """How wide ``renderable`` is when nothing squeezes it (``minimum``: squeezed as far
+    as its columns allow)."""
+    measured = Measurement.get(console, console.options.update_width(100_000), renderable)
+    return measured.minimum if minimum else measured.maximum
+
+
+def print_fitting(table: Table, rows: list[list[str]]) -> None:
+    """``table`` when it fits the terminal; else each row as a record (its first cell
+    on a line of its own, then ``header=value`` pairs wrapped between pairs), so
+    nothing is cut or cropped at the right edge."""
+    if natural_width(table, minimum=True) <= console.width:
+        console.print(table)
+        return
+    headers = [str(column.header) for column in table.columns]
+    if table.title:
+        console.print(Text(str(table.title), style="italic"))
+    for row in rows:
+        console.print(Text(f"{headers[0]} {row[0]}"))
+        pairs = " ".join(f"{h.replace(' ', '_')}={v}" for h, v in zip(headers[1:], row[1:],
+                                                                      strict=True) if v != "")
+        if pairs:
+            console.print(Padding(Text(pairs), (0, 0, 0, 2)))
 
 
 def json_arg(value: str | None, option: str) -> Any:
@@ -130,8 +229,9 @@ def exit_with(code: int) -> None:
 def log_table(title: str, events: list[EventEnvelope]) -> Table:
     """A log as a table: sequence, type, payload (cut at 160 characters)."""
     table = Table(title=title)
-    table.add_column("seq", justify="right")
-    table.add_column("type")
+    table.add_column("seq", justify="right", no_wrap=True)
+    table.add_column("type", no_wrap=True,
+                     min_width=max([4, *(len(str(e.type)) for e in events)]))
     table.add_column("payload", overflow="fold")
     for event in events:
         table.add_row(str(event.sequence), str(event.type),
@@ -156,6 +256,26 @@ principal_options = [
     click.option("--tenant", default=None, help="the principal's tenant (with --actor)"),
 ]
 json_option = click.option("--json", "as_json", is_flag=True, help="print JSON")
+#: ``--success`` / ``--failure``: the outcome a reward reports, the same on every command
+#: (``fleet outcome attach``, ``fleet reward submit``). ``--success true|false`` is the
+#: older form of ``fleet outcome attach``, still read (deprecated).
+success_options = [
+    click.option("--success", "success", type=click.BOOL, is_flag=False, flag_value=True,
+                 default=None, metavar="",
+                 help="the outcome succeeded (--failure: it did not)"),
+    click.option("--failure", "failure", is_flag=True, default=False,
+                 help="the outcome failed"),
+]
+
+
+def success_from(success: bool | None, failure: bool) -> bool | None:
+    """The success flag ``success_options`` give (None: neither was given)."""
+    if failure:
+        if success is not None:
+            raise click.UsageError("give --success or --failure, not both")
+        return False
+    return success
+
 db_option = click.option("--db", default=None,
                          help="store URL (default: FLEET_DATABASE_URL or sqlite:///fleet.db)")
 snapshots_option = click.option(
@@ -163,7 +283,32 @@ snapshots_option = click.option(
     help="snapshot store URL holding checkpoints (default: the --db URL; 'none' for none)")
 
 
-__all__ = ["console", "db_option", "err_console", "exit_with", "fleet_errors", "json_arg",
-           "json_option", "load_callable", "log_table", "loglevel_option", "open_snapshots",
-           "open_store_at", "principal_from", "principal_options", "run_async", "setup_logging",
-           "snapshots_option", "store_url", "with_options"]
+__all__ = [
+    "CallableSpec",
+    "console",
+    "database_missing",
+    "db_option",
+    "err_console",
+    "exit_with",
+    "fleet_errors",
+    "id_column",
+    "json_arg",
+    "json_option",
+    "load_callable",
+    "log_table",
+    "loglevel_option",
+    "open_reader_at",
+    "open_snapshots",
+    "open_store_at",
+    "principal_from",
+    "principal_options",
+    "read_store_url",
+    "require_database",
+    "run_async",
+    "setup_logging",
+    "snapshots_option",
+    "store_url",
+    "success_from",
+    "success_options",
+    "with_options",
+]

@@ -22,11 +22,12 @@ from fleet.cli.common import (
     json_option,
     principal_from,
     principal_options,
+    require_database,
     with_options,
 )
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher, DriveOrder
-from fleet.kernel.errors import BrokerUnavailableError
+from fleet.kernel.errors import BrokerUnavailableError, FlowNotFoundError
 
 #: The exit code of a command whose write stands but whose drive was not enqueued.
 NOT_ENQUEUED = 3
@@ -52,8 +53,26 @@ def enqueue_or_explain(dispatcher: Dispatcher, order: DriveOrder, what: str) -> 
 
 def dispatch(call: Callable[[Any], Any]) -> Any:
     """Call ``call(dispatcher)`` on a Dispatcher built from the settings, then close it."""
-    with Dispatcher(FleetSettings()) as dispatcher:
+    with Dispatcher(existing_store()) as dispatcher:
         return call(dispatcher)
+
+
+def existing_store() -> FleetSettings:
+    """The settings of a command that acts on executions already written: their
+    database must exist (it is never created for them)."""
+    settings = FleetSettings()
+    require_database(settings.database_url)
+    return settings
+
+
+def flows_hint(exc: FlowNotFoundError, settings: FleetSettings) -> click.ClickException:
+    """A flow that is not registered here, and what registers it."""
+    hint = ("no flows are registered here: set FLEET_FLOWS=module:flow[,module:flow], e.g. "
+            "FLEET_FLOWS=fleet.examples.onboarding:onboard (`fleet up` writes it to "
+            ".fleet/env: `. .fleet/env`)" if not settings.flows else
+            f"FLEET_FLOWS registers {', '.join(settings.flows)}: add the module:flow that "
+            "declares it")
+    return click.ClickException(f"{type(exc).__name__}: {exc}; {hint}")
 
 
 @click.command()
@@ -76,10 +95,16 @@ def start(flow_id: str, input_json: str | None, execution_id: str | None,
     """
     data = json_arg(input_json, "--input")
     who = principal_from(actor, tenant)
-    with Dispatcher(FleetSettings()) as dispatcher:
-        order = dispatcher.write_start_sync(flow_id, data, principal=who,
-                                            execution_id=execution_id,
-                                            idempotency_key=idempotency_key)
+    settings = FleetSettings()
+    if not settings.flows:  # refused before the store is opened (or created)
+        raise flows_hint(FlowNotFoundError(f"no flow {flow_id!r} is registered"), settings)
+    with Dispatcher(settings) as dispatcher:
+        try:
+            order = dispatcher.write_start_sync(flow_id, data, principal=who,
+                                                execution_id=execution_id,
+                                                idempotency_key=idempotency_key)
+        except FlowNotFoundError as exc:
+            raise flows_hint(exc, settings) from exc
         eid = order.execution_id
         if not as_json:
             click.echo(eid)  # as soon as it is durable, before the broker is asked
@@ -105,7 +130,7 @@ def resume(execution_id: str, gate: str, payload: str | None, actor: str | None,
     """Answer the GATE a parked execution waits on; a worker drives it on."""
     data = json_arg(payload, "--payload")
     who = principal_from(actor, tenant)
-    with Dispatcher(FleetSettings()) as dispatcher:
+    with Dispatcher(existing_store()) as dispatcher:
         order = dispatcher.write_resume_sync(execution_id, gate, data, principal=who)
         enqueue_or_explain(dispatcher, order, f"the answer to {gate!r} of {execution_id}")
     click.echo(json.dumps({"executionId": execution_id, "resumed": gate}) if as_json
@@ -124,7 +149,7 @@ def send(execution_id: str, key: str, payload: str | None, actor: str | None,
     """Deliver a message to the execution's ctx.receive(KEY)."""
     data = json_arg(payload, "--payload")
     who = principal_from(actor, tenant)
-    with Dispatcher(FleetSettings()) as dispatcher:
+    with Dispatcher(existing_store()) as dispatcher:
         order = dispatcher.write_send_sync(execution_id, key, data, principal=who)
         woke = order is not None
         if order is not None:

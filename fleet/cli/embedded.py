@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shlex
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -30,6 +33,8 @@ from rich.table import Table
 
 from fleet.cli.common import console, err_console
 from fleet.embedded import EmbeddedFleet
+from fleet.embedded.children import redact
+from fleet.embedded.finished import TRANSIENT, FinishedWatcher
 from fleet.examples.demo import DemoOptions, NullReporter, Reporter, run_demo
 from fleet.kernel.errors import FleetError
 
@@ -93,34 +98,90 @@ def up(workers: int, flower: bool, flower_port: int, data_dir: str, as_json: boo
         signals.append((sig, signal.signal(sig, lambda *_: stop.set())))
     fleet = EmbeddedFleet(workers=workers, flower=flower, data_dir=data_dir,
                           flower_port=flower_port)
+    env_file: Path | None = None
     try:
         with console.status("starting the fleet"):
             began = time.monotonic()
-            try:
-                fleet.start()
-            except FleetError as exc:
-                raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
-        _print_up(fleet, time.monotonic() - began, as_json)
-        reported: set[int] = set()
-        while not stop.wait(1.0):
-            for worker in fleet.workers:
-                if not worker.alive() and not worker.killed and worker.pid not in reported:
-                    reported.add(worker.pid)
-                    err_console.print(f"[red]{worker.name} (pid {worker.pid}) exited with "
-                                      f"{worker.proc.returncode}[/red]; its log: "
-                                      f"{worker.log_path}")
+            fleet.start()
+        env_file = write_env_file(fleet)
+        _print_up(fleet, time.monotonic() - began, as_json, env_file)
+        _run_until(stop, fleet, as_json)
         if not as_json:
             console.print("stopping: workers hand their runs back, then everything stops")
     finally:
         fleet.stop()
+        if env_file is not None:
+            env_file.unlink(missing_ok=True)  # it would point at a fleet that is gone
         for sig, previous in signals:
             signal.signal(sig, previous)
     if not as_json:
         console.print(f"stopped; the data stays in {fleet.data_dir}")
 
 
-def _print_up(fleet: Any, took: float, as_json: bool) -> None:
+def _run_until(stop: threading.Event, fleet: EmbeddedFleet, as_json: bool) -> None:
+    """Until ``stop``: one line per execution that finished, and each worker that died."""
+    watcher = FinishedWatcher(str(fleet.settings.redis_url), fleet.settings.events_stream)
+    reported: set[int] = set()
+    quiet_until = 0.0
+    try:
+        while not stop.is_set():
+            try:
+                finished = watcher.poll() if time.monotonic() >= quiet_until else []
+            except TRANSIENT as exc:  # Redis went away: say so once in a while, go on
+                err_console.print(f"[yellow]cannot read the events stream: {exc}[/yellow]")
+                quiet_until = time.monotonic() + 30
+                finished = []
+            for done in finished:
+                click.echo(json.dumps({"finished": done.execution_id, "status": done.status,
+                                       "flow": done.flow_id, "tookS": done.took_s,
+                                       "atMs": done.at_ms, "detail": done.detail})
+                           if as_json else done.line())
+            if not finished:
+                stop.wait(0.2 if time.monotonic() >= quiet_until else 1.0)
+            for worker in fleet.workers:
+                if not worker.alive() and not worker.killed and worker.pid not in reported:
+                    reported.add(worker.pid)
+                    err_console.print(f"[red]{worker.name} (pid {worker.pid}) exited with "
+                                      f"{worker.proc.returncode}[/red]; its log: "
+                                      f"{worker.log_path}")
+    finally:
+        watcher.close()
+
+
+def write_env_file(fleet: EmbeddedFleet) -> Path:
+    """``<data dir>/env``: the exports that point fleet commands in another shell at
+    ``fleet`` (``. .fleet/env``); readable by its owner only (it holds the URLs)."""
+    path = fleet.data_dir / "env"
+    lines = [f"# fleet up (pid {os.getpid()}): `. {_shown_path(path)}` points fleet commands "
+             "at this fleet; removed when it stops",
+             *export_lines(fleet, redacted=False)]
+    path.touch(mode=0o600)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def export_lines(fleet: EmbeddedFleet, *, redacted: bool) -> list[str]:
+    """``export NAME=value`` for each of ``fleet.exports()`` (passwords in URLs
+    ``redacted`` for the terminal); the reward keys travel as their file's path
+    (``FLEET_REWARD_KEYS_FILE``), never as the secrets."""
+    lines = [f"export {name}="
+             f"{shlex.quote(str(redact(value) if redacted and name.endswith('_URL') else value))}"
+             for name, value in fleet.exports().items()]
+    return lines
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` relative to the working directory when it is below it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _print_up(fleet: Any, took: float, as_json: bool, env_file: Path) -> None:
     urls = fleet.urls()
+    exports = {name: redact(value) if name.endswith("_URL") else value
+               for name, value in fleet.exports().items()}
     where = {
         "store": urls["store"], "redis": urls["redis"], "broker": urls["broker"],
         "embedded_redis": fleet.embedded_redis, "flower": urls["flower"],
@@ -128,7 +189,8 @@ def _print_up(fleet: Any, took: float, as_json: bool) -> None:
         "workers": [{"name": w.name, "pid": w.pid, "node": w.node} for w in fleet.workers],
         "services": ["timers", "recovery", "attacher", "relay"],
         "flows": list(fleet.settings.flows), "queue": fleet.settings.queue,
-        "data_dir": urls["data_dir"], "logs": urls["logs"]}
+        "data_dir": urls["data_dir"], "logs": urls["logs"], "reward_keys": urls["reward_keys"],
+        "env_file": str(env_file), "exports": exports}
     if as_json:
         click.echo(json.dumps(where))
         return
@@ -143,8 +205,15 @@ def _print_up(fleet: Any, took: float, as_json: bool) -> None:
         *[[w.name, f"pid {w.pid}  {w.node}"] for w in fleet.workers],
         ["timer service, recovery sweeper,\nreward attacher, relay", "in this process"],
         ["flower", flower], ["flows", ", ".join(fleet.settings.flows)],
-        ["queue", fleet.settings.queue], ["logs", urls["logs"]]]
+        ["queue", fleet.settings.queue], ["logs", urls["logs"]],
+        ["reward keys\n(--key-file)", urls["reward_keys"]]]
     console.print(_table(f"fleet up ({took:.1f} s): Ctrl-C to stop", ["part", "where"], rows))
+    # Plain lines, never wrapped: they are copied as they are.
+    click.echo(f"In another shell, `. {_shown_path(env_file)}` points fleet status, fleet "
+               "start, fleet list ... at this fleet; it exports:")
+    for line in export_lines(fleet, redacted=True):
+        click.echo(f"  {line}")
+    click.echo("Each execution that finishes is a line below.")
 
 
 # --------------------------------------------------------------------------- fleet demo

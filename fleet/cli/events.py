@@ -10,8 +10,14 @@ from typing import Any
 
 import click
 
-from fleet.cli.common import db_option, fleet_errors, json_option, open_store_at, run_async
-from fleet.cli.common import store_url as resolve_store_url
+from fleet.cli.common import (
+    db_option,
+    fleet_errors,
+    json_option,
+    open_reader_at,
+    read_store_url,
+    run_async,
+)
 from fleet.config import FleetSettings
 from fleet.kernel.errors import ConfigurationError, ValidationError
 from fleet.kernel.store.spi import ORIGIN, CommittedEvent, Position
@@ -149,7 +155,7 @@ async def _tail(settings: FleetSettings, after: Position | None, wanted: EventFi
         else:
             end = bounds.gap_after(after)
             if end is not None:  # the stream lost some above where we start: read the store
-                store = open_store_at(resolve_store_url(db))
+                store = open_reader_at(read_store_url(db))
                 try:
                     async for committed in backfill(store, after=after, until=end):
                         after = committed.position

@@ -2,65 +2,179 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
+import time
+from datetime import datetime
 from typing import Any
 
 import click
 from rich.table import Table
 
-from fleet.cli.common import console, log_table, open_store_at, run_async, store_url
-from fleet.kernel.events import EventEnvelope
-from fleet.kernel.flows import load_flow
+from fleet.cli.common import (
+    OptionType,
+    console,
+    id_column,
+    json_arg,
+    log_table,
+    open_reader_at,
+    open_store_at,
+    print_fitting,
+    read_store_url,
+    run_async,
+    store_url,
+)
+from fleet.kernel.errors import ConfigurationError, FleetError
+from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.flows import FlowDefinition, load_flow
 from fleet.kernel.runtime import Runtime
+
+_ENDS = (EventType.EXECUTION_COMPLETED, EventType.EXECUTION_FAILED,
+         EventType.EXECUTION_CANCELLED, EventType.EXECUTION_CONTINUED)
+
+
+def park_line(execution_id: str, waiting: dict[str, Any], due_ms: int | None,
+              now_ms: int | None = None) -> str:
+    """What ``fleet run`` prints when the run parks: on what, and until when."""
+    on, kind = str(waiting.get("on")), str(waiting.get("kind") or "gate")
+    if kind == "timer" and due_ms is not None:
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        due = datetime.fromtimestamp(due_ms / 1000)
+        shown = due.strftime("%H:%M:%S" if due.date() == datetime.now().date()
+                             else "%Y-%m-%d %H:%M:%S")
+        return (f"parked on timer {on} until {shown} (in {max(0, (due_ms - now_ms)) / 1000:.0f} s);"
+                " waiting here for it (Ctrl-C leaves the run parked in the store)")
+    if kind == "gate":
+        return (f"parked on gate {on!r}: nothing here answers it; `fleet resume {execution_id} "
+                f"{on} --payload JSON` does, on a fleet using this store")
+    if kind == "message":
+        key = waiting.get("correlationKey") or on
+        return (f"parked on message {key!r}: `fleet send {execution_id} {key} --payload JSON` "
+                "delivers it, on a fleet using this store")
+    return f"parked on {kind} {on!r}"
+
+
+class _FlowSpec(OptionType):
+    name = "module:flow"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if isinstance(value, FlowDefinition):
+            return value
+        try:
+            return load_flow(str(value))
+        except ConfigurationError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 @click.command()
-@click.option("--flow", "flow_spec", default="fleet.examples.onboarding:onboard",
-              show_default=True, help="module:flow to run")
+@click.option("--flow", "definition", type=_FlowSpec(),
+              default="fleet.examples.onboarding:onboard", show_default=True,
+              help="module:flow to run (a module in this directory imports, as with python -m)")
 @click.option("--input", "input_json", default='"u-1"', show_default=True,
               help="the flow input, as JSON")
 @click.option("--db", default=None, help="store URL (default: FLEET_DATABASE_URL or "
               "sqlite:///fleet.db)")
-@click.option("--json", "as_json", is_flag=True, help="print the log as JSON lines")
-def run(flow_spec: str, input_json: str, db: str | None, as_json: bool) -> None:
-    """Run a flow to completion here and print its log."""
-    try:
-        data = json.loads(input_json)
-    except ValueError as exc:
-        raise click.BadParameter(f"--input is not JSON: {exc}") from exc
-    url = store_url(db)
+@click.option("--json", "as_json", is_flag=True,
+              help="print the log as JSON lines (what it parks on goes to standard error)")
+def run(definition: FlowDefinition, input_json: str, db: str | None, as_json: bool) -> None:
+    """Run a flow here and print its log.
 
-    async def go() -> tuple[Any, list[EventEnvelope]]:
-        definition = load_flow(flow_spec)
+    It runs until the execution ends. A durable sleep waits here (the line
+    says until when); a gate or a message ends the command with the execution
+    parked in the store, and says how to answer it.
+    """
+    data = json_arg(input_json, "--input")
+    url = store_url(db)
+    started: list[str] = []
+
+    def say(line: str) -> None:
+        click.echo(line, err=as_json)
+
+    async def go() -> tuple[str, list[EventEnvelope], Any, str | None]:
+        loop = asyncio.get_running_loop()
+        news: asyncio.Queue[EventEnvelope] = asyncio.Queue()
+
+        def observe(event: EventEnvelope) -> None:
+            if event.type is EventType.EXECUTION_SUSPENDED or event.type in _ENDS:
+                loop.call_soon_threadsafe(news.put_nowait, event)
+
         store = open_store_at(url)
+        runtime = Runtime(store, flows=[definition], on_durable_event=observe)
         try:
-            runtime = Runtime(store, flows=[definition])
             handle = await runtime.start(definition.flow_id, data)
-            output = await handle.result(timeout=60)
-            await runtime.close()
-            return output, await store.read(handle.execution_id)
+            eid = handle.execution_id
+            started.append(eid)
+            current, stopped = eid, None
+            # The result ends the wait too: a run that stopped without an end (a write
+            # failed) raises through it instead of leaving this loop waiting.
+            ended = asyncio.ensure_future(handle.result())
+            while stopped is None:
+                getter = asyncio.ensure_future(news.get())
+                done, _ = await asyncio.wait({getter, ended},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    break
+                event = getter.result()
+                if event.execution_id != current:
+                    continue
+                if event.type is EventType.EXECUTION_CONTINUED:
+                    current = str(event.payload.get("nextExecutionId") or current)
+                    continue
+                if event.type is not EventType.EXECUTION_SUSPENDED:
+                    break
+                state = await runtime.load_state(current, system=True)
+                waiting = dict(event.payload.get("condition") or {})
+                due = (state.timers.get(str(waiting.get("on"))) or {}).get("dueAt")
+                say(park_line(current, waiting, due if isinstance(due, int) else None))
+                if waiting.get("kind") != "timer":
+                    stopped = f"parked on {waiting.get('kind') or 'gate'} {waiting.get('on')!r}"
+            output: Any = None
+            error: str | None = None
+            if stopped is None:
+                try:
+                    output = await asyncio.wait_for(ended, 30)
+                except FleetError as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+            else:
+                ended.cancel()
+            return eid, await store.read(eid), output, stopped or error
         finally:
+            await runtime.close()
             await store.close()
 
-    output, events = run_async(go)
+    try:
+        eid, events, output, stopped = run_async(go)
+    except KeyboardInterrupt:
+        where = f"execution {started[0]} stays" if started else "the execution stays"
+        click.echo(f"interrupted: {where} parked in {url}; a fleet on this store carries it "
+                   "on (`fleet up`, or `fleet timers` and a worker)", err=True)
+        sys.exit(130)
     if as_json:
         for event in events:
             click.echo(event.to_json())
-        return
-    console.print(log_table(f"{flow_spec} on {url}", events))
-    console.print(f"[bold]result:[/bold] {json.dumps(output, ensure_ascii=False)}")
+    else:
+        console.print(log_table(f"{definition.flow_id} {eid} on {url}", events))
+    failed = stopped is not None and not stopped.startswith("parked")
+    if failed:
+        raise click.ClickException(f"execution {eid} failed: {stopped}")
+    if not as_json:
+        console.print(f"[bold]{stopped}[/bold]" if stopped else
+                      f"[bold]result:[/bold] {json.dumps(output, ensure_ascii=False)}")
 
 
 @click.command()
 @click.argument("execution_id")
 @click.option("--db", default=None, help="store URL")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per event")
 def log(execution_id: str, db: str | None, as_json: bool) -> None:
     """Print one execution's log."""
-    url = store_url(db)
+    url = read_store_url(db)
 
     async def go() -> list[EventEnvelope]:
-        store = open_store_at(url)
+        store = open_reader_at(url)
         try:
             return await store.read(execution_id)
         finally:
@@ -81,14 +195,14 @@ def log(execution_id: str, db: str | None, as_json: bool) -> None:
 @click.option("--status", default=None, help="running, parked, completed, failed, ...")
 @click.option("--flow", "flow_id", default=None)
 @click.option("--limit", default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per execution")
 def list_(db: str | None, status: str | None, flow_id: str | None, limit: int,
           as_json: bool) -> None:
-    """List executions from the store's index."""
-    url = store_url(db)
+    """List executions from the store's index (ids whole: they copy into `fleet log`)."""
+    url = read_store_url(db)
 
     async def go() -> list[Any]:
-        store = open_store_at(url)
+        store = open_reader_at(url)
         try:
             return await store.list_executions(status=status, flow_id=flow_id, limit=limit)
         finally:
@@ -102,12 +216,20 @@ def list_(db: str | None, status: str | None, flow_id: str | None, limit: int,
                                    "tenant": row.tenant, "updatedAt": row.updated_at}))
         return
     table = Table(title=f"executions in {url}")
-    for col in ("execution", "flow", "status", "waiting on", "tenant"):
-        table.add_column(col)
-    for row in rows:
-        table.add_row(row.execution_id, row.flow_id, row.status, row.waiting_on or "",
-                      row.tenant or "")
-    console.print(table)
+    id_column(table, "execution", [row.execution_id for row in rows])
+    id_column(table, "flow", [row.flow_id for row in rows])  # copied into --flow
+    id_column(table, "status", [row.status for row in rows])
+    # Only the columns that say something: the ids keep the width.
+    extra = [(header, attr) for header, attr in (("waiting on", "waiting_on"),
+                                                 ("tenant", "tenant"))
+             if any(getattr(row, attr) for row in rows)]
+    for header, _ in extra:
+        table.add_column(header, overflow="fold", min_width=7)
+    cells = [[row.execution_id, row.flow_id, row.status,
+              *(getattr(row, attr) or "" for _, attr in extra)] for row in rows]
+    for cell in cells:
+        table.add_row(*cell)
+    print_fitting(table, cells)
 
 
-__all__ = ["list_", "log", "run"]
+__all__ = ["list_", "log", "park_line", "run"]

@@ -7,7 +7,14 @@ from typing import Any
 
 import click
 
-from fleet.cli.common import open_store_at, run_async
+from fleet.cli.common import (
+    open_store_at,
+    require_database,
+    run_async,
+    success_from,
+    success_options,
+    with_options,
+)
 from fleet.config import FleetSettings
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import Principal
@@ -23,17 +30,18 @@ def outcome() -> None:
 @click.option("--decision", "decision_id", required=True)
 @click.option("--key", required=True, help="a namespaced reward key, e.g. csat:1")
 @click.option("--score", type=float, default=None)
-@click.option("--success", type=bool, default=None)
+@with_options(success_options)
 @click.option("--actor", default=None, help="who attaches it (the principal's actor)")
 @click.option("--tenant", default=None)
 @click.option("--db", default=None, help="store URL")
 @click.option("--json", "as_json", is_flag=True)
 def outcome_attach(execution_id: str, decision_id: str, key: str, score: float | None,
-                   success: bool | None, actor: str | None, tenant: str | None,
+                   success: bool | None, failure: bool, actor: str | None, tenant: str | None,
                    db: str | None, as_json: bool) -> None:
     """Record a late outcome (authorised as `annotate` for --actor/--tenant)."""
+    success = success_from(success, failure)
     settings = FleetSettings()
-    url = db or settings.database_url
+    url = require_database(db or settings.database_url)
     principal = Principal(actor, tenant) if actor else None
 
     async def go() -> Any:

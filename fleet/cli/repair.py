@@ -9,12 +9,13 @@ import click
 from rich.table import Table
 
 from fleet.cli.common import (
-    console,
+    id_column,
     open_snapshots,
     open_store_at,
+    print_fitting,
+    read_store_url,
     run_async,
     snapshots_option,
-    store_url,
 )
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.lifecycle import LogLifecycle
@@ -34,7 +35,7 @@ def repair() -> None:
 def repair_terminal_event(execution_ids: tuple[str, ...], db: str | None,
                           snapshots: str | None, apply: bool, as_json: bool) -> None:
     """Restore the terminal event an older compaction removed."""
-    url = store_url(db)
+    url = read_store_url(db)
 
     async def go() -> list[Any]:
         store = open_store_at(url)
@@ -57,12 +58,14 @@ def repair_terminal_event(execution_ids: tuple[str, ...], db: str | None,
                                    "endedAt": r.ended_at}))
         return
     table = Table(title="terminal-event repair" + ("" if apply else " (dry run: --apply)"))
-    for col in ("execution", "action", "sequence", "type", "ended at (ms)"):
-        table.add_column(col)
-    for r in reports:
-        table.add_row(r.execution_id, r.action, "" if r.sequence is None else str(r.sequence),
-                      r.type or "", "" if r.ended_at is None else str(r.ended_at))
-    console.print(table)
+    id_column(table, "execution", [r.execution_id for r in reports])
+    for col in ("action", "sequence", "type", "ended at (ms)"):
+        table.add_column(col, overflow="fold")
+    cells = [[r.execution_id, r.action, "" if r.sequence is None else str(r.sequence),
+              r.type or "", "" if r.ended_at is None else str(r.ended_at)] for r in reports]
+    for cell in cells:
+        table.add_row(*cell)
+    print_fitting(table, cells)
 
 
 __all__ = ["repair"]

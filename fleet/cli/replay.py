@@ -17,13 +17,15 @@ import click
 from rich.table import Table
 
 from fleet.cli.common import (
-    console,
     db_option,
+    id_column,
+    open_reader_at,
     open_snapshots,
-    open_store_at,
+    print_fitting,
+    read_store_url,
+    require_database,
     run_async,
     snapshots_option,
-    store_url,
 )
 from fleet.config import FleetSettings
 from fleet.kernel.errors import ConfigurationError, FleetError, ValidationError
@@ -48,13 +50,16 @@ def replay() -> None:
               default=None, help="file to write (default: standard output)")
 @db_option
 @snapshots_option
+@click.option("--json", "as_json", is_flag=True,
+              help="with -o: say what was written as one JSON object (the export itself is "
+              "JSON either way)")
 def export(execution_id: str, output: Path | None, db: str | None,
-           snapshots: str | None) -> None:
+           snapshots: str | None, as_json: bool) -> None:
     """Write EXECUTION_ID's log as JSON (with its checkpoint, when one exists)."""
-    url = store_url(db)
+    url = read_store_url(db)
 
     async def go() -> dict[str, Any]:
-        store = open_store_at(url)
+        store = open_reader_at(url)
         snaps = open_snapshots(snapshots or url)
         try:
             return await export_execution(store, execution_id, snapshots=snaps)
@@ -69,6 +74,10 @@ def export(execution_id: str, output: Path | None, db: str | None,
         click.echo(text, nl=False)
         return
     output.write_text(text, encoding="utf-8")
+    if as_json:
+        click.echo(json.dumps({"executionId": execution_id, "events": len(doc["log"]),
+                               "snapshot": "snapshot" in doc, "path": str(output)}))
+        return
     click.echo(f"wrote {len(doc['log'])} events of {execution_id}"
                f"{' and its snapshot' if 'snapshot' in doc else ''} to {output}", err=True)
 
@@ -125,8 +134,8 @@ def check(flow_specs: tuple[str, ...], log_files: tuple[Path, ...],
                 verdicts.append(await replay_check(events, flows, state=state,
                                                    features=features))
             return verdicts
-        url = db or settings.database_url
-        store = open_store_at(url)
+        url = require_database(db or settings.database_url)
+        store = open_reader_at(url)
         snaps = open_snapshots(snapshots or url)
         try:
             return await replay_check_store(
@@ -148,12 +157,14 @@ def check(flow_specs: tuple[str, ...], log_files: tuple[Path, ...],
     else:
         table = Table(title=f"replay check: {len(verdicts)} execution(s), "
                             f"{len(failed)} failed")
-        for col in ("execution", "flow", "verdict", "detail"):
+        id_column(table, "execution", [v.execution_id for v in verdicts])
+        for col in ("flow", "verdict", "detail"):
             table.add_column(col, overflow="fold")
-        for v in verdicts:
-            table.add_row(v.execution_id, v.flow_id or "", _verdict(v.status),
-                          _detail(v.status, v.skipped, v.frontier, v.detail))
-        console.print(table)
+        cells = [[v.execution_id, v.flow_id or "", _verdict(v.status),
+                  _detail(v.status, v.skipped, v.frontier, v.detail)] for v in verdicts]
+        for cell in cells:
+            table.add_row(*cell)
+        print_fitting(table, cells)
     if failed:
         sys.exit(1)
 

@@ -3,14 +3,29 @@
 Commands are imported when they are run (click's lazily loaded subcommands), so
 ``fleet health``, which Kubernetes runs every few seconds in every pod, does not
 import Celery, Redis or the embedded fleet; ``fleet --help`` lists them all.
+
+The group runs every command the same way:
+
+- the working directory is on the import path first, as ``python -m`` puts it,
+  so ``--flow myapp.flows:onboard``, ``--policy`` and ``FLEET_FLOWS`` find a
+  module in the directory the command runs in;
+- the ``FLEET_*`` settings are read before a command parses its arguments: a
+  malformed one ends every command the same way;
+- whatever a command raises ends it with one line and an exit code
+  (``fleet.cli.failures``); ``--debug`` (or ``FLEET_DEBUG=1``) adds the traceback.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 import click
+
+from fleet.cli.failures import as_click_exception, print_traceback
+from fleet.config import FleetSettings
 
 #: ``name: "module:attribute"`` of every command, in the order ``--help`` lists them.
 COMMANDS: dict[str, str] = {
@@ -61,11 +76,37 @@ class LazyGroup(click.Group):
             return command
         return super().get_command(ctx, cmd_name)
 
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:
+            failure = as_click_exception(exc)
+            if ctx.params.get("debug"):
+                print_traceback(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+
+def import_from_here() -> None:
+    """The working directory first on the import path, as ``python -m`` has it."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+
 
 @click.group(cls=LazyGroup, lazy=COMMANDS)
+@click.option("--debug", is_flag=True, envvar="FLEET_DEBUG",
+              help="print the traceback of an error, not only its one line")
 @click.version_option(package_name="fleet")
-def main() -> None:
+def main(debug: bool) -> None:
     """fleet: durable execution for Python."""
+    import_from_here()
+    # Read once before any command parses or runs: a malformed FLEET_* setting ends
+    # every command, and every fleet process, the same way (fleet.cli.failures).
+    FleetSettings()
 
 
-__all__ = ["COMMANDS", "LazyGroup", "main"]
+__all__ = ["COMMANDS", "LazyGroup", "import_from_here", "main"]

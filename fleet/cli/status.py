@@ -8,11 +8,21 @@ import time
 from typing import Any
 
 import click
-from rich.console import Group
+from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
-from fleet.cli.common import console, fleet_errors, json_option
+from fleet.cli.common import (
+    console,
+    fleet_errors,
+    id_column,
+    json_option,
+    natural_width,
+    require_database,
+)
 from fleet.config import FleetSettings
 from fleet.services.status import WORKER_FIELDS, StatusReader
 
@@ -42,36 +52,69 @@ def _age(age_s: float | None, stale: bool) -> str:
     return f"[red]stale {age_s:.0f}s[/red]" if stale else f"{age_s:.0f}s"
 
 
-def _status_view(status: Any) -> Group:
+def _workers_table(status: Any, wide: bool) -> Table:
+    """Every worker a row, every counter a column (needs about 120 columns)."""
+    workers = Table(title=f"workers ({len(status.workers)})")
+    id_column(workers, "worker", [w.name for w in status.workers])
+    for col in ("pool", "slots", *WORKER_FIELDS, "seen"):
+        workers.add_column(col if wide else _SHORT.get(col, col), justify="right",
+                           no_wrap=True)
+    for w in status.workers:
+        workers.add_row(w.name, w.pool, "" if w.concurrency is None else str(w.concurrency),
+                        *(_cell(name, w.fleet.get(name, 0)) for name in WORKER_FIELDS),
+                        _age(w.age_s, w.stale))
+    return workers
+
+
+def _workers_lines(status: Any) -> list[Any]:
+    """Every worker in two lines (its name whole, then its counters, wrapped between
+    them): what fits a narrow terminal."""
+    lines: list[Any] = [Text(f"workers ({len(status.workers)})", style="italic")]
+    for w in status.workers:
+        slots = "" if w.concurrency is None else f", {w.concurrency} slots"
+        pool = f"{w.pool}{slots}" if w.pool else "(did not answer inspect)"
+        seen = f", seen {_age(w.age_s, w.stale)}" if w.age_s is not None else ""
+        lines.append(Text.from_markup(f"  {escape(w.name)}: {pool}{seen}"))
+        counters = " ".join(f"{_SHORT.get(name, name)}={_cell(name, w.fleet.get(name, 0))}"
+                            for name in WORKER_FIELDS)
+        lines.append(Padding(Text.from_markup(counters), (0, 0, 0, 4)))
+    return lines
+
+
+def _services_lines(services: Any) -> Group:
+    """Each service process in two lines: its role, name and last report, then the
+    counters ``SERVICE_FIELDS`` names (--json has all of them)."""
+    lines: list[Any] = [Text(f"services ({len(services)})", style="italic")]
+    for p in services:
+        lines.append(Text.from_markup(f"  {p.role} {escape(p.name)}: seen "
+                                      f"{_age(p.age_s, p.stale)}"))
+        counters = " ".join(f"{name}={_cell(name, p.counters.get(name, 0))}"
+                            for name in SERVICE_FIELDS.get(p.role, ()))
+        lines.append(Padding(Text.from_markup(counters), (0, 0, 0, 4)))
+    return Group(*lines)
+
+
+def _status_view(status: Any, *, wide: bool = False, width: int | None = None) -> Group:
     counts = Table(title="executions" + (" (paged; capped)" if status.capped else ""))
     counts.add_column("state")
     counts.add_column("executions", justify="right")
     for state, n in status.executions.items():
         counts.add_row(state, str(n))
-    workers = Table(title=f"workers ({len(status.workers)})", padding=(0, 0),
-                    pad_edge=False, collapse_padding=True)
-    for col in ("worker", *WORKER_FIELDS, "seen"):
-        workers.add_column(_SHORT.get(col, col), justify="left" if col == "worker"
-                           else "right", overflow="fold", max_width=24 if col == "worker"
-                           else None)
-    for w in status.workers:
-        workers.add_row(w.name, *(_cell(name, w.fleet.get(name, 0)) for name in WORKER_FIELDS),
-                        _age(w.age_s, w.stale))
-    parts: list[Any] = [counts, workers]
+    table = _workers_table(status, wide)
+    fits = natural_width(table) <= (width or console.width)
+    parts: list[Any] = [counts, *([table] if wide or fits else _workers_lines(status))]
     services = status.services
     if services:
-        table = Table(title=f"services ({len(services)})")
-        for col in ("service", "process", "counters", "seen"):
-            table.add_column(col, overflow="fold")
-        for p in services:
-            shown = SERVICE_FIELDS.get(p.role, ())
-            table.add_row(p.role, p.name, " ".join(
-                f"{name}={_cell(name, p.counters.get(name, 0))}" for name in shown),
-                _age(p.age_s, p.stale))
-        parts.append(table)
-    parts += [f"[red]{problem}[/red]" for problem in status.problems]
+        parts.append(_services_lines(services))
+    parts += [Text(problem, style="red") for problem in status.problems]
     parts.append(time.strftime("at %H:%M:%S", time.localtime(status.at)))
     return Group(*parts)
+
+
+def _print(view: Group, wide: bool) -> None:
+    # --wide: as wide as the table needs (the terminal wraps it), never squeezed.
+    out = Console(width=max(console.width, natural_width(view))) if wide else console
+    out.print(view)
 
 
 @click.command()
@@ -80,17 +123,23 @@ def _status_view(status: Any) -> Group:
               help="seconds between refreshes")
 @click.option("--inspect-timeout", type=click.FloatRange(min=0.1), default=1.0,
               show_default=True, help="seconds workers get to answer")
+@click.option("--wide", is_flag=True,
+              help="one row per worker with every counter, however wide (default: what "
+              "fits the terminal)")
 @json_option
 @fleet_errors
-def status(watch: bool, interval: float, inspect_timeout: float, as_json: bool) -> None:
+def status(watch: bool, interval: float, inspect_timeout: float, wide: bool,
+           as_json: bool) -> None:
     """Executions by state (the store's index) and workers (Celery inspect stats)."""
-    with StatusReader(FleetSettings(), inspect_timeout=inspect_timeout) as reader:
+    settings = FleetSettings()
+    require_database(settings.database_url)
+    with StatusReader(settings, inspect_timeout=inspect_timeout) as reader:
         if not watch:
             snapshot = reader.read()
             if as_json:
                 click.echo(json.dumps(snapshot.to_dict()))
             else:
-                console.print(_status_view(snapshot))
+                _print(_status_view(snapshot, wide=wide), wide)
             if snapshot.problems:  # what could be read is shown; the exit code says the rest
                 sys.exit(1)
             return
@@ -99,11 +148,11 @@ def status(watch: bool, interval: float, inspect_timeout: float, as_json: bool) 
                 while True:
                     click.echo(json.dumps(reader.read().to_dict()))
                     time.sleep(interval)
-            with Live(_status_view(reader.read()), console=console,
+            with Live(_status_view(reader.read(), wide=wide), console=console,
                       refresh_per_second=4) as live:
                 while True:
                     time.sleep(interval)
-                    live.update(_status_view(reader.read()))
+                    live.update(_status_view(reader.read(), wide=wide))
         except KeyboardInterrupt:
             return
 

@@ -128,6 +128,13 @@ def handle_dispatch(dispatcher: Dispatcher, run_on_loop: RunOnLoop, args: Any, k
         verifier.refuse(exc, message)
         return _refusal(None, type(exc).__name__, exc.code, exc.message,
                         details=[{"reason": exc.reason}])
+    except Exception as exc:  # noqa: BLE001 - nothing was written; judging it is pure
+        # Whatever else reading a message raises (a RecursionError in pydantic, ...),
+        # the same message raises it every time: refused, never retried.
+        refused = refusal("malformed", f"unreadable: {type(exc).__name__}: {str(exc)[:200]}")
+        verifier.refuse(refused, message)
+        return _refusal(None, type(refused).__name__, refused.code, refused.message,
+                        details=[{"reason": refused.reason}])
     try:
         order, woke = run_on_loop(_claim_and_write(dispatcher, verifier, entry, message,
                                                    request))

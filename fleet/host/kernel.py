@@ -17,12 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fleet.config import FleetSettings
+from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.flows import Features, load_flows
 from fleet.kernel.journal import EventObserver
 from fleet.kernel.options import RuntimeOptions, parse_divergence
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import AccessPolicy
-from fleet.kernel.store.factory import open_event_store
+from fleet.kernel.store.factory import open_event_store, open_postgres_event_store
 from fleet.kernel.store.spi import EventStore
 
 log = logging.getLogger("fleet.host")
@@ -32,6 +33,32 @@ def open_store(settings: FleetSettings) -> EventStore:
     """The event store ``settings.database_url`` names, with ``settings.store_options()``
     (Postgres pool sizes and event size limit, group commit)."""
     return open_event_store(settings.database_url, settings.store_options())
+
+
+def open_store_to_read(settings: FleetSettings) -> EventStore:
+    """The store ``settings.database_url`` names, for a reader: it never creates one.
+
+    A SQLite file that does not exist is refused (opening it would create an
+    empty database, and a wrong path would read as "no executions"); a Postgres
+    schema is read as it is, never migrated (behind: ``SchemaVersionError``
+    saying to run ``fleet db upgrade``).
+
+    Raises:
+        ConfigurationError: no SQLite database at the path.
+    """
+    url = settings.database_url
+    if url.startswith(("postgresql://", "postgres://")):
+        options = settings.store_options()
+        sizes = {"pool_min": options.pool_min, "pool_max": options.pool_max,
+                 "max_event_bytes": options.max_event_bytes}
+        return open_postgres_event_store(
+            url, migrate=False, **{k: v for k, v in sizes.items() if v is not None})
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):]
+        if path and not os.path.exists(path):
+            raise ConfigurationError(f"no fleet database at {path}; set FLEET_DATABASE_URL, "
+                                     "or start a fleet that writes one")
+    return open_store(settings)
 
 
 def holder_name(role: str) -> str:
@@ -59,4 +86,4 @@ def build_runtime(settings: FleetSettings, store: EventStore, *, role: str,
     return Runtime(store, flows=load_flows(settings.flows), options=options)
 
 
-__all__ = ["build_runtime", "holder_name", "open_store"]
+__all__ = ["build_runtime", "holder_name", "open_store", "open_store_to_read"]

@@ -16,9 +16,13 @@ that holds the key, the secret, and the tenants the client may speak for::
   every tenant and also a principal with no tenant (an operator's key). A
   client without ``"*"`` may not act for a tenantless principal.
 * **Shorthand**: ``{"id": "secret"}`` is ``{"id": {"client": "id", "secret":
-  "secret", "tenants": ["*"]}}`` (the shape ``FLEET_REWARD_KEYS`` has today,
-  so issue 15's "one key-file format for every reward command and ``fleet up``"
-  can read both).
+  "secret", "tenants": ["*"]}}``.
+
+Reward producers' keys are not a ring (decision 0025): ``FLEET_REWARD_KEYS``,
+``FLEET_REWARD_KEYS_FILE`` and the file ``fleet up`` writes are all one JSON
+object of producer -> secret, read by ``parse_reward_keys`` /
+``read_reward_keys`` wherever they are read; which tenants a producer may
+reward is the attacher's setting ``FLEET_REWARD_TENANTS``, not part of a key.
 
 Secrets are UTF-8 text of at least ``MIN_SECRET_BYTES`` bytes. A ring comes
 from a setting's JSON (``FLEET_DISPATCH_KEYS``) or a file
@@ -36,13 +40,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleet.kernel.errors import ConfigurationError
 
+if TYPE_CHECKING:
+    from fleet.config import FleetSettings
+
 log = logging.getLogger("fleet.keys")
 
-__all__ = ["ANY_TENANT", "MIN_SECRET_BYTES", "KeyEntry", "KeyRing", "KeySource"]
+__all__ = ["ANY_TENANT", "MIN_SECRET_BYTES", "REWARD_KEYS_EXAMPLE", "KeyEntry", "KeyRing",
+           "KeySource", "RewardKeyError", "parse_reward_keys", "read_reward_keys", "reward_keys_of"]
 
 ANY_TENANT = "*"
 MIN_SECRET_BYTES = 16
@@ -101,8 +109,8 @@ class KeyRing:
     def loads(cls, text: str, *, where: str = "the key ring") -> KeyRing:
         try:
             data = json.loads(text)
-        except ValueError as exc:
-            raise ConfigurationError(f"{where} is not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise ConfigurationError(f"{where} is not JSON: {str(exc)[:200]}") from exc
         return cls.parse(data, where=where)
 
 
@@ -185,3 +193,68 @@ class KeySource:
                 # Keep the ring we have; a half-written file is read again next time.
                 log.warning("keeping the previous key ring: %s", exc)
         return self._ring
+
+
+# -- reward producers' keys: one format everywhere (issue 15 item 5) ------------------
+
+REWARD_KEYS_EXAMPLE = '{"crm": "<secret>", "survey": "<another secret>"}'
+
+
+class RewardKeyError(ConfigurationError):
+    """The reward keys at hand hold none for the producer named: nothing was sent."""
+
+    code = "reward_key"
+
+
+def parse_reward_keys(data: Any, *, where: str) -> dict[str, str]:
+    """``{producer: secret}`` from decoded JSON; ``ConfigurationError`` saying what is wrong.
+
+    ``where`` names the source in the message (a setting or a file).
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigurationError(
+            f"{where} must be a JSON object of producer -> secret, got "
+            f"{type(data).__name__}; example: {REWARD_KEYS_EXAMPLE}")
+    keys: dict[str, str] = {}
+    for producer, secret in data.items():
+        if not isinstance(producer, str) or not producer or len(producer) > 200:
+            raise ConfigurationError(f"{where}: producer name {str(producer)[:80]!r} must be "
+                                     "1-200 characters")
+        if not isinstance(secret, str) or not secret:
+            raise ConfigurationError(
+                f"{where}: the secret of producer {producer!r} must be a non-empty string "
+                f"(got {type(secret).__name__}); example: {REWARD_KEYS_EXAMPLE}")
+        keys[producer] = secret
+    return keys
+
+
+def read_reward_keys(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The ``{producer: secret}`` JSON object in the file at ``path`` (what ``fleet up``
+    writes to ``.fleet/reward-keys.json``); ``ConfigurationError`` naming the file."""
+    where = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigurationError(f"cannot read the reward key file {where}: {reason}") from exc
+    if not text.strip():
+        raise ConfigurationError(f"the reward key file {where} is empty; it holds a JSON "
+                                 f"object of producer -> secret, e.g. {REWARD_KEYS_EXAMPLE}")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        hint = ("; it looks like a bare secret: write it as {\"<producer>\": \"<secret>\"}"
+                if len(text.split()) == 1 and not text.lstrip().startswith(("{", "[")) else "")
+        raise ConfigurationError(
+            f"the reward key file {where} is not JSON{hint}; it holds a JSON object of "
+            f"producer -> secret, e.g. {REWARD_KEYS_EXAMPLE}") from exc
+    return parse_reward_keys(data, where=f"the reward key file {where}")
+
+
+def reward_keys_of(settings: FleetSettings) -> dict[str, str]:
+    """The producers' keys a process uses: ``FLEET_REWARD_KEYS_FILE`` or ``FLEET_REWARD_KEYS``."""
+    if settings.reward_keys_file and settings.reward_keys:
+        raise ConfigurationError("give FLEET_REWARD_KEYS or FLEET_REWARD_KEYS_FILE, not both")
+    if settings.reward_keys_file:
+        return read_reward_keys(settings.reward_keys_file)
+    return parse_reward_keys(settings.reward_keys, where="FLEET_REWARD_KEYS")

@@ -31,16 +31,45 @@ DEFAULT_RULES: dict[Op, Rule] = {"start": "any", "read": "tenant", "resume": "ow
 MAX_SCORE = 1e9
 
 
+#: In a ``Principal.scope``: every tenant, and executions with no tenant.
+ALL_TENANTS = "*"
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling: an actor within a tenant."""
+    """Who is calling: an actor within a tenant.
+
+    ``scope`` is for a service that acts for several tenants (a reward
+    producer, decision 0025): the tenants the ``tenant`` rule lets it act for,
+    judged in place of ``tenant``; ``"*"`` is every tenant and also executions
+    with no tenant. A principal with a scope that leaves out an execution's
+    tenant is refused it, and one without ``"*"`` is refused executions with no
+    tenant. The ``owner`` rule ignores a scope (it never makes anyone an owner),
+    and a start records only ``actor`` and ``tenant``.
+    """
 
     actor: str
     tenant: str | None = None
+    scope: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.actor, str) or not self.actor:
             raise ConfigurationError("Principal.actor must be a non-empty string")
+        if self.scope is not None:
+            scope: Any = self.scope
+            if isinstance(scope, (str, bytes)) or not all(
+                    isinstance(t, str) and t for t in scope):
+                raise ConfigurationError(
+                    "Principal.scope must be a set of tenant names (non-empty strings), "
+                    f"e.g. frozenset({{'acme', 'globex'}}) or {{'{ALL_TENANTS}'}}")
+            if not isinstance(scope, frozenset):
+                object.__setattr__(self, "scope", frozenset(scope))
+
+    def acts_for(self, tenant: str | None) -> bool:
+        """Whether the ``tenant`` rule lets this principal act on ``tenant``'s executions."""
+        if self.scope is None:
+            return self.tenant == tenant
+        return ALL_TENANTS in self.scope or (tenant is not None and tenant in self.scope)
 
     def to_owner(self) -> dict[str, Any]:
         return {"actor": self.actor, "tenant": self.tenant}
@@ -90,8 +119,13 @@ def authorize(policy: AccessPolicy, op: Op, principal: Principal | None,
     rec_actor = (owner or {}).get("actor")
     rec_tenant = (owner or {}).get("tenant")
     if rule == "tenant":
-        if principal.tenant == rec_tenant:
+        if principal.acts_for(rec_tenant):
             return Verdict(True)
+        if principal.scope is not None:
+            shown = sorted(principal.scope)
+            listed = ", ".join(repr(t) for t in shown[:10]) + (", ..." if len(shown) > 10 else "")
+            return Verdict(False, f"{op} needs tenant {rec_tenant!r}; {principal.actor!r} "
+                                  f"may act for [{listed}] only")
         return Verdict(False, f"{op} needs tenant {rec_tenant!r}; "
                               f"{principal.actor!r} is in {principal.tenant!r}")
     if principal.actor == rec_actor and principal.tenant == rec_tenant:

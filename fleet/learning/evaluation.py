@@ -171,6 +171,25 @@ def evaluate_policy(trajectories: Iterable[Trajectory], target_policy: TargetPol
     return result
 
 
+def decision_kinds(trajectories: Iterable[Trajectory], *, policy: str | None = None,
+                   decision_id: str | None = None) -> dict[tuple[str, str], int]:
+    """``{(decision id, logging policy name): decisions}`` among those the filters keep.
+
+    A target policy answers for one kind of decision (its choices, its context):
+    ``evaluate_policy`` over decisions of several kinds feeds it choices it was
+    never meant to price. Callers check this first (``fleet learn eval`` refuses
+    several kinds without a filter).
+    """
+    kinds: dict[tuple[str, str], int] = {}
+    for path in trajectories:
+        for d in path.decisions:
+            if (policy is None or d.policy_name == policy) and (
+                    decision_id is None or d.decision_id == decision_id):
+                key = (str(d.decision_id), str(d.policy_name))
+                kinds[key] = kinds.get(key, 0) + 1
+    return kinds
+
+
 def promotion_gate(evaluation: PolicyEvaluation, *, min_lift: float = 0.0,
                    min_ess: float = 100.0) -> GateResult:
     """Decide whether the evaluated policy may replace the logging one.

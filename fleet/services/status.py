@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from fleet.config import FleetSettings
 from fleet.host.broker import broker_conf
 from fleet.host.celery_api import broker_app
-from fleet.host.kernel import open_store
+from fleet.host.kernel import open_store_to_read
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel.errors import FleetError
 from fleet.kernel.store.spi import CountsExecutions, EventStore
@@ -204,7 +204,8 @@ class StatusReader:
 
     async def _counts(self) -> tuple[dict[str, int], bool]:
         if self._store is None:
-            self._store = open_store(self.settings)
+            # A reader: a missing SQLite file is a problem to show, not one to create.
+            self._store = open_store_to_read(self.settings)
         return await execution_counts(self._store)
 
     def read(self) -> FleetStatus:

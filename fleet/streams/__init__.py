@@ -12,10 +12,12 @@
   XACK, XAUTOCLAIM of a dead member's entries, dead letters after a bound).
 * ``RewardMessage`` / ``sign_reward`` / ``submit_reward`` (and
   ``submit_rewards``, ``submit_reward_sync``): what reward producers send,
-  HMAC-signed with their key from ``FLEET_REWARD_KEYS``.
+  HMAC-signed with their key from ``FLEET_REWARD_KEYS`` (or the key file
+  ``FLEET_REWARD_KEYS_FILE``: the same JSON object, producer -> secret).
 * ``RewardAttacher``: the ``fleet-attachers`` group that verifies each reward
-  and records it with ``record_outcome`` as the producer's principal; bad ones
-  go to ``fleet:rewards:dead`` with the reason.
+  and records it with ``record_outcome`` as the producer's principal, within
+  the tenants ``FLEET_REWARD_TENANTS`` gives it (decision 0025); bad ones go
+  to ``fleet:rewards:dead`` with the reason, on their first delivery.
 
 Needs the ``fleet`` extra (redis-py): ``pip install 'fleet[fleet]'``.
 """
@@ -39,7 +41,9 @@ from fleet.streams.events import (
 from fleet.streams.publisher import EventPublisher, event_fields
 from fleet.streams.relay import EventRelay, RelayLease
 from fleet.streams.rewards import (
+    MAX_MESSAGE_BYTES,
     REJECT_REASONS,
+    RewardKeyError,
     RewardMessage,
     canonical_body,
     sign_reward,
@@ -50,6 +54,7 @@ from fleet.streams.rewards import (
 )
 
 __all__ = [
+    "MAX_MESSAGE_BYTES",
     "REJECT_REASONS",
     "Defer",
     "EventFilter",
@@ -61,6 +66,7 @@ __all__ = [
     "Reject",
     "RelayLease",
     "RewardAttacher",
+    "RewardKeyError",
     "RewardMessage",
     "StreamConsumer",
     "StreamEntry",

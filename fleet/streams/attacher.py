@@ -8,9 +8,11 @@ log says who sent every late reward (``recordedBy``). What happens next:
 ==============================  =====================================================
 appended                        acknowledged, counted in ``attached``
 duplicate (``appended=False``)  acknowledged, counted in ``duplicates``
-malformed, unsigned, unknown    dead-lettered to ``fleet:rewards:dead`` with the
-producer, bad signature,        reason and the original entry; never attached
-invalid
+oversized, malformed,           dead-lettered to ``fleet:rewards:dead`` with the
+unsigned, unknown producer,     reason and the original entry at once, on the first
+bad signature, invalid          delivery; never attached
+out of the producer's scope     dead-lettered ``out_of_scope`` at once (the kernel
+(``AccessDeniedError``)         refused ``annotate``; nothing written), warned
 retryable error                 retried here with doubling backoff (``retries``
 (``.retryable``: contended      times), then left pending and claimed again after
 tip, busy, store down)          ``claim_idle_ms``, up to ``retry_deliveries``
@@ -18,26 +20,35 @@ tip, busy, store down)          ``claim_idle_ms``, up to ``retry_deliveries``
 execution not terminal          left pending and claimed again after
                                 ``claim_idle_ms``, up to ``max_deliveries`` (the run
                                 may finish meanwhile); then dead-lettered
-any other refusal               dead-lettered with the error's code
+any other refusal               dead-lettered at once with the error's code
 (``OutcomeRefusedError``,       (``outcome_refused``, ``execution_not_found``,
-not found, denied, shape)       ``access_denied``, ``validation``)
+not found, shape)               ``validation``, ``unstorable_value``)
 ==============================  =====================================================
 
-Why a producer may annotate at all: ``docs/decisions/0011-reward-producers.md``.
+Why a producer may annotate at all: ``docs/decisions/0011-reward-producers.md``;
+which executions it may annotate (``FLEET_REWARD_TENANTS``):
+``docs/decisions/0025-reward-tenant-scoping.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fleet.kernel.errors import ConfigurationError, ExecutionNotTerminalError, FleetError
+from fleet.host.keys import reward_keys_of
+from fleet.kernel.errors import (
+    AccessDeniedError,
+    ConfigurationError,
+    ExecutionNotTerminalError,
+    FleetError,
+)
 from fleet.kernel.journal import WarnSink
+from fleet.kernel.observers import Warner
 from fleet.kernel.security import Principal
 from fleet.streams.consumer import Defer, Reject, StreamConsumer, StreamEntry, default_consumer_name
-from fleet.streams.redis_client import aioredis
-from fleet.streams.rewards import MESSAGE_FIELD, verify_reward
+from fleet.streams.redis_client import aioredis, as_text
+from fleet.streams.rewards import MAX_MESSAGE_BYTES, MESSAGE_FIELD, verify_reward
 
 if TYPE_CHECKING:
     from fleet.config import FleetSettings
@@ -51,21 +62,32 @@ class RewardAttacher:
 
     The runtime's ``AccessPolicy`` must let a producer ``annotate``: a producer
     is never an execution's owner, so the default ``owner`` rule is refused at
-    construction. Give the attacher's runtime ``AccessPolicy(rules={"annotate":
-    "any"})`` (any producer holding a key may annotate any finished execution),
-    or ``"tenant"`` with ``producer_tenants`` (a producer annotates only the
-    executions of the tenant the operator assigned it). The policy is the
-    attacher's runtime's, not the users': it grants nothing to anyone else.
+    construction. Two ways (decision 0025):
+
+    * **unscoped** (no ``producer_tenants``): the runtime's rule is ``"any"``,
+      and every producer holding a key may annotate every finished execution;
+    * **scoped** (``producer_tenants`` given, ``FLEET_REWARD_TENANTS``): the
+      runtime's rule must be ``"tenant"``; a listed producer acts as
+      ``Principal(f"producer:{name}", scope=its tenants)`` and may annotate only
+      those tenants' executions (``"*"``: all, and those with no tenant); an
+      unlisted one acts with no tenant and may annotate only executions with no
+      tenant. The kernel judges it; a refusal is dead-lettered ``out_of_scope``
+      at once and nothing is written.
+
+    The policy is the attacher's runtime's, not the users': it grants nothing
+    to anyone else.
 
     Args:
         runtime: The runtime outcomes are recorded through.
         redis: An asyncio Redis client.
-        keys: ``{producer: HMAC key}`` (``FleetSettings.reward_keys``).
+        keys: ``{producer: HMAC key}`` (``FLEET_REWARD_KEYS`` or ``_FILE``).
         stream / group / dead_stream: ``rewards_stream``, ``rewards_group``,
             ``rewards_dead``.
         consumer: This member's name (default ``host:pid``).
-        producer_tenants: ``{producer: tenant}`` for the producer's principal;
-            unlisted producers have no tenant.
+        producer_tenants: ``{producer: [tenant, ...]}`` (a single tenant may be
+            given as a string): turns scoping on (``FLEET_REWARD_TENANTS``).
+            Every producer named must have a key.
+        max_message_bytes: A larger ``message`` is dead-lettered ``oversized``.
         retries: In-place retries of a retryable error before the entry is
             left pending; ``backoff_s`` before the first, doubling.
         retry_deliveries: Deliveries a retryable error may take in all.
@@ -74,9 +96,10 @@ class RewardAttacher:
         consumer_options: Passed to ``StreamConsumer`` (``block_ms``, ``count``,
             ``claim_every_s``, ``on_warn``...).
 
-    ``stats()``: ``attached``, ``duplicates``, ``dead_lettered`` (by reason),
-    ``retried`` (in-place retries), ``deferred`` (left pending to try later),
-    and the consumer's own counters under ``consumer``.
+    ``stats()``: ``attached``, ``duplicates``, ``dead_lettered`` (by reason,
+    ``out_of_scope`` among them), ``retried`` (in-place retries), ``deferred``
+    (left pending to try later), ``scoped`` (whether producers are scoped to
+    tenants), and the consumer's own counters under ``consumer``.
     """
 
     requires: tuple[str, ...] = ()
@@ -84,8 +107,9 @@ class RewardAttacher:
     def __init__(self, runtime: Runtime, redis: aioredis.Redis, *, keys: Mapping[str, str],
                  stream: str = "fleet:rewards", group: str = "fleet-attachers",
                  dead_stream: str = "fleet:rewards:dead", consumer: str | None = None,
-                 producer_tenants: Mapping[str, str | None] | None = None,
-                 retries: int = 4, backoff_s: float = 0.05, retry_deliveries: int = 5,
+                 producer_tenants: Mapping[str, str | Iterable[str] | None] | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, retries: int = 4,
+                 backoff_s: float = 0.05, retry_deliveries: int = 5,
                  max_deliveries: int = 30, claim_idle_ms: int = 30_000,
                  on_warn: WarnSink | None = None, name: str = "reward-attacher",
                  close_client: bool = False, **consumer_options: Any) -> None:
@@ -95,17 +119,31 @@ class RewardAttacher:
                 "RewardAttacher: the runtime's AccessPolicy lets only an execution's owner "
                 "annotate it, and a reward producer is never the owner; give the attacher's "
                 "runtime AccessPolicy(rules={'annotate': 'any'}), or 'tenant' with "
-                "producer_tenants (docs/decisions/0011-reward-producers.md)")
-        if retries < 0 or backoff_s < 0 or retry_deliveries < 1:
-            raise ConfigurationError("RewardAttacher: retries and backoff_s must be >= 0, "
-                                     "retry_deliveries >= 1")
+                "producer_tenants (docs/decisions/0011-reward-producers.md, "
+                "0025-reward-tenant-scoping.md)")
         if not keys:
             raise ConfigurationError("RewardAttacher: no producer keys (FLEET_REWARD_KEYS): "
                                      "every message would be dead-lettered")
+        scopes = _scopes(producer_tenants, keys)
+        if scopes and rule != "tenant":
+            raise ConfigurationError(
+                f"RewardAttacher: producers are scoped to tenants (FLEET_REWARD_TENANTS), but "
+                f"the runtime's AccessPolicy rule for annotate is {rule!r}, which would ignore "
+                "the scope; give the attacher's runtime AccessPolicy(rules={'annotate': "
+                "'tenant'}) (docs/decisions/0025-reward-tenant-scoping.md)")
+        if max_message_bytes < 1024:
+            raise ConfigurationError("RewardAttacher: max_message_bytes must be >= 1024")
+        if retries < 0 or backoff_s < 0 or retry_deliveries < 1:
+            raise ConfigurationError("RewardAttacher: retries and backoff_s must be >= 0, "
+                                     "retry_deliveries >= 1")
         self.name = name
         self.runtime = runtime
         self.keys = dict(keys)
-        self.producer_tenants = dict(producer_tenants or {})
+        self.scoped = bool(scopes)
+        self.principals = {producer: Principal(f"producer:{producer}", scope=scopes.get(producer))
+                           for producer in self.keys}
+        self.max_message_bytes = max_message_bytes
+        self.warner = Warner(on_warn)
         self.retries = retries
         self.backoff_s = backoff_s
         self.retry_deliveries = retry_deliveries
@@ -132,7 +170,8 @@ class RewardAttacher:
         client = aioredis.Redis.from_url(
             settings.redis_url, socket_connect_timeout=settings.broker_connect_timeout_s,
             socket_timeout=block_s + settings.broker_socket_timeout_s)
-        kwargs.setdefault("keys", settings.reward_keys)
+        kwargs.setdefault("keys", reward_keys_of(settings))
+        kwargs.setdefault("producer_tenants", settings.reward_tenants)
         kwargs.setdefault("stream", settings.rewards_stream)
         kwargs.setdefault("group", settings.rewards_group)
         kwargs.setdefault("dead_stream", settings.rewards_dead)
@@ -150,15 +189,16 @@ class RewardAttacher:
         consumer = self.consumer.stats()
         return {"attached": self.attached, "duplicates": self.duplicates,
                 "dead_lettered": consumer["dead_lettered"], "retried": self.retried,
-                "deferred": self.deferred, "consumer": consumer}
+                "deferred": self.deferred, "scoped": self.scoped, "consumer": consumer}
 
     async def _on_entry(self, entry: StreamEntry) -> Defer | Reject | None:
         try:
-            message = verify_reward(entry.fields.get(MESSAGE_FIELD), self.keys)
+            # The bytes Redis holds, not their lossy text: non-UTF-8 is malformed.
+            message = verify_reward(_raw_field(entry, MESSAGE_FIELD), self.keys,
+                                    max_bytes=self.max_message_bytes)
         except FleetError as exc:
             return Reject(str(exc.details.get("reason", exc.code)), exc.message)
-        principal = Principal(f"producer:{message.producer}",
-                              tenant=self.producer_tenants.get(message.producer))
+        principal = self.principals[message.producer]
         attempt = 0
         while True:
             try:
@@ -168,6 +208,14 @@ class RewardAttacher:
             except ExecutionNotTerminalError as exc:
                 self.deferred += 1
                 return Defer(exc.code, exc.message)
+            except AccessDeniedError as exc:
+                # The kernel refused annotate: the producer's scope leaves this
+                # execution's tenant out. Final: the same message is refused every time.
+                detail = (f"producer {message.producer!r} may not reward execution "
+                          f"{message.execution_id[:200]!r}: {exc.message}")
+                self.warner.warn(f"reward refused (out_of_scope): {detail}",
+                                 key=f"out_of_scope:{message.producer}")
+                return Reject("out_of_scope", detail)
             except FleetError as exc:
                 if not exc.retryable:
                     return Reject(exc.code, exc.message)
@@ -184,3 +232,32 @@ class RewardAttacher:
             else:
                 self.duplicates += 1
             return None
+
+
+def _raw_field(entry: StreamEntry, name: str) -> bytes | str | None:
+    """The field ``name`` as Redis returned it (bytes from a default client)."""
+    for key, value in entry.raw.items():
+        if as_text(key) == name:
+            return value if isinstance(value, (bytes, str)) else str(value)
+    return None
+
+
+def _scopes(producer_tenants: Mapping[str, str | Iterable[str] | None] | None,
+            keys: Mapping[str, str]) -> dict[str, frozenset[str] | None]:
+    """``{producer: tenants}`` checked: each producer has a key, each list is non-empty."""
+    out: dict[str, frozenset[str] | None] = {}
+    for producer, tenants in (producer_tenants or {}).items():
+        if producer not in keys:
+            raise ConfigurationError(
+                f"FLEET_REWARD_TENANTS names producer {producer!r}, which has no key in "
+                f"FLEET_REWARD_KEYS (producers with keys: {sorted(keys)}); a typo?")
+        if tenants is None:
+            out[producer] = None  # listed with no tenant: executions with no tenant only
+            continue
+        scope = frozenset([tenants] if isinstance(tenants, str) else tenants)
+        if not scope or not all(isinstance(t, str) and t for t in scope):
+            raise ConfigurationError(
+                f"FLEET_REWARD_TENANTS: producer {producer!r} needs a non-empty list of tenant "
+                'names, e.g. {"crm": ["acme"], "ops": ["*"]}')
+        out[producer] = scope
+    return out

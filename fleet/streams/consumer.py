@@ -35,6 +35,11 @@ __all__ = ["Defer", "Handler", "Reject", "StreamConsumer", "StreamEntry",
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
 _REMEMBERED = 10_000  # deferral reasons kept per consumer (oldest forgotten first)
+_DETAIL_CHARS = 2_000  # the longest dead_detail written
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def default_consumer_name() -> str:
@@ -356,7 +361,9 @@ class StreamConsumer:
         pipe = self.redis.pipeline(transaction=False)
         for entry, reason, detail in dead:
             fields: dict[Any, Any] = dict(entry.raw)
-            fields.update({"dead_reason": reason, "dead_detail": detail,
+            # The detail may quote the entry (an id, a message): bounded, the entry
+            # itself is kept whole beside it.
+            fields.update({"dead_reason": reason, "dead_detail": _cut(detail, _DETAIL_CHARS),
                            "dead_stream": self.stream, "dead_id": entry.id,
                            "dead_deliveries": str(entry.deliveries),
                            "dead_consumer": self.consumer, "dead_at": now})

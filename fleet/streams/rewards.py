@@ -25,7 +25,13 @@ re-serialises the JSON it received, so a producer that signs what it sends
 round-trips as long as its numbers print as Python prints them.
 
 No freshness window: replaying a message is harmless because attaching is
-idempotent by ``(decision_id, key)``.
+idempotent by ``(decision_id, key)``. A ``message`` above ``MAX_MESSAGE_BYTES``
+(64 KiB) is refused unread (``oversized``).
+
+Producers' keys are one JSON object, producer -> secret, wherever they are
+read (``FLEET_REWARD_KEYS``, ``FLEET_REWARD_KEYS_FILE``, ``fleet reward submit
+--key-file``, the ``.fleet/reward-keys.json`` ``fleet up`` writes):
+``fleet.host.keys.read_reward_keys``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -41,19 +48,25 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
+from fleet.host.keys import RewardKeyError, read_reward_keys, reward_keys_of
 from fleet.kernel.errors import ConfigurationError, ValidationError
+from fleet.kernel.security import check_outcome_shape
 from fleet.streams.redis_client import aioredis, sync_redis
 
 if TYPE_CHECKING:
     from fleet.config import FleetSettings
 
-__all__ = ["REJECT_REASONS", "RewardMessage", "canonical_body", "sign_reward",
-           "submit_reward", "submit_reward_from_settings", "submit_reward_sync", "submit_rewards",
-           "verify_reward"]
+__all__ = ["MAX_MESSAGE_BYTES", "REJECT_REASONS", "RewardKeyError", "RewardMessage",
+           "canonical_body", "sign_reward", "submit_reward", "submit_reward_from_settings",
+           "submit_reward_sync", "submit_rewards", "verify_reward"]
 
 MESSAGE_FIELD = "message"
 #: Why ``verify_reward`` refuses a message (``ValidationError.details["reason"]``).
-REJECT_REASONS = ("malformed", "unsigned", "unknown_producer", "bad_signature", "invalid")
+REJECT_REASONS = ("oversized", "malformed", "unsigned", "unknown_producer", "bad_signature",
+                  "invalid")
+#: The largest ``message`` field the attacher reads (UTF-8 bytes): a reward is a
+#: few hundred bytes; anything near this is not one.
+MAX_MESSAGE_BYTES = 64 * 1024
 _BATCH = 500
 
 
@@ -115,24 +128,52 @@ def _refuse(reason: str, detail: str) -> ValidationError:
     return ValidationError(f"reward refused ({reason}): {detail}", reason=reason)
 
 
-def verify_reward(text: str | bytes | None, keys: Mapping[str, str]) -> RewardMessage:
+def verify_reward(text: str | bytes | None, keys: Mapping[str, str], *,
+                  max_bytes: int = MAX_MESSAGE_BYTES) -> RewardMessage:
     """Parse, authenticate and validate one ``message`` field.
 
     Checks in this order, each a ``ValidationError`` whose ``details["reason"]``
-    says which: ``malformed`` (not a JSON object), ``unsigned`` (no
-    signature), ``unknown_producer`` (no producer, or none with a key in
-    ``keys``), ``invalid`` (a NaN or infinite number, which has no canonical
-    form), ``bad_signature`` (the HMAC does not match), ``invalid`` (the schema
-    refuses it: a missing or extra field, a wrong type, no score or success).
-    The signature is checked before the schema, so nothing about an
+    says which: ``oversized`` (more than ``max_bytes`` bytes), ``malformed``
+    (not UTF-8, not a JSON object, nested too deeply, a string that is not
+    valid Unicode), ``unsigned`` (no signature), ``unknown_producer`` (no
+    producer, or none with a key in ``keys``), ``invalid`` (a NaN or infinite
+    number, which has no canonical form), ``bad_signature`` (the HMAC does not
+    match, whatever text the signature holds), ``invalid`` (the schema refuses
+    it: a missing or extra field, a wrong type, no score or success). The
+    signature is checked before the schema, so nothing about an
     unauthenticated message is judged beyond what finding its key needs.
+
+    Never raises anything else: every refusal is final (the same bytes are
+    refused the same way on every delivery), so the caller dead-letters it at
+    once (issue 10 item 9).
     """
+    try:
+        return _verify(text, keys, max_bytes)
+    except (ValidationError, MemoryError):
+        raise
+    except Exception as exc:  # parsing is pure: a fault here never heals
+        raise _refuse("malformed", f"unreadable ({type(exc).__name__}: "
+                      f"{str(exc)[:200]})") from exc
+
+
+def _verify(text: str | bytes | None, keys: Mapping[str, str], max_bytes: int) -> RewardMessage:
     if text is None:
         raise _refuse("malformed", f"the entry has no {MESSAGE_FIELD!r} field")
+    size = len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise _refuse("oversized", f"{size} bytes; a reward message is at most {max_bytes}")
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _refuse("malformed", f"not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start})") from exc
     try:
         data = json.loads(text)
+    except RecursionError as exc:
+        raise _refuse("malformed", "not JSON a reward can be: nested too deeply") from exc
     except (ValueError, TypeError) as exc:
-        raise _refuse("malformed", f"not JSON: {exc}") from exc
+        raise _refuse("malformed", f"not JSON: {str(exc)[:200]}") from exc
     if not isinstance(data, dict):
         raise _refuse("malformed", f"not a JSON object but {type(data).__name__}")
     signature = data.get("signature")
@@ -140,12 +181,21 @@ def verify_reward(text: str | bytes | None, keys: Mapping[str, str]) -> RewardMe
         raise _refuse("unsigned", "no signature")
     producer = data.get("producer")
     if not isinstance(producer, str) or producer not in keys:
-        raise _refuse("unknown_producer", f"no key for producer {producer!r}")
+        shown = producer[:80] if isinstance(producer, str) else producer
+        raise _refuse("unknown_producer", f"no key for producer {shown!r}")
     try:
         body = canonical_body(data)
+    except UnicodeEncodeError as exc:
+        raise _refuse("malformed", "a string holds a lone surrogate (not valid Unicode "
+                      "text), so the message has no canonical form") from exc
+    except RecursionError as exc:
+        raise _refuse("malformed", "nested too deeply to have a canonical form") from exc
     except ValueError as exc:
         raise _refuse("invalid", f"a number is NaN or infinite ({exc})") from exc
-    if not hmac.compare_digest(_hmac(keys[producer], body), signature):
+    # Compared as bytes: compare_digest refuses str holding non-ASCII characters
+    # (TypeError), and any text a sender puts here must simply not match.
+    given = signature.encode("utf-8", "surrogatepass")
+    if not hmac.compare_digest(_hmac(keys[producer], body).encode(), given):
         raise _refuse("bad_signature", f"the signature does not match producer {producer!r}'s"
                       " key over the canonical body")
     try:
@@ -211,28 +261,42 @@ def submit_reward_sync(redis: sync_redis.Redis, stream: str, message: RewardMess
 def submit_reward_from_settings(settings: FleetSettings, *, execution_id: str,
                                 decision_id: str, key: str, producer: str,
                                 score: float | None = None, success: bool | None = None,
-                                secret: str | bytes | None = None,
+                                key_file: str | os.PathLike[str] | None = None,
                                 nonce: str | None = None) -> str:
     """Build, sign and send one reward to ``settings.rewards_stream`` (``fleet reward submit``).
 
+    Everything that can be refused is refused before anything is sent: no key
+    for ``producer``, a reward the schema or the attacher would refuse.
+
     Args:
-        settings: ``redis_url``, ``rewards_stream`` and ``reward_keys``.
-        secret: The producer's HMAC key; default ``settings.reward_keys[producer]``.
+        settings: ``redis_url``, ``rewards_stream`` and the producers' keys
+            (``FLEET_REWARD_KEYS`` or ``FLEET_REWARD_KEYS_FILE``).
+        key_file: A reward key file (``{"producer": "secret"}``, what ``fleet up``
+            writes to ``.fleet/reward-keys.json``) to take the key from instead.
 
     Returns:
         The stream entry id.
 
     Raises:
-        ConfigurationError: no Redis URL, or no key for ``producer``.
-        ValidationError: the reward does not fit the schema (``RewardMessage``).
+        RewardKeyError: the keys hold none for ``producer`` (the message names
+            where they came from and the producers they hold).
+        ConfigurationError: no Redis URL; an unreadable or malformed key file.
+        ValidationError: the reward does not fit the schema (``RewardMessage``)
+            or is larger than the attacher reads.
     """
-    if not settings.redis_url:
-        raise ConfigurationError("submitting a reward needs FLEET_REDIS_URL")
+    if key_file is not None:
+        keys, source = read_reward_keys(key_file), f"the key file {key_file}"
+    elif settings.reward_keys_file:
+        keys = reward_keys_of(settings)
+        source = f"FLEET_REWARD_KEYS_FILE ({settings.reward_keys_file})"
+    else:
+        keys, source = reward_keys_of(settings), "FLEET_REWARD_KEYS"
+    secret = keys.get(producer)
     if secret is None:
-        secret = settings.reward_keys.get(producer)
-        if secret is None:
-            raise ConfigurationError(f"no key for producer {producer!r}: add it to "
-                                     "FLEET_REWARD_KEYS or give the key (--key-file)")
+        held = ", ".join(repr(p) for p in sorted(keys)[:20]) or "none"
+        raise RewardKeyError(
+            f"{source} holds no key for producer {producer!r} (it holds: {held}); the "
+            "reward was not sent", producer=producer)
     try:
         message = RewardMessage(execution_id=execution_id, decision_id=decision_id, key=key,
                                 score=score, success=success, producer=producer,
@@ -242,9 +306,20 @@ def submit_reward_from_settings(settings: FleetSettings, *, execution_id: str,
         where = ".".join(str(p) for p in first["loc"]) or "message"
         raise ValidationError(f"reward refused: {where}: {first['msg']}",
                               reason="invalid") from exc
+    # What the attacher and the kernel will check, checked here: a reward they would
+    # refuse is not sent.
+    check_outcome_shape(key, score, success, decision_id)
+    try:
+        signed = sign_reward(message, secret)
+    except ValueError as exc:  # a lone surrogate (a non-UTF-8 argument): no canonical form
+        raise ValidationError(f"reward refused: it has no canonical form ({exc}); pass text "
+                              "that is valid Unicode", reason="malformed") from exc
+    verify_reward(signed.to_wire(), {producer: secret})
+    if not settings.redis_url:
+        raise ConfigurationError("submitting a reward needs FLEET_REDIS_URL")
     client = sync_redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5.0,
                                        socket_timeout=10.0)
     try:
-        return submit_reward_sync(client, settings.rewards_stream, message, secret)
+        return submit_reward_sync(client, settings.rewards_stream, signed, None)
     finally:
         client.close()

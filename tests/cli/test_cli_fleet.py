@@ -190,6 +190,8 @@ class _Ticks:
 
 def test_status_watch_refreshes_until_interrupted(env: Env,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out = run("start", "cli-gate", "--input", "1")  # the store exists
+    assert code == 0, out
     monkeypatch.setattr(fleet.cli.status, "time", _Ticks())
     code, out = run("status", "--watch", "--json", "--interval", "0.2",
                     "--inspect-timeout", "0.2")
@@ -412,20 +414,38 @@ def test_reward_submit_refuses_before_it_sends(env: Env, monkeypatch: pytest.Mon
             "--producer", "p1"]
     code, out = run(*args, "--score", "1")
     assert code == 1
-    assert "needs FLEET_REDIS_URL" in out
-    monkeypatch.setenv("FLEET_REDIS_URL", "redis://127.0.0.1:1/0")
-    code, out = run(*args, "--score", "1")
-    assert code == 1
-    assert "no key for producer 'p1'" in out
+    assert "RewardKeyError: FLEET_REWARD_KEYS holds no key for producer 'p1' (it holds: none)" \
+        in out
     empty = tmp_path / "empty.key"
     empty.write_text("\n")
     code, out = run(*args, "--score", "1", "--key-file", str(empty))
     assert code == 1
-    assert "is empty" in out
+    assert f"the reward key file {empty} is empty" in out
+    for bad, says in ((["p1"], "got list"), ({"p1": 7}, "secret of producer 'p1' must be"),
+                      ({"p1": ""}, "secret of producer 'p1' must be")):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad))
+        code, out = run(*args, "--score", "1", "--key-file", str(path))
+        assert code == 1
+        assert says in out, out
     monkeypatch.setenv("FLEET_REWARD_KEYS", '{"p1": "secret"}')
+    monkeypatch.setenv("FLEET_REWARD_KEYS_FILE", str(empty))
+    code, out = run(*args, "--score", "1")
+    assert code == 1
+    assert "not both" in out
+    monkeypatch.delenv("FLEET_REWARD_KEYS_FILE")
     code, out = run(*args)
     assert code == 1
     assert "a score, a success flag or both" in out
+    for bad, says in ((["--score", "1e12"], "out of range"),
+                      (["--score", "1", "--execution", "e\udcff"], "reward refused")):
+        code, out = run(*args, *bad)  # what the attacher would refuse is not sent
+        assert code == 1
+        assert says in out, out
+    code, out = run(*args, "--score", "1")
+    assert code == 1
+    assert "needs FLEET_REDIS_URL" in out  # signed and valid; nowhere to send it
+    monkeypatch.setenv("FLEET_REDIS_URL", "redis://127.0.0.1:1/0")
     code, out = run(*args, "--success")
     assert code == 1  # signed and valid, but nothing answers at that port
     assert "the broker did not answer" in out

@@ -178,3 +178,56 @@ def test_a_key_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
     path.write_text("{half a file")
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 2_000_000))
     assert check.authenticate(new) is not None  # a broken file keeps the last good ring
+
+
+def _nested(depth: int) -> list[Any]:
+    """A list nested ``depth`` deep, built without recursion (what a JSON decoder
+    that allows it, or a pickling client, could hand a worker)."""
+    outer: list[Any] = []
+    inner = outer
+    for _ in range(depth - 1):
+        inner.append([])
+        inner = inner[0]
+    return outer
+
+
+def test_a_message_nested_too_deeply_is_refused_never_raised() -> None:
+    """Issue 10 item 9's sibling: json.dumps of a 10,000-deep value raises RecursionError,
+    which used to escape ``message_of`` and ``handle_dispatch`` (which promises never to
+    raise). Now it is ``malformed``, at once, and nothing is written."""
+    from fleet.dispatcher.remote import handle_dispatch
+
+    check = verifier()
+    deep = _nested(10_000)
+    with refused("malformed"):
+        check.message_of([], {**CANCEL, "reason": deep})
+    good = sign_dispatch(CANCEL, key_id="web-1", secret=SECRET)
+    with refused("malformed"):
+        check.authenticate({**good, "payload": deep})
+    with refused("malformed"):  # a lone surrogate has no canonical form either
+        check.authenticate({**good, "reason": "\ud800"})
+
+    def never(coro: Any) -> Any:
+        coro.close()
+        raise AssertionError("a refused message reached the write")
+
+    reply = handle_dispatch(None, never, (), {**good, "payload": deep},  # type: ignore[arg-type]
+                            check)
+    assert reply["ok"] is False
+    assert reply["error"]["details"] == [{"reason": "malformed"}]
+    assert reply["error"]["retryable"] is False
+    assert check.refused["malformed"] == 1
+
+
+def test_a_key_file_nested_too_deeply_keeps_the_last_ring(tmp_path: Path) -> None:
+    """A ring file that json.loads cannot nest (RecursionError) is a ConfigurationError
+    at start, and a re-read keeps the last good ring, like any broken file."""
+    path = tmp_path / "ring.json"
+    path.write_text("[" * 10_000 + "]" * 10_000)
+    with pytest.raises(ConfigurationError, match="is not JSON"):
+        KeySource(path=path)
+    path.write_text(json.dumps(RING))
+    source = KeySource(path=path, check_every_s=0)
+    path.write_text("[" * 10_000 + "]" * 10_001)
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert source.ring().ids() == sorted(RING)

@@ -27,6 +27,8 @@ from redis_server import url_with_db
 
 from fleet.config import FleetSettings
 from fleet.embedded import EmbeddedFleet
+from fleet.host.keys import read_reward_keys, reward_keys_of
+from fleet.kernel.errors import ConfigurationError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -136,7 +138,8 @@ def test_a_data_dir_given_is_kept_and_the_next_fleet_finds_its_executions(
         execution_id = fleet.dispatcher.start_sync("onboard", "u-1")
         wait_for(lambda: (fleet.call(fleet.store.get_execution(execution_id)) or
                           _Missing).status == "completed")
-        key = fleet.settings.reward_keys["local"]
+        assert fleet.settings.reward_keys_file == str(data_dir / "reward-keys.json")
+        key = read_reward_keys(data_dir / "reward-keys.json")["local"]
     assert (data_dir / "fleet.db").exists()
     assert (data_dir / "logs" / "worker-1.log").read_text()
     assert oct((data_dir / "reward-keys.json").stat().st_mode & 0o777) == "0o600"
@@ -145,8 +148,30 @@ def test_a_data_dir_given_is_kept_and_the_next_fleet_finds_its_executions(
         row = again.call(again.store.get_execution(execution_id))
         assert row is not None
         assert row.status == "completed"
-        assert again.settings.reward_keys == {"local": key}  # the producers' key survives
+        assert reward_keys_of(again.settings) == {"local": key}  # the producers' key survives
     assert processes_mentioning(str(data_dir)) == []
+
+
+def test_the_reward_key_file_is_read_in_the_one_format_and_never_overwritten(
+        no_fleet_env: None, tmp_path: Path) -> None:
+    """Issue 15 item 5: `fleet up`'s .fleet/reward-keys.json is read with the reader every
+    reward command uses. It used to be silently replaced (its other producers lost)
+    whenever it did not hold a `local` key or did not parse."""
+    given = FleetSettings(redis_url="redis://127.0.0.1:1/0",
+                          flows=["fleet.examples.onboarding:onboard"])
+    key_file = tmp_path / "reward-keys.json"
+    key_file.write_text('{"crm": "k-crm-secret"}')
+    settings = EmbeddedFleet(given, data_dir=tmp_path)._resolve(given)
+    keys = reward_keys_of(settings)
+    assert set(keys) == {"crm", "local"}  # kept, and local added
+    assert keys["crm"] == "k-crm-secret"
+    assert EmbeddedFleet(given, data_dir=tmp_path)._resolve(given).reward_keys_file == str(
+        key_file)
+    assert reward_keys_of(settings) == keys  # the same keys on the next start
+    key_file.write_text("a-bare-secret\n")
+    with pytest.raises(ConfigurationError, match="looks like a bare secret"):
+        EmbeddedFleet(given, data_dir=tmp_path)._resolve(given)
+    assert key_file.read_text() == "a-bare-secret\n"  # refused, not overwritten
 
 
 def test_a_killed_worker_takes_its_pool_with_it_and_stop_reaps_the_rest(

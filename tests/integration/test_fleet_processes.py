@@ -368,8 +368,14 @@ def test_a_reward_from_the_command_line_is_attached_and_a_forged_one_dead_letter
         time.sleep(0.1)
     outcome = _first(fleet.store.read(eid), "OUTCOME_RECORDED")
     assert outcome.payload["score"] == 0.9
-    forged = tmp_path / "forged.key"
-    forged.write_text("not-the-secret\n")
+    raw = tmp_path / "raw.key"  # a bare secret is not a key file: refused, nothing sent
+    raw.write_text("not-the-secret\n")
+    done = fleet.cli(*submit, "--key", "csat:2", "--success", "--key-file", str(raw),
+                     check=False)
+    assert done.returncode == 1
+    assert "looks like a bare secret" in done.stderr
+    forged = tmp_path / "forged.json"  # the right format, the wrong secret: a forgery
+    forged.write_text(json.dumps({PRODUCER: "not-the-secret"}))
     fleet.cli(*submit, "--key", "csat:2", "--success", "--key-file", str(forged))
     import redis
 

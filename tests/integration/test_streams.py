@@ -230,15 +230,16 @@ class Rewards:
                                           access_policy=ANNOTATE_ANY)
         options.setdefault("claim_idle_ms", 100)
         options.setdefault("block_ms", 50)
-        self.attacher = RewardAttacher(self.runtime, redis, keys=KEYS, stream=self.stream,
+        self.keys: dict[str, str] = options.pop("keys", KEYS)
+        self.attacher = RewardAttacher(self.runtime, redis, keys=self.keys, stream=self.stream,
                                        group=self.group, dead_stream=self.dead,
                                        consumer="attacher-1", **options)
 
     async def submit(self, message: RewardMessage, key: str | None = None) -> str:
         return await submit_reward(self.redis, self.stream, message,
-                                   KEYS[message.producer] if key is None else key)
+                                   self.keys[message.producer] if key is None else key)
 
-    async def raw(self, fields: dict[str, str]) -> str:
+    async def raw(self, fields: dict[str, Any]) -> str:
         return text(await self.redis.xadd(self.stream, fields))
 
     def settled(self) -> int:
@@ -254,6 +255,9 @@ class Rewards:
 
     async def dead_letters(self) -> list[dict[str, str]]:
         return [f for _, f in await entries(self.redis, self.dead)]
+
+    async def dead_letters_raw(self) -> list[dict[bytes, bytes]]:
+        return [f for _, f in await self.redis.xrange(self.dead)]
 
     async def log(self, execution_id: str) -> list[EventEnvelope]:
         return await self.runtime.store.read(execution_id)
@@ -826,9 +830,287 @@ async def test_a_producer_annotates_as_its_own_principal_within_its_tenant(
         assert [(o["key"], o["recordedBy"]) for o in late_outcomes(await r.log(ours))] == [
             ("csat:1", "producer:crm")]
         assert late_outcomes(await r.log(theirs)) == []
-        assert [d["dead_reason"] for d in await r.dead_letters()] == ["access_denied"] * 2
+        assert [d["dead_reason"] for d in await r.dead_letters()] == ["out_of_scope"] * 2
     finally:
         await r.attacher.stop()
+
+
+GINA = Principal("gina", tenant="globex")
+SCOPED_KEYS = {**KEYS, "ops": "k-ops-5e1d", "stray": "k-stray-9a0b"}
+
+
+async def test_a_producer_rewards_only_the_tenants_it_is_scoped_to(
+        redis: aioredis.Redis, ns: str) -> None:
+    """Issue 10 item 7: producers scoped to tenants (FLEET_REWARD_TENANTS). A reward for
+    another tenant's execution is refused by the kernel and dead-lettered out_of_scope
+    on its first delivery, the log untouched; a producer the scoping does not list
+    rewards only executions with no tenant."""
+    rt = Runtime(MemoryEventStore(), flows=[deal],
+                 access_policy=AccessPolicy(rules={"annotate": "tenant"}))
+    warnings: list[str] = []
+    r = Rewards(redis, ns, runtime=rt, on_warn=warnings.append, keys=SCOPED_KEYS,
+                producer_tenants={"crm": ["acme"], "survey": ["globex", "initech"],
+                                  "ops": ["*"]})  # "stray" has a key and no tenants
+    await r.attacher.start()
+    try:
+        acme, globex = await finished(rt, principal=ALICE), await finished(rt, principal=GINA)
+        nobody = await finished(rt, principal=None)
+        before = {eid: [e.to_json() for e in await r.log(eid)]
+                  for eid in (acme, globex, nobody)}
+        allowed = [("crm", acme), ("survey", globex), ("ops", acme), ("ops", nobody),
+                   ("stray", nobody)]
+        refused = [("crm", globex), ("survey", acme), ("crm", nobody), ("stray", acme),
+                   ("stray", globex)]
+        for i, (producer, eid) in enumerate(refused + allowed):
+            await r.submit(reward(eid, f"csat:{i}", producer=producer))
+        await r.until_settled(len(refused) + len(allowed))
+        letters = await r.dead_letters()
+        assert sorted((json.loads(d["message"])["producer"], json.loads(d["message"])[
+            "execution_id"]) for d in letters) == sorted(refused)
+        for letter in letters:
+            assert letter["dead_reason"] == "out_of_scope"
+            assert letter["dead_deliveries"] == "1"  # final at once: never redelivered
+            producer = json.loads(letter["message"])["producer"]
+            assert f"producer {producer!r} may not reward" in letter["dead_detail"]
+        stats = r.attacher.stats()
+        assert stats["dead_lettered"] == {"out_of_scope": len(refused)}
+        assert stats["attached"] == len(allowed)
+        assert stats["scoped"] is True
+        assert stats["consumer"]["failures"] == 0
+        assert rt.denied == len(refused)  # the kernel judged (and counted) every one
+        assert any("reward refused (out_of_scope)" in w for w in warnings)
+        got = {eid: sorted(o["recordedBy"] for o in late_outcomes(await r.log(eid)))
+               for eid in (acme, globex, nobody)}
+        assert got == {acme: ["producer:crm", "producer:ops"], globex: ["producer:survey"],
+                       nobody: ["producer:ops", "producer:stray"]}
+        for eid in (acme, globex, nobody):  # only the allowed outcomes were appended
+            log = [e.to_json() for e in await r.log(eid)]
+            assert log[:len(before[eid])] == before[eid]
+            assert len(log) == len(before[eid]) + len(got[eid])
+    finally:
+        await r.attacher.stop()
+
+
+async def test_a_leaked_key_cannot_squat_another_tenants_reward_key(
+        redis: aioredis.Redis, ns: str) -> None:
+    """Issue 10 item 7's second half: unscoped, a leaked key attached first and the real
+    producer's value was then refused (same decision and key, another value). Scoped,
+    the leaked key's reward is out_of_scope and the real one attaches."""
+    rt = Runtime(MemoryEventStore(), flows=[deal],
+                 access_policy=AccessPolicy(rules={"annotate": "tenant"}))
+    r = Rewards(redis, ns, runtime=rt, producer_tenants={"crm": ["acme"],
+                                                         "survey": ["globex"]})
+    await r.attacher.start()
+    try:
+        eid = await finished(rt, principal=ALICE)
+        await r.submit(reward(eid, "csat:1", score=0.0, producer="survey"))  # the leak
+        await r.until_settled(1)
+        await r.submit(reward(eid, "csat:1", score=0.9, producer="crm"))  # the real one
+        await r.until_settled(2)
+        assert [(o["score"], o["recordedBy"]) for o in late_outcomes(await r.log(eid))] == [
+            (0.9, "producer:crm")]
+        assert [d["dead_reason"] for d in await r.dead_letters()] == ["out_of_scope"]
+    finally:
+        await r.attacher.stop()
+
+
+async def test_scoping_is_refused_where_it_would_be_ignored_or_mistyped(
+        redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    tenant_rule = Runtime(MemoryEventStore(), flows=[deal],
+                          access_policy=AccessPolicy(rules={"annotate": "tenant"}))
+    with pytest.raises(ConfigurationError, match="would ignore the scope"):
+        RewardAttacher(Runtime(MemoryEventStore(), flows=[deal], access_policy=ANNOTATE_ANY),
+                       redis, keys=KEYS, producer_tenants={"crm": ["acme"]})
+    with pytest.raises(ConfigurationError, match="'crn', which has no key"):
+        RewardAttacher(tenant_rule, redis, keys=KEYS, producer_tenants={"crn": ["acme"]})
+    with pytest.raises(ConfigurationError, match="non-empty list of tenant names"):
+        RewardAttacher(tenant_rule, redis, keys=KEYS, producer_tenants={"crm": []})
+    with pytest.raises(ConfigurationError, match="set of tenant names"):
+        Principal("producer:crm", scope="acme")  # type: ignore[arg-type]  # the mistake
+    monkeypatch.setenv("FLEET_REWARD_TENANTS", '{"crm": ["acme", "globex"], "ops": ["*"]}')
+    assert FleetSettings().reward_tenants == {"crm": ["acme", "globex"], "ops": ["*"]}
+    monkeypatch.setenv("FLEET_REWARD_TENANTS", '{"crm": []}')
+    with pytest.raises(Exception, match="non-empty list of tenant names"):
+        FleetSettings()
+
+
+async def test_the_attacher_role_scopes_producers_from_its_settings(
+        redis: aioredis.Redis, ns: str, tmp_path: Path) -> None:
+    """``fleet attacher`` (the assembly's role) with FLEET_REWARD_TENANTS: its runtime
+    judges annotate by tenant and a cross-tenant reward is dead-lettered out_of_scope."""
+    from fleet.assembly.roles import open_attacher
+
+    db = f"sqlite:///{tmp_path / 'fleet.db'}"
+    base = FleetSettings(database_url=db, redis_url=server_url(),
+                         rewards_stream=f"{ns}rewards", rewards_dead=f"{ns}dead",
+                         rewards_group=f"{ns}g", reward_keys=KEYS)
+    unscoped = await open_attacher(base, heartbeat=False)
+    try:
+        assert unscoped.require_runtime().access_policy.rule_for("annotate") == "any"
+        assert unscoped.stats()["reward-attacher"]["scoped"] is False
+    finally:
+        await unscoped.aclose()
+    settings = base.model_copy(update={"reward_tenants": {"crm": ["acme"]}})
+    role = await open_attacher(settings, heartbeat=False)
+    writer = SqliteEventStore(str(tmp_path / "fleet.db"))
+    try:
+        assert role.require_runtime().access_policy.rule_for("annotate") == "tenant"
+        rt = Runtime(writer, flows=[deal])
+        ours, theirs = await finished(rt, principal=ALICE), await finished(rt, principal=GINA)
+        before = [e.to_json() for e in await writer.read(theirs)]
+        assert role.service is not None
+        await role.service.start()
+        await submit_reward(redis, settings.rewards_stream, reward(theirs, "csat:1"),
+                            KEYS["crm"])
+        await submit_reward(redis, settings.rewards_stream, reward(ours, "csat:1"),
+                            KEYS["crm"])
+        attacher = role.service
+        assert isinstance(attacher, RewardAttacher)
+        await eventually(lambda: attacher.stats()["attached"] == 1
+                         and attacher.stats()["dead_lettered"] == {"out_of_scope": 1}, 10,
+                         "one attached, one out of scope")
+        assert [e.to_json() for e in await writer.read(theirs)] == before
+        assert [o["recordedBy"] for o in late_outcomes(await writer.read(ours))] == [
+            "producer:crm"]
+        letters = [f for _, f in await entries(redis, settings.rewards_dead)]
+        assert [(d["dead_reason"], d["dead_deliveries"]) for d in letters] == [
+            ("out_of_scope", "1")]
+    finally:
+        if role.service is not None:
+            await role.service.stop()
+        await role.aclose()
+        await writer.close()
+
+
+def _cli(*args: str, env: dict[str, str]) -> tuple[int, str]:
+    from click.testing import CliRunner
+
+    from fleet.cli import main
+
+    result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+async def test_fleet_reward_submit_signs_with_the_key_file_fleet_up_writes(
+        redis: aioredis.Redis, ns: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 15 item 5: `fleet up` writes .fleet/reward-keys.json ({"local": secret});
+    `fleet reward submit --key-file` read it as a raw secret, printed "submitted", and
+    the reward was dead-lettered bad_signature. One format now, read by one reader: the
+    attacher `fleet up` runs and the CLI both read that file, and the reward attaches.
+    A file without the producer, or in another format, is refused before sending."""
+    from fleet.embedded.machine import EmbeddedFleet
+
+    for name in ("FLEET_REWARD_KEYS", "FLEET_REWARD_KEYS_FILE", "FLEET_REWARD_TENANTS"):
+        monkeypatch.delenv(name, raising=False)
+    data_dir = tmp_path / ".fleet"
+    data_dir.mkdir()
+    given = FleetSettings(database_url=f"sqlite:///{data_dir / 'fleet.db'}",
+                          redis_url=server_url(), rewards_stream=f"{ns}rewards",
+                          rewards_dead=f"{ns}dead", rewards_group=f"{ns}g")
+    settings = EmbeddedFleet(given, data_dir=data_dir)._resolve(given)  # what `fleet up` runs
+    key_file = data_dir / "reward-keys.json"
+    assert settings.reward_keys_file == str(key_file)
+    assert list(json.loads(key_file.read_text())) == ["local"]
+    rt = Runtime(MemoryEventStore(), flows=[deal], access_policy=ANNOTATE_ANY)
+    attacher = RewardAttacher.from_settings(settings, rt, block_ms=50, claim_idle_ms=100)
+    env = {"FLEET_REDIS_URL": server_url(), "FLEET_REWARDS_STREAM": settings.rewards_stream}
+    await attacher.start()
+    try:
+        eid = await finished(rt)
+        submit = ["reward", "submit", "--execution", eid, "--decision", "price"]
+        code, out = await asyncio.to_thread(
+            _cli, *submit, "--key", "csat:1", "--score", "0.5", "--producer", "local",
+            "--key-file", str(key_file), env=env)
+        assert code == 0, out
+        assert "submitted as" in out
+        await eventually(lambda: attacher.stats()["attached"] == 1, 10, "attached")
+        assert [(o["key"], o["recordedBy"]) for o in late_outcomes(
+            await rt.store.read(eid))] == [("csat:1", "producer:local")]
+        # FLEET_REWARD_KEYS_FILE is the same file, the same format.
+        code, out = await asyncio.to_thread(
+            _cli, *submit, "--key", "csat:2", "--success", "--producer", "local",
+            env={**env, "FLEET_REWARD_KEYS_FILE": str(key_file)})
+        assert code == 0, out
+        await eventually(lambda: attacher.stats()["attached"] == 2, 10, "attached")
+
+        sent = await redis.xlen(settings.rewards_stream)
+        raw_secret = tmp_path / "raw.key"
+        raw_secret.write_text(json.loads(key_file.read_text())["local"] + "\n")
+        refusals = [
+            (["--producer", "crm", "--key-file", str(key_file)],
+             f"RewardKeyError: the key file {key_file} holds no key for producer 'crm' "
+             "(it holds: 'local')"),
+            (["--producer", "local", "--key-file", str(raw_secret)], "looks like a bare secret"),
+            (["--producer", "local", "--key-file", str(tmp_path / "nowhere.json")],
+             "cannot read the reward key file"),
+        ]
+        for extra, message in refusals:
+            code, out = await asyncio.to_thread(
+                _cli, *submit, "--key", "csat:3", "--score", "1", *extra, env=env)
+            assert code == 1, out
+            assert message in out, out
+            assert len(out.strip().splitlines()) == 1, out  # one line, no traceback
+        assert await redis.xlen(settings.rewards_stream) == sent  # nothing was sent
+        assert attacher.stats()["dead_lettered"] == {}
+    finally:
+        await attacher.stop()
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+async def test_hostile_rewards_are_dead_lettered_on_their_first_delivery(
+        rewards: Rewards) -> None:
+    """Issue 10 item 9 and its siblings: a non-ASCII signature made compare_digest raise
+    TypeError and 10,000-deep JSON raised RecursionError; both looped through
+    redeliveries as handler_error. Every refusal of a message's bytes is final: it is
+    dead-lettered with its reason on the first delivery, and the consumer goes on."""
+    eid = await finished(rewards.runtime)
+    before = [e.to_json() for e in await rewards.log(eid)]
+    good = reward(eid, "hostile:1", nonce="h")
+    body = good.body()
+    signed = json.loads(sign_reward(good, KEYS["crm"]).to_wire())
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("bad_signature", {"message": json.dumps({**signed, "signature": "é" * 64},
+                                                  ensure_ascii=False)}),
+        ("bad_signature", {"message": json.dumps({**signed, "signature": "\u2603"})}),
+        ("bad_signature", {"message": json.dumps({**signed, "signature": "\ud800"})}),
+        ("malformed", {"message": _deep(10_000)}),
+        ("malformed", {"message": '{"a":' * 10_000 + "1" + "}" * 10_000}),
+        ("malformed", {"message": json.dumps({**signed, "nonce": "@"}).replace(
+            '"@"', _deep(10_000))}),
+        ("malformed", {"message": b'{"producer": "crm", "signature": "\xff\xfe"}'}),
+        ("malformed", {"message": json.dumps({**body, "nonce": "\ud800", "signature": "00"})}),
+        ("oversized", {"message": _forge({**body, "nonce": "x" * 70_000}, KEYS["crm"])}),
+        ("unsigned", {"message": json.dumps({**signed, "signature": 12345})}),
+        ("unknown_producer", {"message": json.dumps({**signed, "producer": ["crm"]})}),
+        ("invalid", {"message": _forge({**body, "score": [0.9]}, KEYS["crm"])}),
+        ("invalid", {"message": _forge({**body, "score": True}, KEYS["crm"])}),
+        # Signed and well-formed, for an execution id of 60,000 characters: the
+        # kernel's refusal quotes it, the dead letter's detail stays bounded.
+        ("execution_not_found", {"message": _forge({**body, "execution_id": "x" * 60_000},
+                                                   KEYS["crm"])}),
+    ]
+    for _, fields in cases:
+        await rewards.raw(fields)
+    await rewards.until_settled(len(cases))
+    letters = await rewards.dead_letters_raw()
+    assert [(text(d[b"dead_reason"]), text(d[b"dead_deliveries"])) for d in letters] == [
+        (reason, "1") for reason, _ in cases]
+    for letter, (_, fields) in zip(letters, cases, strict=True):
+        assert 0 < len(letter[b"dead_detail"]) < 2_100
+        original = fields["message"]
+        assert letter[b"message"] == (original if isinstance(original, bytes)
+                                      else original.encode("utf-8", "surrogatepass"))
+    stats = rewards.attacher.stats()
+    assert stats["consumer"]["failures"] == 0  # nothing reached the handler_error path
+    assert stats["dead_lettered"] == dict(Counter(reason for reason, _ in cases))
+    assert [e.to_json() for e in await rewards.log(eid)] == before
+    await rewards.submit(reward(eid, "csat:after"))  # the consumer is still running
+    await rewards.until_settled(len(cases) + 1)
+    assert [o["key"] for o in late_outcomes(await rewards.log(eid))] == ["csat:after"]
 
 
 async def test_submit_reward_sync_refuses_a_running_loop_and_works_outside_one(

@@ -112,6 +112,40 @@ async def test_any_rule_opens_an_op_to_every_principal(store: EventStore) -> Non
     await settle(runtime)
 
 
+async def test_a_scope_is_what_the_tenant_rule_judges(store: EventStore) -> None:
+    """Decision 0025: a service principal acting for several tenants (a reward producer)
+    may act on exactly the tenants of its scope; "*" is every tenant and also none; the
+    owner rule ignores a scope; a refusal is counted and reported like any other."""
+    runtime, denied = _runtime(store, access_policy=AccessPolicy(rules={"read": "tenant",
+                                                                        "resume": "owner"}))
+    acme = await started(runtime, "guarded", principal=ALICE)
+    evil = await started(runtime, "guarded", principal=EVE)
+    nobody = await started(runtime, "guarded", principal=None)
+    both = Principal("svc", scope=frozenset({"acme", "evil"}))
+    one = Principal("svc", tenant="evil", scope={"acme"})  # the scope, not the tenant, counts
+    every = Principal("ops", scope=frozenset({"*"}))
+    allowed = [(both, acme), (both, evil), (one, acme), (every, acme), (every, evil),
+               (every, nobody)]
+    refused = [(both, nobody), (one, evil), (one, nobody)]
+    for who, eid in allowed:
+        assert (await runtime.load_state(eid, principal=who)).execution_id == eid
+    for who, eid in refused:
+        with pytest.raises(AccessDeniedError, match="may act for"):
+            await runtime.load_state(eid, principal=who)
+    assert [(d["executionId"], d["actor"]) for d in denied] == [
+        (eid, who.actor) for who, eid in refused]
+    assert runtime.denied == len(refused)
+    with pytest.raises(AccessDeniedError, match="owner-only"):  # a scope makes no owner
+        await runtime.resume(acme, "approve", 1, principal=every)
+    assert isinstance(one.scope, frozenset)
+
+
+@pytest.mark.parametrize("scope", ["acme", {"acme", ""}, {None}, b"acme"])
+def test_a_scope_is_a_set_of_tenant_names(scope: Any) -> None:
+    with pytest.raises(ConfigurationError, match="set of tenant names"):
+        Principal("svc", scope=scope)
+
+
 @pytest.mark.parametrize("strict_via", ["runtime", "policy"])
 async def test_strict_refuses_calls_without_a_principal(store: EventStore,
                                                         strict_via: str) -> None:
