@@ -41,6 +41,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import CollectorRegistry, start_http_server
+
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.dispatcher import Dispatcher
@@ -361,8 +363,6 @@ def serve_metrics(settings: FleetSettings, role: Role) -> Any:
     counters, in the families Flower's ``/metrics`` serves for the whole fleet."""
     if settings.metrics_port is None:
         return None
-    from prometheus_client import CollectorRegistry, start_http_server
-
     reporter = next((s for s in role.services if isinstance(s, StatsReporter)), None)
     process = reporter.process if reporter is not None else process_name()
 

@@ -48,8 +48,9 @@ def list_(all_gates: bool, limit: int, as_json: bool) -> None:
     by = _parked_by(settings)
     parked = [p if p.worker else dataclasses.replace(p, worker=by.get(p.execution_id))
               for p in parked]
-    if as_json:
-        click.echo(json.dumps([p.to_dict() for p in parked]))
+    if as_json:  # one object a line, as every listing command prints
+        for p in parked:
+            click.echo(json.dumps(p.to_dict()))
         return
     table = Table(title=f"parked ({len(parked)})")
     for col in ("execution", "gate", "flow", "version", "worker", "parked", "reason"):

@@ -26,11 +26,10 @@ from fleet.cli.common import (
 from fleet.config import FleetSettings
 from fleet.services.status import WORKER_FIELDS, StatusReader
 
-# Short headers keep the workers' table within 80 columns (--json has every counter).
-_SHORT = {"active": "act", "drives": "drive", "completed": "done", "failed": "fail",
-          "parked": "park", "stepped_aside": "aside", "fenced_out": "fence",
-          "recovered": "recov", "handed_back": "hand", "errors": "err",
-          "divergence_warnings": "dv.w", "divergence_parked": "dv.p"}
+# The table's short headers (the lines a narrow terminal gets spell every name out).
+_SHORT = {"completed": "done", "stepped_aside": "aside", "fenced_out": "fenced",
+          "recovered": "recov", "handed_back": "handed", "divergence_warnings": "div.warn",
+          "divergence_parked": "div.park"}
 _ALARM = {"fenced_out", "divergence_warnings", "divergence_parked", "errors", "failed"}
 #: A service's counters in ``fleet status`` (--json has all of them).
 SERVICE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -75,7 +74,7 @@ def _workers_lines(status: Any) -> list[Any]:
         pool = f"{w.pool}{slots}" if w.pool else "(did not answer inspect)"
         seen = f", seen {_age(w.age_s, w.stale)}" if w.age_s is not None else ""
         lines.append(Text.from_markup(f"  {escape(w.name)}: {pool}{seen}"))
-        counters = " ".join(f"{_SHORT.get(name, name)}={_cell(name, w.fleet.get(name, 0))}"
+        counters = " ".join(f"{name}={_cell(name, w.fleet.get(name, 0))}"
                             for name in WORKER_FIELDS)
         lines.append(Padding(Text.from_markup(counters), (0, 0, 0, 4)))
     return lines

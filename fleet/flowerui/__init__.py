@@ -24,7 +24,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+import flower.app  # type: ignore[import-untyped]  # Flower ships no type hints
+import flower.urls  # type: ignore[import-untyped]  # Flower ships no type hints
 import tornado.template
+from prometheus_client import REGISTRY
 from tornado.web import url
 
 from fleet.config import FleetSettings
@@ -93,11 +96,6 @@ def install(settings: FleetSettings) -> FleetState:
     global _installed
     if _installed is not None:
         return _installed
-    # Imported here: only the process that serves Flower loads it.
-    import flower.app  # type: ignore[import-untyped]  # Flower ships no type hints
-    import flower.urls  # type: ignore[import-untyped]  # Flower ships no type hints
-    from prometheus_client import REGISTRY
-
     state = FleetState(settings)
     ours = handlers(state)
     flower.app.default_handlers = [*ours, *flower.app.default_handlers]

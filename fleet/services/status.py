@@ -37,8 +37,8 @@ STATES: tuple[str, ...] = ("running", "parked", "completed", "failed", "cancelle
                            "continued")
 #: The worker counters ``fleet status`` shows, in order.
 WORKER_FIELDS: tuple[str, ...] = ("active", "drives", "completed", "failed", "parked",
-                                  "fenced_out", "divergence_warnings", "divergence_parked",
-                                  "handed_back", "errors")
+                                  "stepped_aside", "fenced_out", "recovered", "handed_back",
+                                  "divergence_warnings", "divergence_parked", "errors")
 
 
 @dataclass(frozen=True, slots=True)
