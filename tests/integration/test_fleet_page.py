@@ -388,6 +388,14 @@ def cell(html: str, row_attr: str, counter: str) -> str:
     return match.group(1).strip().replace(",", "")
 
 
+def total_card(html: str, counter: str) -> float:
+    """The number on the page's totals card of ``counter``."""
+    match = re.search(rf'data-counter="{counter}">\s*<p class="metric-label">{counter}</p>'
+                      rf'\s*<p class="metric-value[^"]*">([^<]*)<', html)
+    assert match, (counter, html[:3000])
+    return float(match.group(1).strip().replace(",", ""))
+
+
 def service_counter(html: str, role: str, counter: str) -> float:
     text = cell(html, f'data-service="{role}"', counter)
     return float(text.split()[-1])
@@ -476,6 +484,7 @@ def test_a_diverged_run_is_listed_with_its_reason_and_retry_reparks_until_fixed(
     assert listed["worker"] in {fleet.procs[n].nodename for n in ("a", "b")}
     assert "executions parked diverged" in api["alarms"]
     _, page = browser.get("/fleet")
+    assert total_card(page, "divergence_parked") == before + 1
     row = page[page.index(f'data-execution="{eid}"'):]
     row = row[:row.index("</tr>")]
     assert "skipped 1: a" in row
@@ -506,6 +515,7 @@ def test_a_diverged_run_is_listed_with_its_reason_and_retry_reparks_until_fixed(
     assert resumed[-1].payload["by"] == OPERATOR  # the audit: who retried
     until(lambda: browser.json("/fleet/api/status")["totals"]["divergence_parked"]
           == before + 2, "the re-park to count")
+    assert total_card(browser.get("/fleet")[1], "divergence_parked") == before + 2
     # Fixed (the marker gone): the retry runs on; it waits on its gate again.
     marker.unlink()
     done = json.loads(fleet.cli("diverged", "retry", eid, "--json").stdout)
