@@ -16,9 +16,10 @@ warm-up at the same load.
   worker`` processes on Redis (database 12, a queue of its own) and a Postgres
   database of its own (dropped at the end), every setting as
   ``docs/operations.md`` deploys it (``FLEET_WORKER_DRIVES=64``, threads pool,
-  30 s lease, no group commit, events published to a stream). A completion is
-  learned from that events stream (``XREAD`` of ``EXECUTION_COMPLETED``, the
-  push a consumer of fleet gets), with ``Runtime.result`` as a backstop.
+  30 s lease, no group commit) and its relay (``fleet relay``, which alone
+  publishes the events stream: decision 0021). A completion is learned from
+  that events stream (``XREAD`` of ``EXECUTION_COMPLETED``, the push a
+  consumer of fleet gets), with ``Runtime.result`` as a backstop.
 - **temporal (activities)** and **temporal (local activities)**: the same flow
   as a workflow of three ``async`` activities, remote or local
   (``bench.temporal_worker``), on ``temporal server start-dev`` (headless, ports
@@ -32,8 +33,8 @@ warm-up at the same load.
 Rounds (``--repeat``) interleave the systems, alternating which goes first; each
 row keeps every run and its best. CPU per execution counts the processes each
 system runs: Temporal's server (its SQLite inside) and workers; fleet's workers,
-its dispatcher (this process: starts and the stream reader) and the Postgres
-backends of its database. Redis is shared with others on this machine and is
+its dispatcher (this process: starts and the stream reader), its relay and the
+Postgres backends of its database. Redis is shared with others on this machine and is
 not counted. Prints a table with fleet / Temporal ratios and writes
 ``bench/results/temporal.json`` (the command, versions, settings, load average).
 """
@@ -438,6 +439,24 @@ def postgres_backend_cpu(database: str) -> dict[int, float]:
     return found
 
 
+@contextlib.contextmanager
+def relay_process(env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``fleet relay`` (the Deployment ``fleet-relay``, its defaults): the events stream is
+    the relay's alone (decision 0021). Started once the workers made the schema."""
+    with open(log, "ab") as out:
+        relay = subprocess.Popen([FLEET, "relay", "--loglevel", "warning"], env=env,
+                                 stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT))
+    try:
+        yield relay
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        try:
+            relay.wait(15)
+        except subprocess.TimeoutExpired:
+            relay.kill()
+            relay.wait(5)
+
+
 async def fleet_round(args: argparse.Namespace, db: str, log_dir: Path, console: Console,
                       runs: dict[tuple[str, int], list[dict[str, Any]]]) -> None:
     from fleet.config import FleetSettings
@@ -458,7 +477,8 @@ async def fleet_round(args: argparse.Namespace, db: str, log_dir: Path, console:
     settings = FleetSettings(database_url=db, redis_url=redis_url, queue=queue,
                              flows=FLOWS.split(","), events_stream=stream)
     with worker_processes(args.workers, argv, env, log_dir, broker=redis_url,
-                          prefix="fleet-") as started:
+                          prefix="fleet-") as started, \
+            relay_process(env, log_dir / f"relay-{token}.log") as relay:
         async with Dispatcher(settings) as dispatcher, \
                 Completions(redis_url, stream) as completions:
             runtime = await dispatcher.runtime()
@@ -485,6 +505,7 @@ async def fleet_round(args: argparse.Namespace, db: str, log_dir: Path, console:
                 backstops = completions.backstops
                 # This process only (its children are the workers, counted apart).
                 workers0, own0 = cpu_seconds(pids), time.process_time()
+                relay0 = cpu_seconds([relay.pid])
                 pg0 = postgres_backend_cpu(database)
                 elapsed = await batch(n, in_flight)
                 pg1 = postgres_backend_cpu(database)
@@ -495,6 +516,7 @@ async def fleet_round(args: argparse.Namespace, db: str, log_dir: Path, console:
                     "cpu_ms_per_execution": {
                         "workers": round((cpu_seconds(pids) - workers0) / n * 1000, 2),
                         "dispatcher": round((time.process_time() - own0) / n * 1000, 2),
+                        "relay": round((cpu_seconds([relay.pid]) - relay0) / n * 1000, 2),
                         "postgres": round(pg / n * 1000, 2)}})
 
 

@@ -85,6 +85,11 @@ class FleetSettings(BaseSettings):
         default_factory=dict,
         description='JSON {"flow:<id>" or "tenant:<t>": queue}; heavy flows get own workers')
     worker_drives: int = Field(64, ge=1, description="concurrent drives per worker process")
+    drive_batch: int = Field(
+        16, ge=1, le=256, description="most drives one published message carries: drives "
+        "published together on one queue (a group of starts, sends) go out as `fleet.drives` "
+        "messages of up to this many executions, which one worker drives at once on its loop "
+        "(decision 0030); 1: a `fleet.drive` message each")
     worker_pool: str = Field(
         "threads", pattern="^(threads|prefork|solo)$",
         description="Celery pool of a worker: threads (one loop, worker_drives drives at "

@@ -224,7 +224,9 @@ def _print_up(fleet: Any, took: float, as_json: bool, env_file: Path) -> None:
               help="tickets to answer")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(2, 16),
               help="worker processes (one is killed; at least one survives)")
-@click.option("--seed", default=7, show_default=True, help="seeds the tickets and rewards")
+@click.option("--seed", default=7, show_default=True,
+              help="seeds the tickets, the agent's decisions and the rewards: the same "
+                   "seed gives the same figures")
 @click.option("--flower/--no-flower", default=False, show_default=True)
 @click.option("--data-dir", default=None,
               help="keep the store and the logs here (default: a temporary directory, "
@@ -232,11 +234,13 @@ def _print_up(fleet: Any, took: float, as_json: bool, env_file: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print only a JSON summary")
 def demo(executions: int, workers: int, seed: int, flower: bool, data_dir: str | None,
          as_json: bool) -> None:
-    """Bring up the embedded fleet, run an agent, kill a worker, attach rewards, evaluate.
+    """Bring up the embedded fleet, run an agent, kill a worker, deploy a change that
+    diverges and fix it, attach rewards, evaluate.
 
     Uses SQLite and an embedded Valkey unless FLEET_DATABASE_URL / FLEET_REDIS_URL
     are set. Exits 0 when every execution completed, the killed worker's runs
-    recovered, every valid reward was attached and nothing was left running.
+    recovered, the changed deploy's runs were parked as diverged and completed
+    once fixed, every valid reward was attached and nothing was left running.
     """
     options = DemoOptions(executions=executions, workers=workers, seed=seed, flower=flower,
                           data_dir=data_dir)

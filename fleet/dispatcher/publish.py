@@ -19,6 +19,14 @@ within ``FLEET_PUBLISH_TIMEOUT_S``):
   ``send_task`` on ``FLEET_PUBLISH_CONCURRENCY`` threads, with kombu's retries
   bounded and the whole call bounded by the same deadline.
 
+**Batches** (decision 0030). The drives of one publish that share a route
+(queue, flow, tenant) go out as ``fleet.drives`` messages of up to
+``FLEET_DRIVE_BATCH`` (16) executions each, a lone drive as ``fleet.drive``: a
+worker takes one message for many drives (one ``BRPOP``, one unacked entry,
+one ack, one pool thread) and drives them at once on its loop. Under load the
+dispatcher's coalesced starts make the batches; a single start is one
+``fleet.drive`` as before.
+
 **Drive records** (decision 0019). Each publish also records, per execution,
 when a drive was last enqueued and how many times in a row
 (``fleet:drive:<sha256(id)>``, a hash ``{at, n}`` that expires after
@@ -44,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fleet.config import FleetSettings
-from fleet.dispatcher.routing import DRIVE_TASK
+from fleet.dispatcher.routing import DRIVE_TASK, DRIVES_TASK
 from fleet.kernel.errors import BrokerUnavailableError
 from fleet.streams.redis_client import TRANSIENT, aioredis
 
@@ -57,6 +65,7 @@ __all__ = [
     "KombuDrivePublisher",
     "PublishedDrive",
     "RedisDrivePublisher",
+    "batches",
     "kombu_envelope",
     "open_publisher",
     "record_key",
@@ -145,13 +154,40 @@ def _what(drives: Sequence[PublishedDrive]) -> str:
     return f"{len(drives)} drives"
 
 
-def kombu_envelope(app: Any, drive: PublishedDrive, task_id: str | None = None) -> str:
-    """The JSON kombu's Redis transport ``LPUSH``es for ``send_task(fleet.drive, ...)``."""
+def batches(drives: Sequence[PublishedDrive], size: int) -> list[list[PublishedDrive]]:
+    """``drives`` grouped by route (queue, flow, tenant), in order, at most ``size`` a group:
+    each group is one message (``fleet.drives``, or ``fleet.drive`` when it holds one)."""
+    groups: dict[tuple[str, str | None, str | None], list[PublishedDrive]] = {}
+    out: list[list[PublishedDrive]] = []
+    for drive in drives:
+        key = (drive.queue, drive.flow_id, drive.tenant)
+        group = groups.get(key)
+        if group is None or len(group) >= size:
+            group = groups[key] = []
+            out.append(group)
+        group.append(drive)
+    return out
+
+
+def task_call(group: Sequence[PublishedDrive]) -> tuple[str, list[Any], dict[str, Any]]:
+    """The task, args and kwargs of the message carrying ``group`` (one route)."""
+    first = group[0]
+    kwargs = {"flow_id": first.flow_id, "tenant": first.tenant}
+    if len(group) == 1:
+        return DRIVE_TASK, [first.execution_id], kwargs
+    return DRIVES_TASK, [[d.execution_id for d in group]], kwargs
+
+
+def kombu_envelope(app: Any, drive: PublishedDrive | Sequence[PublishedDrive],
+                   task_id: str | None = None) -> str:
+    """The JSON kombu's Redis transport ``LPUSH``es for ``send_task(fleet.drive, ...)``
+    (or ``fleet.drives`` for a group of drives of one route)."""
     task_id = task_id or str(uuid.uuid4())
-    args = [drive.execution_id]
-    kwargs = {"flow_id": drive.flow_id, "tenant": drive.tenant}
+    group = [drive] if isinstance(drive, PublishedDrive) else list(drive)
+    name, args, kwargs = task_call(group)
+    queue = group[0].queue
     headers, properties, body, _ = app.amqp.as_task_v2(
-        task_id, DRIVE_TASK, args, kwargs, ignore_result=True, argsrepr=repr(args),
+        task_id, name, args, kwargs, ignore_result=True, argsrepr=repr(args),
         kwargsrepr=repr(kwargs))
     data = json.dumps(body).encode()
     return json.dumps({
@@ -159,7 +195,7 @@ def kombu_envelope(app: Any, drive: PublishedDrive, task_id: str | None = None) 
         "content-type": "application/json", "headers": headers,
         "properties": {"correlation_id": task_id, "reply_to": properties.get("reply_to", ""),
                        "delivery_mode": 2,
-                       "delivery_info": {"exchange": "", "routing_key": drive.queue},
+                       "delivery_info": {"exchange": "", "routing_key": queue},
                        "priority": 0, "body_encoding": "base64",
                        "delivery_tag": str(uuid.uuid4())}})
 
@@ -213,16 +249,19 @@ class RedisDrivePublisher:
         options = app.conf.broker_transport_options or {}
         self.prefix = str(options.get("global_keyprefix") or "")
         self.namespace = settings.queue
+        self.batch = settings.drive_batch
         self._client = _redis_client(settings.broker, settings)
         self.published = 0
+        self.messages = 0
 
     async def publish(self, drives: Sequence[PublishedDrive]) -> None:
         if not drives:
             return
         by_queue: dict[str, list[str]] = {}
-        for drive in drives:
-            by_queue.setdefault(self.prefix + drive.queue, []).append(
-                kombu_envelope(self.app, drive))
+        groups = batches(drives, self.batch)
+        for group in groups:
+            by_queue.setdefault(self.prefix + group[0].queue, []).append(
+                kombu_envelope(self.app, group))
         pipe = self._client.pipeline(transaction=False)
         for queue, messages in by_queue.items():
             pipe.lpush(queue, *messages)
@@ -232,6 +271,7 @@ class RedisDrivePublisher:
         except (TimeoutError, *TRANSIENT) as exc:
             raise _unavailable(_what(drives), exc, self.timeout) from exc
         self.published += len(drives)
+        self.messages += len(groups)
 
     async def recent(self, execution_ids: Sequence[str]) -> dict[str, DriveRecord]:
         try:
@@ -281,9 +321,11 @@ class KombuDrivePublisher:
         self._records_client = (_redis_client(settings.redis_url, settings)
                                 if settings.redis_url else None)
         self._memory = _MemoryRecords()
+        self.batch = settings.drive_batch
         self.published = 0
+        self.messages = 0
 
-    def send(self, drive: PublishedDrive) -> None:
+    def send(self, drive: PublishedDrive | Sequence[PublishedDrive]) -> None:
         """One ``send_task`` in this thread, kombu's retries bounded (blocking)."""
         send_drive(self.app, drive)
 
@@ -291,7 +333,8 @@ class KombuDrivePublisher:
         if not drives:
             return
         loop = asyncio.get_running_loop()
-        sends = [loop.run_in_executor(self._threads, self.send, drive) for drive in drives]
+        groups = batches(drives, self.batch)
+        sends = [loop.run_in_executor(self._threads, self.send, group) for group in groups]
         try:
             await asyncio.wait_for(asyncio.gather(*sends), self.timeout)
         except TimeoutError as exc:
@@ -299,6 +342,7 @@ class KombuDrivePublisher:
         except Exception as exc:
             raise _unavailable(_what(drives), exc) from exc
         self.published += len(drives)
+        self.messages += len(groups)
         await self._record(drives)
 
     async def _record(self, drives: Sequence[PublishedDrive]) -> None:
@@ -335,12 +379,14 @@ class KombuDrivePublisher:
             await self._records_client.aclose()
 
 
-def send_drive(app: Any, drive: PublishedDrive) -> None:
-    """Publish one drive with Celery's ``send_task`` in this thread, its retries bounded
-    (blocking; the app's connect and command deadlines apply)."""
-    app.send_task(DRIVE_TASK, args=[drive.execution_id],
-                  kwargs={"flow_id": drive.flow_id, "tenant": drive.tenant},
-                  queue=drive.queue, retry=True, retry_policy={
+def send_drive(app: Any, drive: PublishedDrive | Sequence[PublishedDrive]) -> None:
+    """Publish one drive (or a group of one route: ``fleet.drives``) with Celery's
+    ``send_task`` in this thread, its retries bounded (blocking; the app's connect and
+    command deadlines apply)."""
+    group = [drive] if isinstance(drive, PublishedDrive) else list(drive)
+    name, args, kwargs = task_call(group)
+    app.send_task(name, args=args, kwargs=kwargs,
+                  queue=group[0].queue, retry=True, retry_policy={
                       "max_retries": 2, "interval_start": 0, "interval_step": 0.2,
                       "interval_max": 0.5})
 

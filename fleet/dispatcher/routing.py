@@ -18,6 +18,8 @@ from typing import Any
 from fleet.kernel.errors import ConfigurationError
 
 DRIVE_TASK = "fleet.drive"
+#: Several drives of one route in one message (``fleet.dispatcher.publish``, decision 0030).
+DRIVES_TASK = "fleet.drives"
 DISPATCH_TASK = "fleet.dispatch"
 _KINDS = ("flow:", "tenant:")
 
@@ -55,7 +57,7 @@ def needs_lookup(routes: Mapping[str, str]) -> bool:
 
 
 class DriveRouter:
-    """A Celery router (``task_routes``) for ``fleet.drive`` and ``fleet.dispatch``."""
+    """A Celery router (``task_routes``) for ``fleet.drive(s)`` and ``fleet.dispatch``."""
 
     def __init__(self, routes: Mapping[str, str], default: str) -> None:
         self.routes = check_routes(routes)
@@ -63,7 +65,7 @@ class DriveRouter:
 
     def __call__(self, name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
                  **_: Any) -> dict[str, str] | None:
-        if name == DRIVE_TASK:
+        if name in (DRIVE_TASK, DRIVES_TASK):
             kw = kwargs if isinstance(kwargs, Mapping) else {}
             return {"queue": route_queue(self.routes, self.default,
                                          flow_id=kw.get("flow_id"), tenant=kw.get("tenant"))}

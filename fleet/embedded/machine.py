@@ -64,9 +64,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -123,7 +124,9 @@ class EmbeddedFleet:
         store: The services' store; it lives on the fleet's loop thread, so
             use it through ``call`` / ``acall``.
         app: The fleet's Celery app (control commands, ``inspect``).
-        workers: The worker processes (``ChildProcess``), killed ones included.
+        workers: The worker processes (``ChildProcess``), killed ones included;
+            ``start_worker`` adds one (on other flows, or on standby until
+            ``deploy`` moves the fleet's queues to it: a blue-green deploy).
         services: The in-process services by name (``timers``, ``recovery``,
             ``attacher``, ``relay``).
     """
@@ -160,6 +163,7 @@ class EmbeddedFleet:
         self._started: list[tuple[str, Service]] = []
         self._token = secrets.token_hex(3)
         self._running = False
+        self._spawning = threading.Lock()
 
     # ------------------------------------------------------------ the parts
     @property
@@ -373,12 +377,24 @@ class EmbeddedFleet:
             raise
         return ChildProcess(name, proc, log_path, node, _log=log)
 
-    def _spawn_worker(self, index: int, env: dict[str, str]) -> ChildProcess:
+    @property
+    def queues(self) -> list[str]:
+        """The queues the fleet's workers consume: the default one and the routes'."""
+        return sorted({self.settings.queue, *self.settings.routes.values()})
+
+    @property
+    def standby_queue(self) -> str:
+        """What a standby worker consumes until ``deploy`` moves the fleet's queues to it
+        (nothing is ever sent there)."""
+        return f"{self.settings.queue}.standby"
+
+    def _spawn_worker(self, index: int, env: dict[str, str],
+                      standby: bool = False) -> ChildProcess:
         node = f"embedded-{index + 1}.{self._token}@{socket.gethostname()}"
         # One heartbeat directory per worker (`fleet health` reads one worker's).
         beats = self.settings.heartbeat_dir or self.data_dir / "heartbeats"  # set by _resolve
         env = {**env, "FLEET_HEARTBEAT_DIR": str(Path(beats) / f"worker-{index + 1}")}
-        queues = sorted({self.settings.queue, *self.settings.routes.values()})
+        queues = [self.standby_queue] if standby else self.queues
         args = ["worker", "-Q", ",".join(queues), "-n", node, "-l", self.log_level,
                 "--without-mingle", "--without-gossip"]
         # Flower's worker list is built from events and heartbeats.
@@ -405,12 +421,55 @@ class EmbeddedFleet:
                                   command=[sys.executable, "-m", "fleet.cli", "flower"])
         self.flower_url = f"http://127.0.0.1:{port}"
 
-    def start_worker(self) -> ChildProcess:
-        """Start one more worker (a replacement after ``kill_worker``) and wait for it."""
-        worker = self._spawn_worker(len(self.workers), self._child_env())
-        self.workers.append(worker)
+    def start_worker(self, *, flows: Sequence[str] | None = None,
+                     standby: bool = False) -> ChildProcess:
+        """Start one more worker (a replacement after ``kill_worker``) and wait for it.
+
+        Args:
+            flows: The flows it imports (``module:flow``) instead of the fleet's:
+                a worker on other code, as a deploy would start it.
+            standby: It consumes nothing (only ``standby_queue``) until
+                ``deploy`` moves the fleet's queues to it.
+        """
+        env = self._child_env()
+        if flows is not None:
+            load_flows(list(flows))  # a wrong name fails here, not in the child
+            env["FLEET_FLOWS"] = ",".join(flows)
+        with self._spawning:  # its index, name and log file are its own
+            worker = self._spawn_worker(len(self.workers), env, standby=standby)
+            self.workers.append(worker)
         self._wait_for_workers([worker], timeout=60.0)
         return worker
+
+    def deploy(self, worker: ChildProcess, *, timeout: float = 5.0) -> list[ChildProcess]:
+        """Move the fleet's queues to ``worker`` (a blue-green switch): it starts
+        consuming them, then every other live worker stops consuming them (what
+        one is running finishes there). The workers that were switched off.
+
+        Raises:
+            ConfigurationError: a worker did not confirm within ``timeout`` seconds.
+        """
+        if not worker.alive() or not worker.node:
+            raise ConfigurationError(f"{worker.name} is not running")
+        others = [w for w in self.alive_workers() if w is not worker and w.node]
+        for queue in self.queues:
+            self._control("add_consumer", queue, [worker])
+        self._control("cancel_consumer", self.standby_queue, [worker])
+        for queue in self.queues:
+            self._control("cancel_consumer", queue, others, timeout=timeout)
+        return others
+
+    def _control(self, command: str, queue: str, workers: list[ChildProcess],
+                 timeout: float = 5.0) -> None:
+        nodes = [w.node for w in workers if w.node]
+        if not nodes:
+            return
+        replies = getattr(self.app.control, command)(queue, destination=nodes, reply=True,
+                                                     timeout=timeout) or []
+        answered = {node for reply in replies for node in reply}
+        if missing := sorted(set(nodes) - answered):
+            raise ConfigurationError(f"{command} {queue!r}: no answer from {missing} in "
+                                     f"{timeout:g} s")
 
     def _wait_for_workers(self, workers: list[ChildProcess], timeout: float) -> None:
         pending = {w.node: w for w in workers if w.node}

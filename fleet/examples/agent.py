@@ -71,6 +71,23 @@ def epsilon_greedy(arms: Sequence[Any], greedy: Any, u_explore: float, u_arm: fl
     return choice, propensity
 
 
+def uniforms(ctx: Context, ticket: dict[str, Any], decision_id: str) -> list[float]:
+    """The two uniform draws an epsilon-greedy decision takes (explore?, which arm).
+
+    A ticket that carries a ``seed`` (the demo's: ``fleet demo --seed``) gets
+    draws that are a function of it and of the decision, so a re-run, a
+    recovery after a crash and another demo with the same seed all choose
+    alike; without one they come through ``ctx.random`` (recorded, so a replay
+    sees what the live run saw). Either way they are drawn outside the
+    deciders, in the same order on every run.
+    """
+    seed = ticket.get("seed")
+    if seed is None:
+        return [ctx.random(), ctx.random()]
+    rng = random.Random(f"{seed}:{decision_id}")
+    return [rng.random(), rng.random()]
+
+
 def choose_style(triage: dict[str, Any], u: list[float]) -> Decision:
     choice, p = epsilon_greedy(STYLES, GREEDY_STYLE, u[0], u[1])
     return Decision(choice, policy=Policy("style-eps-greedy", version=1, propensity=p),
@@ -105,13 +122,11 @@ async def support_reply(ctx: Context, ticket: dict[str, Any]) -> dict[str, Any]:
     """Answer one support ticket (the input: customer, segment, text; optional
     ``draft_s``, ``cool_off_s`` and ``effects``, a JSON-lines file path)."""
     triage = await ctx.step("classify", classify, ticket)
-    # Randomness comes through ctx (recorded) and outside the deciders, so a
-    # replay asks for the same values in the same order.
-    u_style = [ctx.random(), ctx.random()]
+    u_style = uniforms(ctx, ticket, "reply_style")
     style = await ctx.decide("reply_style", choose_style, triage, u_style)
     draft = await ctx.step("draft", draft_reply, ticket, style, ctx.execution_id)
     await ctx.sleep(float(ticket.get("cool_off_s", 3.0)))
-    u_discount = [ctx.random(), ctx.random()]
+    u_discount = uniforms(ctx, ticket, "discount")
     discount = await ctx.decide("discount", choose_discount, triage, u_discount)
     approval = await ctx.wait("approval")
     if isinstance(approval, dict) and approval.get("approved"):
@@ -163,8 +178,8 @@ def better_discount(context: Any, choice: Any, alternatives: Any) -> float:
 
 
 def make_ticket(i: int, rng: random.Random, *, effects: str | None, draft_s: float,
-                cool_off_s: float) -> dict[str, Any]:
-    """The ``i``-th demo ticket."""
+                cool_off_s: float, seed: int | str | None = None) -> dict[str, Any]:
+    """The ``i``-th demo ticket (with ``seed``: its decisions' draws, see ``uniforms``)."""
     segment = SEGMENTS[i % len(SEGMENTS)]
     text = rng.choice(("checkout is down", "how do I export invoices?",
                        "urgent: login loop", "pricing for 40 seats?", "API rate limits?"))
@@ -172,9 +187,11 @@ def make_ticket(i: int, rng: random.Random, *, effects: str | None, draft_s: flo
                               "text": text, "draft_s": draft_s, "cool_off_s": cool_off_s}
     if effects:
         ticket["effects"] = effects
+    if seed is not None:
+        ticket["seed"] = seed
     return ticket
 
 
 __all__ = ["CONVERTS", "CSAT", "DISCOUNTS", "SEGMENTS", "STYLES", "approve",
            "better_discount", "better_style", "epsilon_greedy", "make_ticket", "margin",
-           "record_effect", "reward_for", "support_reply"]
+           "record_effect", "reward_for", "support_reply", "uniforms"]

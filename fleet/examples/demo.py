@@ -17,13 +17,31 @@ The stages:
    the surviving worker, which logs ``RECOVERED`` and, for the step that was in
    flight, ``EFFECT_INDOUBT`` before running it again. Every run sleeps on a
    durable timer (the timer service fires it) and parks on its approval gate.
-5. **approve**: the demo answers every gate (``Dispatcher.resume``); runs send
-   their reply or escalate, and complete.
-6. **rewards**: signed reward messages for every finished run go to the
+5. **approve**: the demo answers every gate but the last few
+   (``Dispatcher.resume``); runs send their reply or escalate, and complete.
+6. **diverge**: a deploy changes the flow's body under the same id and version
+   (``fleet.examples.agent_changed``: ``classify`` no longer a step). Its
+   worker and the fix's were started on standby during stage 4; ``deploy``
+   moves the queue to the changed one (blue-green), the held gates are
+   answered, and each re-run is refused before its next effect and parked on
+   ``__fleet_diverged__`` (the fleet runs with ``divergence="fail"``); the
+   worker's ``divergence_parked`` is read as ``fleet status`` reads it. Then
+   the fix is deployed the same way and ``retry_diverged`` re-drives each run
+   to completion.
+7. **rewards**: signed reward messages for every finished run go to the
    rewards stream, with a few forged or malformed ones; the attacher attaches
    the valid ones and dead-letters the rest.
-7. **evaluate**: IPS/SNIPS of better target policies on the logged decisions.
-8. **down**: everything stops; no process is left.
+8. **evaluate**: IPS/SNIPS of better target policies on the logged decisions,
+   with a line on what each figure means.
+9. **down**: everything stops; no process is left.
+
+**Same seed, same figures.** The tickets, each decision's exploration draws
+(``agent.uniforms``: a function of the ticket's seed, so a run re-driven after
+the crash or the deploy draws what it drew before) and each customer's reward
+(a generator per ticket) are functions of ``--seed``: the approvals, rewards
+and evaluation are the same on every run with one seed. What may vary is the
+recovery: which worker is killed, which runs it held and which steps were in
+doubt; wall-clock time reaches only the rewards' ``sent_at``.
 
 With ``FLEET_REDIS_URL`` set (a Redis other things use) the demo keeps to a
 queue and streams of its own (``fleet.demo.<run>``, ``fleet:demo:<run>:*``)
@@ -36,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -51,19 +70,36 @@ from fleet.config import FleetSettings
 from fleet.embedded.machine import EmbeddedFleet
 from fleet.examples import agent
 from fleet.host.keys import reward_keys_of
-from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.events import TERMINAL_STATUSES, EventEnvelope, EventType
+from fleet.kernel.fold import DIVERGED_GATE
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import Principal
 from fleet.kernel.store.spi import ORIGIN, EventStore
 from fleet.learning import evaluate_policy, promotion_gate, trajectories
 from fleet.learning.trajectories import Trajectory
+from fleet.services.status import StatusReader
 from fleet.streams import RewardMessage, submit_rewards
 from fleet.streams.redis_client import TRANSIENT, aioredis
 
 AGENT_FLOW = "fleet.examples.agent:support_reply"
+#: The deploy the divergence stage makes: the flow's body without its classify step.
+CHANGED_FLOW = "fleet.examples.agent_changed:support_reply"
 FLOW_ID = "support-reply"
 PRODUCER = "demo"
+TENANT = "demo"  # the tenant the demo's operator starts every run in
 Progress = Callable[[int, str], None]
+
+
+#: One line for each figure of the offline evaluation (``fleet.learning.evaluation``).
+ESTIMATORS: dict[str, str] = {
+    "logging policy earned": "the mean reward of what the logging policy chose",
+    "IPS": "sum(w x reward) / n: what the target would earn; unbiased, noisy when "
+           "some w are large",
+    "SNIPS": "sum(w x reward) / sum(w): IPS normalised by the weights; slightly "
+             "biased, much steadier (the gate uses it)",
+    "ESS": "effective sample size, sum(w)^2 / sum(w^2): how many decisions the "
+           "estimate is worth; few means trust it less",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +146,11 @@ def demo_settings(base: FleetSettings, options: DemoOptions, run: str, key: str
         "lease_ms": options.lease_ms, "recovery_grace_ms": 500, "recovery_interval_s": 0.5,
         "timer_interval_s": 0.2, "flows": flows,
         "reward_keys": {**reward_keys_of(base), PRODUCER: key}, "reward_keys_file": None,
+        # The demo's producer rewards the demo's tenant only (decision 0025).
+        "reward_tenants": {**base.reward_tenants, PRODUCER: [TENANT]},
         "worker_drives": max(base.worker_drives, options.executions),
+        # A re-run whose body skipped a recorded step parks instead of going on.
+        "divergence": "fail",
         # A stop hands the runs back within 2 s (nothing is in flight by then).
         "worker_drain_s": 2.0}
     if base.redis_url:
@@ -138,6 +178,17 @@ def _holder_pid(holder: str | None) -> int | None:
     return int(parts[2]) if len(parts) >= 4 and parts[2].isdigit() else None
 
 
+class _Captured(logging.Handler):
+    """Keeps what a fleet logger says during the demo (shown in a stage, not on stderr)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 class _Demo:
     def __init__(self, options: DemoOptions, reporter: Reporter) -> None:
         self.options = options
@@ -145,10 +196,13 @@ class _Demo:
         self.run = secrets.token_hex(3)
         self.key = secrets.token_hex(16)
         self.rng = random.Random(options.seed)
-        self.principal = Principal("demo-operator", tenant="demo")
+        self.principal = Principal("demo-operator", tenant=TENANT)
         self.summary: dict[str, Any] = {"run": self.run, "stages_s": {}}
         self.ids: list[str] = []
         self.tickets: dict[str, dict[str, Any]] = {}
+        self.answers: dict[str, dict[str, Any]] = {}
+        self.sweeper_said = _Captured()
+        self.settings = FleetSettings.model_construct()
 
     # ------------------------------------------------------------ helpers
     @contextlib.contextmanager
@@ -176,21 +230,49 @@ class _Demo:
 
     # ------------------------------------------------------------ stages
     async def main(self) -> dict[str, Any]:
+        # The sweeper logs each diverged park (fleet.recovery); the deploy stage
+        # shows what it said instead of letting it interleave with the tables.
+        sweeper_log = logging.getLogger("fleet.recovery")
+        sweeper_log.addHandler(self.sweeper_said)
+        try:
+            return await self._main()
+        finally:
+            sweeper_log.removeHandler(self.sweeper_said)
+
+    async def _main(self) -> dict[str, Any]:
         began = time.monotonic()
         base = FleetSettings()
         settings = demo_settings(base, self.options, self.run, self.key)
+        self.settings = settings
         fleet = EmbeddedFleet(settings, workers=self.options.workers,
                               flower=self.options.flower, data_dir=self.options.data_dir,
                               stop_timeout=10.0)
         with self.timed("up"):
             await fleet.__aenter__()
+        self.settings = fleet.settings
         try:
             self.report_up(fleet)
             runtime = await fleet.dispatcher.runtime()
             await self.start(fleet)
             orphans = await self.crash(fleet)
-            await self.recover(fleet, runtime, orphans)
-            await self.approve(fleet, runtime)
+            # The deploy stage's workers (the changed code, then the fix) start on
+            # standby while the runs recover: they take no queue until deployed.
+            standby = asyncio.gather(
+                asyncio.to_thread(fleet.start_worker, flows=self.flows(CHANGED_FLOW),
+                                  standby=True),
+                asyncio.to_thread(fleet.start_worker, flows=self.flows(AGENT_FLOW),
+                                  standby=True))
+            try:
+                await self.recover(fleet, runtime, orphans)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await standby  # started or failed: the fleet's stop reaps them
+                raise
+            changed, fixed = await standby
+            held = self.ids[-self.held_back():]
+            await self.approve(fleet, runtime, [e for e in self.ids if e not in held])
+            await self.diverge(fleet, runtime, held, changed, fixed)
+            await self.tally(fleet, runtime)
             await self.rewards(fleet)
             await self.evaluate(runtime)
             await self.report_numbers(fleet)
@@ -233,7 +315,8 @@ class _Demo:
             for i in range(self.options.executions):
                 ticket = agent.make_ticket(i, self.rng, effects=effects,
                                            draft_s=self.options.draft_s,
-                                           cool_off_s=self.options.cool_off_s)
+                                           cool_off_s=self.options.cool_off_s,
+                                           seed=f"{self.options.seed}:{i}")
                 execution_id = await fleet.dispatcher.start(FLOW_ID, ticket,
                                                             principal=self.principal)
                 self.ids.append(execution_id)
@@ -333,52 +416,142 @@ class _Demo:
             ["execution", "held by (dead)", "EFFECT_INDOUBT", "RECOVERED by", "drafts run"],
             shown or [["-", "-", "-", "-", "-"]])
 
-    async def approve(self, fleet: EmbeddedFleet, runtime: Runtime) -> None:
-        answers: dict[str, dict[str, Any]] = {}
+    async def answer(self, fleet: EmbeddedFleet, runtime: Runtime, eid: str) -> None:
+        state = await runtime.load_state(eid, principal=self.principal)
+        discount = int(state.decisions["discount"]["choice"])
+        answer = agent.approve(self.tickets[eid]["segment"], discount)
+        self.answers[eid] = answer
+        await fleet.dispatcher.resume(eid, "approval", answer, principal=self.principal)
+
+    async def approve(self, fleet: EmbeddedFleet, runtime: Runtime, ids: list[str]) -> None:
         with self.timed("approve"):
-            for eid in self.ids:
-                state = await runtime.load_state(eid, principal=self.principal)
-                discount = int(state.decisions["discount"]["choice"])
-                answer = agent.approve(self.tickets[eid]["segment"], discount)
-                answers[eid] = answer
-                await fleet.dispatcher.resume(eid, "approval", answer, principal=self.principal)
+            for eid in ids:
+                await self.answer(fleet, runtime, eid)
 
             async def finished() -> tuple[int, str]:
-                rows = await self.statuses(runtime)
+                rows = [await runtime.store.get_execution(eid) for eid in ids]
                 counts = Counter(r.status for r in rows if r is not None)
                 return (counts["completed"] + counts["failed"] + counts["cancelled"],
                         ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
 
-            await self.wait_until("runs finishing", len(self.ids), finished)
+            await self.wait_until("runs finishing", len(ids), finished)
+        rows = [await runtime.store.get_execution(eid) for eid in ids]
+        counts = Counter(r.status for r in rows if r is not None)
+        approved = sum(1 for eid in ids if self.answers[eid].get("approved"))
+        held = len(self.ids) - len(ids)
+        self.reporter.stage(
+            f"5. Approval gates answered; those runs finished "
+            f"({self.summary['stages_s']['approve']} s)", ["what", "count"],
+            [["approved (reply sent)", approved], ["refused (escalated)", len(ids) - approved],
+             ["completed", counts["completed"]], ["failed", counts["failed"]],
+             ["kept at the gate for the deploy (stage 6)", held]])
+
+    def held_back(self) -> int:
+        """How many runs the deploy stage answers (the last ones started)."""
+        return max(1, min(3, len(self.ids) // 10))
+
+    def flows(self, agent_flow: str) -> list[str]:
+        """The fleet's flows with ``agent_flow`` as the support flow (what a deploy ships)."""
+        return [f for f in self.settings.flows if f != AGENT_FLOW] + [agent_flow]
+
+    async def diverge(self, fleet: EmbeddedFleet, runtime: Runtime, held: list[str],
+                      changed: Any, fixed: Any) -> None:
+        """Deploy the changed body, answer the held runs' gates, see them parked on the
+        divergence gate; deploy the fix, ``retry_diverged`` them, see them complete."""
+        info: dict[str, Any] = {"executions": list(held), "changed_flow": CHANGED_FLOW,
+                                "fixed_flow": AGENT_FLOW}
+        with self.timed("diverge"):
+            await asyncio.to_thread(fleet.deploy, changed)
+            info["deployed"] = {"worker": changed.name, "pid": changed.pid,
+                                "node": changed.node}
+            for eid in held:
+                await self.answer(fleet, runtime, eid)
+
+            async def parked() -> tuple[int, str]:
+                rows = [await runtime.store.get_execution(eid) for eid in held]
+                n = sum(1 for r in rows if r is not None and r.waiting_on == DIVERGED_GATE)
+                done = [r.execution_id for r in rows
+                        if r is not None and r.status in TERMINAL_STATUSES]
+                if done:
+                    raise TimeoutError(f"fleet demo: {done} ran to the end on the changed "
+                                       "code; the divergence was not caught")
+                return n, f"on {DIVERGED_GATE}"
+
+            await self.wait_until("runs parked on the divergence gate", len(held), parked)
+            skipped = {}
+            for eid in held:
+                state = await runtime.load_state(eid, principal=self.principal)
+                skipped[eid] = str((state.waiting or {}).get("correlationKey", ""))
+            for _ in range(5):  # a reply that misses its second is asked again
+                status = await asyncio.to_thread(_fleet_status, fleet.settings)
+                counter = next((int(w.fleet.get("divergence_parked", 0))
+                                for w in status.workers if w.name == changed.node), 0)
+                if counter >= len(held):
+                    break
+            logged = [m for m in self.sweeper_said.messages if DIVERGED_GATE in m]
+            info["parked"] = {"count": len(held), "skipped": skipped,
+                              "status_parked": status.executions.get("parked", 0),
+                              "worker_divergence_parked": counter,
+                              "sweeper_logged": len(logged)}
+            # The fix: the code that asks for classify again, deployed the same way.
+            await asyncio.to_thread(fleet.deploy, fixed)
+            info["fixed"] = {"worker": fixed.name, "pid": fixed.pid, "node": fixed.node}
+            for eid in held:
+                await runtime.retry_diverged(eid, principal=self.principal, drive=False)
+                await fleet.dispatcher.enqueue_drive(eid)
+            ends = [await fleet.dispatcher.wait(eid, until="terminal",
+                                                timeout=self.options.wait_s,
+                                                principal=self.principal) for eid in held]
+        info["completed"] = sum(1 for row in ends if row.status == "completed")
+        self.summary["divergence"] = info
+        flower = (f"{fleet.flower_url}/worker/{changed.node} (tab Other, fleet: "
+                  "divergence_parked)" if fleet.flower_url else
+                  "--flower shows it on the worker's page (tab Other, key fleet)")
+        first = skipped[held[0]]
+        self.reporter.stage(
+            f"6. A deploy changes the flow mid-run; the divergence is parked, fixed and "
+            f"retried ({self.summary['stages_s']['diverge']} s)", ["what", "value"],
+            [["deployed (blue-green, same flow id and version)",
+              f"{CHANGED_FLOW} on {changed.name} (pid {changed.pid}): classify now runs "
+              "inline, not as a step"],
+             ["gates answered on the changed code", len(held)],
+             [f"parked on {DIVERGED_GATE}", f"{len(held)} ({first}): refused before "
+              "send/escalate ran"],
+             [f"fleet status: {changed.name} divergence_parked", counter],
+             ["the recovery sweeper's log (fleet.recovery)",
+              logged[0] if logged else "(not yet: it lists them every "
+              f"{fleet.settings.recovery_interval_s:g} s)"],
+             ["Flower", flower],
+             ["the fix (classify is a step again)", f"{AGENT_FLOW} on {fixed.name} "
+              f"(pid {fixed.pid})"],
+             ["retry_diverged, then driven by the fixed code", len(held)],
+             ["completed", info["completed"]]])
+
+    async def tally(self, fleet: EmbeddedFleet, runtime: Runtime) -> None:
+        """Every run's end, the approvals and the effects, once all are answered."""
         rows = await self.statuses(runtime)
         counts = Counter(r.status for r in rows if r is not None)
         effects = Counter(e["step"] for e in _effects(fleet.data_dir / "effects.jsonl"))
-        approved = sum(1 for a in answers.values() if a.get("approved"))
+        approved = sum(1 for a in self.answers.values() if a.get("approved"))
         self.summary["executions"].update(
             completed=counts["completed"], failed=counts["failed"],
-            approved=approved, escalated=len(answers) - approved,
+            approved=approved, escalated=len(self.answers) - approved,
             effects=dict(effects))
-        self.reporter.stage(
-            f"5. Approval gates answered; every run finished "
-            f"({self.summary['stages_s']['approve']} s)", ["what", "count"],
-            [["approved (reply sent)", approved], ["refused (escalated)", len(answers) - approved],
-             ["completed", counts["completed"]], ["failed", counts["failed"]],
-             ["effects: drafts run (re-runs included)", effects["draft"]],
-             ["effects: replies sent", effects["send"]],
-             ["effects: escalations", effects["escalate"]]])
 
     async def rewards(self, fleet: EmbeddedFleet) -> None:
         settings = fleet.settings
         runtime = await fleet.dispatcher.runtime()
         valid: list[RewardMessage] = []
         now = int(time.time() * 1000)
-        for eid in self.ids:
+        for i, eid in enumerate(self.ids):
             state = await runtime.load_state(eid, principal=self.principal)
             output = state.output or {}
             segment = self.tickets[eid]["segment"]
+            # Each ticket's customer responds from a generator of its own (the seed
+            # and the ticket's number), whatever the others did and in any order.
             csat, converted, kept = agent.reward_for(
                 segment, output["style"], output["discount"], bool(output["approved"]),
-                self.rng)
+                random.Random(f"{self.options.seed}:reward:{i}"))
             valid.append(RewardMessage(execution_id=eid, decision_id="reply_style",
                                        key="csat:1", score=csat, producer=PRODUCER,
                                        sent_at=now))
@@ -423,7 +596,7 @@ class _Demo:
             *[[f"dead-lettered: {reason}", n] for reason, n in sorted(
                 s["dead_lettered"].items())],
             [f"{settings.rewards_dead} length", dead_len]]
-        self.reporter.stage(f"6. Rewards through {stream} "
+        self.reporter.stage(f"7. Rewards through {stream} "
                             f"({self.summary['stages_s']['rewards']} s)",
                             ["what", "count"], rows)
 
@@ -454,14 +627,17 @@ class _Demo:
             row("SNIPS estimate", lambda r: f"{r['snips']:.3f}"),
             row("95% interval (SNIPS)", lambda r: "[{:.3f}, {:.3f}]".format(
                 *r["confidence_interval"])),
-            row("effective sample size", lambda r: f"{r['effective_sample_size']:.1f}"),
+            row("effective sample size (ESS)", lambda r: f"{r['effective_sample_size']:.1f}"),
             row("lift", lambda r: f"{r['lift']:+.3f}"),
             row("promotion gate", lambda r: "pass" if r["gate_passed"] else
                 "hold: " + "; ".join(r["gate_reasons"]))]
         self.reporter.stage(
-            "7. Offline evaluation of better policies on the logged decisions "
+            "8. Offline evaluation of better policies on the logged decisions "
             "(gate: lift >= 0, ESS >= 10)",
             ["", "reply_style (reward: CSAT)", "discount (reward: margin kept)"], rows)
+        self.reporter.stage("   How to read it (w = target's probability of the logged "
+                            "choice / the logged propensity)", ["", "what it is"],
+                            [[name, meaning] for name, meaning in ESTIMATORS.items()])
 
     async def report_numbers(self, fleet: EmbeddedFleet) -> None:
         relay = fleet.services["relay"]
@@ -477,7 +653,8 @@ class _Demo:
         finally:
             await client.aclose()
         picked = {k: int(totals.get(k, 0)) for k in (
-            "drives", "completed", "parked", "recovered", "stepped_aside", "fenced_out")}
+            "drives", "completed", "parked", "recovered", "stepped_aside", "fenced_out",
+            "divergence_parked")}
         self.summary["stats"] = {
             "live_workers": picked, "timers_fired": services["timers"]["fired"],
             "sweeper_redriven": services["recovery"]["redriven"],
@@ -492,7 +669,7 @@ class _Demo:
                   stats["dispatcher"]["enqueued"]],
                  ["events committed to the store (every writer)", committed],
                  [f"{fleet.settings.events_stream} length (the relay, each once)", events]]
-        self.reporter.stage("8. Counters (the killed worker's own are gone with it)",
+        self.reporter.stage("9. Counters (the killed worker's own are gone with it)",
                             ["counter", "value"], rows)
 
     def report_down(self, fleet: EmbeddedFleet, pids: list[int]) -> None:
@@ -501,11 +678,17 @@ class _Demo:
                                     "sigkilled_after_timeout": fleet.stopped_by_kill,
                                     "data_removed": not fleet.data_dir.exists()}
         self.reporter.stage(
-            f"9. Shut down ({self.summary['stages_s']['down']} s)", ["what", "value"],
+            f"10. Shut down ({self.summary['stages_s']['down']} s)", ["what", "value"],
             [["processes started", len(pids)], ["still running", len(left)],
              ["SIGKILLed after the grace period", ", ".join(fleet.stopped_by_kill) or "none"],
              ["data directory", "removed" if not fleet.data_dir.exists()
               else f"kept: {fleet.data_dir}"]])
+
+
+def _fleet_status(settings: FleetSettings) -> Any:
+    """What ``fleet status`` reads (the store's index, each worker's counters)."""
+    with StatusReader(settings, inspect_timeout=1.0) as reader:
+        return reader.read()
 
 
 async def _count_committed(store: EventStore) -> int:
@@ -524,8 +707,11 @@ async def _forget_demo_keys(settings: FleetSettings) -> None:
     queue = settings.queue
     client = aioredis.Redis.from_url(str(settings.redis_url), socket_connect_timeout=2.0)
     try:
+        standby = f"{queue}.standby"  # EmbeddedFleet.standby_queue
         await client.delete(queue, f"_kombu.binding.{queue}",
-                            f"_kombu.binding_permanent.{queue}", settings.events_stream,
+                            f"_kombu.binding_permanent.{queue}", standby,
+                            f"_kombu.binding.{standby}", f"_kombu.binding_permanent.{standby}",
+                            settings.events_stream,
                             f"{settings.events_stream}:relay", settings.rewards_stream,
                             settings.rewards_dead)
         async for key in client.scan_iter(match=f"fleet:drive:{queue}:*", count=1000):
@@ -582,6 +768,16 @@ def problems(summary: dict[str, Any]) -> list[str]:
     if sum(rewards["dead_lettered"].values()) != rewards["submitted_invalid"]:
         found.append(f"dead-lettered {rewards['dead_lettered']}, expected "
                      f"{rewards['submitted_invalid']}")
+    divergence = summary.get("divergence") or {}
+    held = len(divergence.get("executions", []))
+    if not held or divergence.get("parked", {}).get("count") != held:
+        found.append("the changed deploy's runs were not parked on the divergence gate")
+    elif divergence.get("parked", {}).get("worker_divergence_parked") != held:
+        found.append("fleet status did not show the changed worker's divergence_parked "
+                     f"as {held}")
+    if divergence.get("completed") != held:
+        found.append(f"{divergence.get('completed')} of {held} diverged runs completed "
+                     "after the fix")
     for decision, result in summary["evaluation"].items():
         if not math.isfinite(result["snips"]):
             found.append(f"the SNIPS estimate of {decision} is {result['snips']}")

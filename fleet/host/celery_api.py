@@ -16,6 +16,9 @@ from celery import bootsteps as _bootsteps
 from celery import signals as _signals
 from celery.app.amqp import AMQP as _AMQP  # type: ignore[import-untyped]
 from celery.concurrency import get_implementation as _get_implementation  # type: ignore[import-untyped]
+from celery.utils.time import (  # type: ignore[import-untyped]
+    get_exponential_backoff_interval as _backoff,
+)
 from click.exceptions import Exit
 from kombu.connection import Connection as _Connection
 
@@ -25,6 +28,8 @@ StartStopStep: Any = _bootsteps.StartStopStep
 signals: Any = _signals
 AMQP: Any = _AMQP
 Connection: Any = _Connection
+#: The countdown Celery's ``retry_backoff`` gives a retry (full jitter).
+get_exponential_backoff_interval: Any = _backoff
 
 #: The class that opens every broker connection of a fleet app (decision 0014).
 FLEET_AMQP = "fleet.host.broker:FleetAMQP"
@@ -119,5 +124,5 @@ def current_app() -> Any:
 
 
 __all__ = ["AMQP", "FLEET_AMQP", "Celery", "Connection", "StartStopStep", "Task", "broker_app",
-           "celery_version", "current_app", "is_prefork", "pool_class", "process_index",
-           "run_command", "signals"]
+           "celery_version", "current_app", "get_exponential_backoff_interval", "is_prefork",
+           "pool_class", "process_index", "run_command", "signals"]

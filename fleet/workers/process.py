@@ -53,6 +53,8 @@ COMPLETED, FAILED, PARKED, DIVERGENCE_PARKED = "completed", "failed", "parked", 
 CANCELLED, CONTINUED, STEPPED_ASIDE, FENCED_OUT = "cancelled", "continued", "stepped_aside", \
     "fenced_out"
 ABORTED, IDLE, NOT_FOUND, REFUSED = "aborted", "idle", "not_found", "refused"
+#: A prefork child's Postgres pool when ``FLEET_PG_POOL_MAX`` is not set.
+PREFORK_POOL_MAX = 2
 # The worker is shutting down and let the run go (lease released): drive it elsewhere.
 HANDED_BACK = "handed_back"
 
@@ -128,6 +130,13 @@ class WorkerProcess:
     """
 
     def __init__(self, settings: FleetSettings, *, slot: int | None = None) -> None:
+        if slot is not None and settings.pg_pool_max is None and "pool_max=" not in (
+                settings.database_url or ""):
+            # A prefork child: one of many pools on one Postgres. It drives the
+            # executions of one message at a time (a fleet.drives message carries up
+            # to drive_batch): a few connections serve them (decision 0030).
+            settings = settings.model_copy(update={"pg_pool_max": max(
+                PREFORK_POOL_MAX, settings.pg_pool_min or 0)})
         self.settings = settings
         self.slot = slot
         self.loop = EventLoopThread(f"fleet-loop-{os.getpid()}")
@@ -141,6 +150,9 @@ class WorkerProcess:
         #: Recent parks on the divergence or in-doubt gate: (executionId, gate, at).
         self.parks: collections.deque[dict[str, Any]] = collections.deque(maxlen=PARKS_KEPT)
         self._draining = False
+        # At most worker_drives runs at once in this process, however many drives the
+        # messages it holds carry (a fleet.drives message carries several).
+        self._slots: asyncio.Semaphore | None = None
 
     @property
     def runtime(self) -> Runtime:
@@ -251,7 +263,40 @@ class WorkerProcess:
         finally:
             self.write_stats_row()
 
+    def drive_many(self, execution_ids: list[str]) -> list[str | StoreUnavailableError]:
+        """Drive each of ``execution_ids`` at once on the loop (a ``fleet.drives`` message);
+        how each run stopped, or the ``StoreUnavailableError`` that stopped its drive (the
+        task retries those). Any other error of one drive is logged and reported as
+        ``refused``; the others are driven regardless (sync)."""
+        try:
+            return self.loop.run_coroutine(self._drive_many(execution_ids))
+        finally:
+            self.write_stats_row()
+
+    async def _drive_many(self, execution_ids: list[str]) -> list[str | StoreUnavailableError]:
+        answers = await asyncio.gather(*(self.drive_async(i) for i in execution_ids),
+                                       return_exceptions=True)
+        out: list[str | StoreUnavailableError] = []
+        for execution_id, answer in zip(execution_ids, answers, strict=True):
+            if isinstance(answer, (StoreUnavailableError, str)):
+                out.append(answer)
+            elif isinstance(answer, Exception):
+                self.counters.errors += 1
+                log.error("drive of %s failed: %s: %s", execution_id, type(answer).__name__,
+                          answer)
+                out.append(DriveResult(REFUSED, f"refused: {type(answer).__name__}: "
+                                                f"{answer}"))
+            else:  # a BaseException (cancelled, interrupted): not ours to swallow
+                raise answer
+        return out
+
     async def drive_async(self, execution_id: str) -> DriveResult:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.settings.worker_drives)
+        async with self._slots:
+            return await self._drive_async(execution_id)
+
+    async def _drive_async(self, execution_id: str) -> DriveResult:
         runtime = self.runtime
         self.counters.deliveries += 1
         if self._draining or runtime.handing_back:

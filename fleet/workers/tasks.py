@@ -1,4 +1,4 @@
-"""The fleet's two Celery tasks: ``fleet.drive`` and ``fleet.dispatch``.
+"""The fleet's Celery tasks: ``fleet.drive``, ``fleet.drives`` and ``fleet.dispatch``.
 
 ``fleet.drive(execution_id, flow_id=None, tenant=None)`` drives an execution
 to the end of its run (park, complete, fail, abort) before it returns, so the
@@ -13,6 +13,14 @@ A drive the worker handed back because it is shutting down (``handed_back``)
 publishes a new drive of the execution, on the same route, before it returns
 (``requeue_handed_back``): another worker takes it over at once
 (``fleet.workers.shutdown``).
+
+``fleet.drives(execution_ids, flow_id=None, tenant=None)`` is the same for
+several executions of one route, published together (decision 0030): the
+worker drives them at once on its loop (at most ``worker_drives`` runs at once
+per process) and returns how each stopped; the message is acknowledged when
+all stopped. Only the drives a store outage stopped are retried. A message
+whose ids are not a list of 1 to ``MAX_BATCH`` strings is refused
+(``["refused"]``, logged, not retried).
 
 ``fleet.dispatch(**request)`` is the dispatcher for producers that are not
 Python (``fleet.dispatcher.remote``): each message is verified first (its
@@ -33,17 +41,18 @@ from typing import Any
 
 from fleet.dispatcher.dispatcher import Dispatcher
 from fleet.dispatcher.remote import handle_dispatch
-from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK
+from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK, DRIVES_TASK
 from fleet.dispatcher.signing import DispatchVerifier
+from fleet.host.celery_api import get_exponential_backoff_interval
 from fleet.kernel.errors import StoreUnavailableError
-from fleet.workers.process import HANDED_BACK, open_process
+from fleet.workers.process import HANDED_BACK, REFUSED, open_process
 from fleet.workers.stats import register_stats_source
 
 log = logging.getLogger("fleet.workers")
 
 
 def register_tasks(app: Any) -> None:
-    """Register ``fleet.drive`` and ``fleet.dispatch`` on ``app``."""
+    """Register ``fleet.drive``, ``fleet.drives`` and ``fleet.dispatch`` on ``app``."""
 
     def drive(execution_id: str, flow_id: str | None = None,
               tenant: str | None = None) -> str:
@@ -52,6 +61,30 @@ def register_tasks(app: Any) -> None:
             requeue_handed_back(app, execution_id, flow_id, tenant)
         # What Flower shows as the task's result: how the run ended, in words.
         return outcome.detail
+
+    def drives(task: Any, execution_ids: Any, flow_id: str | None = None,
+               tenant: str | None = None) -> list[str]:
+        ids = check_batch(execution_ids)
+        if ids is None:
+            log.error("fleet.drives refused: execution_ids must be a list of 1 to %d ids "
+                      "(strings); got %s", MAX_BATCH, _describe(execution_ids))
+            return [REFUSED]
+        outcomes = open_process(app.fleet_settings).drive_many(ids)
+        failed = [i for i, o in zip(ids, outcomes, strict=True)
+                  if isinstance(o, StoreUnavailableError)]
+        for execution_id, outcome in zip(ids, outcomes, strict=True):
+            if outcome == HANDED_BACK:
+                requeue_handed_back(app, execution_id, flow_id, tenant)
+        if failed:
+            # Only the drives the store outage stopped are retried, as drive() is.
+            exc = next(o for o in outcomes if isinstance(o, StoreUnavailableError))
+            if task.request.retries >= task.max_retries:
+                raise exc
+            countdown = get_exponential_backoff_interval(
+                factor=1, retries=task.request.retries, maximum=30, full_jitter=True)
+            raise task.retry(args=[failed], kwargs={"flow_id": flow_id, "tenant": tenant},
+                             exc=exc, countdown=countdown)
+        return [str(o) for o in outcomes]
 
     verifiers: list[DispatchVerifier] = []  # one per process, made at the first message
 
@@ -72,8 +105,33 @@ def register_tasks(app: Any) -> None:
     app.task(name=DRIVE_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
              autoretry_for=(StoreUnavailableError,), retry_backoff=True, retry_backoff_max=30,
              max_retries=5, shared=False)(drive)
+    app.task(name=DRIVES_TASK, bind=True, acks_late=True, reject_on_worker_lost=True,
+             ignore_result=True, max_retries=5, shared=False)(drives)
     app.task(name=DISPATCH_TASK, acks_late=True, reject_on_worker_lost=True,
              shared=False)(dispatch)
+
+
+#: The most ids a ``fleet.drives`` message may carry (``FLEET_DRIVE_BATCH``'s bound).
+MAX_BATCH = 256
+_MAX_ID = 1024
+
+
+def check_batch(execution_ids: Any) -> list[str] | None:
+    """The ids of a ``fleet.drives`` message, or None when they are not a list of 1 to
+    ``MAX_BATCH`` non-empty strings (a forged or mangled message: refused, not retried).
+    The bound is not this worker's ``drive_batch``: a dispatcher configured with a
+    larger one is still served."""
+    if not isinstance(execution_ids, list) or not 1 <= len(execution_ids) <= MAX_BATCH:
+        return None
+    if not all(isinstance(i, str) and 0 < len(i) <= _MAX_ID for i in execution_ids):
+        return None
+    return list(dict.fromkeys(execution_ids))  # one drive per execution
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    return type(value).__name__
 
 
 def requeue_handed_back(app: Any, execution_id: str, flow_id: str | None,
@@ -89,4 +147,4 @@ def requeue_handed_back(app: Any, execution_id: str, flow_id: str | None,
                     exc)
 
 
-__all__ = ["register_tasks", "requeue_handed_back"]
+__all__ = ["MAX_BATCH", "check_batch", "register_tasks", "requeue_handed_back"]

@@ -66,11 +66,12 @@ def broker() -> Iterator[tuple[str, str, redis.Redis]]:
 
 
 def published_ids(client: redis.Redis, queue: str) -> list[str]:
-    """The execution id of every ``fleet.drive`` message waiting in ``queue``."""
+    """The execution id of every drive waiting in ``queue`` (``fleet.drive``, or several in
+    a ``fleet.drives``: decision 0030)."""
     ids = []
     for raw in client.lrange(queue, 0, -1):
-        body = json.loads(base64.b64decode(json.loads(raw)["body"]))
-        ids.append(body[0][0])
+        first = json.loads(base64.b64decode(json.loads(raw)["body"]))[0][0]
+        ids.extend(first if isinstance(first, list) else [first])
     return ids
 
 

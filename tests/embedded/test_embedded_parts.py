@@ -6,6 +6,7 @@ The processes themselves are tested in ``tests/integration/test_embedded.py``.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
@@ -16,8 +17,10 @@ import pytest
 
 from fleet.config import FleetSettings
 from fleet.embedded import redact, settings_env
-from fleet.examples import agent
+from fleet.examples import agent, agent_changed
 from fleet.examples.demo import DemoOptions, demo_settings, problems
+from fleet.kernel.events import EventType
+from fleet.kernel.fold import DIVERGED_GATE
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.memory import MemoryEventStore
 from fleet.learning import trajectories
@@ -145,6 +148,8 @@ def _summary(**changes: Any) -> dict[str, Any]:
                     "dead_lettered": {"bad_signature": 1, "unsigned": 1, "malformed": 1,
                                       "unknown_producer": 1}},
         "evaluation": {"reply_style": {"snips": 0.7}, "discount": {"snips": 0.5}},
+        "divergence": {"executions": ["a", "b", "c"], "completed": 3,
+                       "parked": {"count": 3, "worker_divergence_parked": 3}},
         "shutdown": {"left_running": []}}
     for path, value in changes.items():
         section, _, key = path.partition("__")
@@ -160,3 +165,86 @@ def test_the_demo_verdict_names_every_problem() -> None:
     nan = _summary()
     nan["evaluation"]["discount"]["snips"] = math.nan
     assert problems(nan) == ["the SNIPS estimate of discount is nan"]
+    missed = _summary(divergence__parked={"count": 0, "worker_divergence_parked": 0},
+                      divergence__completed=0)
+    assert problems(missed) == [
+        "the changed deploy's runs were not parked on the divergence gate",
+        "0 of 3 diverged runs completed after the fix"]
+    uncounted = _summary(divergence__parked={"count": 3, "worker_divergence_parked": 0})
+    assert problems(uncounted) == [
+        "fleet status did not show the changed worker's divergence_parked as 3"]
+    absent = _summary()
+    del absent["divergence"]
+    assert "the changed deploy's runs were not parked on the divergence gate" in problems(
+        absent)
+
+
+async def _parked_at_approval(runtime: Runtime, tickets: list[dict[str, Any]]) -> list[str]:
+    ids = [(await runtime.start("support-reply", t)).execution_id for t in tickets]
+    for eid in ids:
+        for _ in range(200):
+            if (await runtime.load_state(eid)).waiting == {"on": "approval", "kind": "gate"}:
+                break
+            await runtime.fire_due_timers()
+            await asyncio.sleep(0.01)
+    return ids
+
+
+async def _choices(seed: str | None) -> tuple[list[tuple[Any, Any]], int]:
+    store = MemoryEventStore()
+    runtime = Runtime(store, flows=[agent.support_reply])
+    tickets = [agent.make_ticket(i, random.Random(i), effects=None, draft_s=0.0,
+                                 cool_off_s=0.0,
+                                 seed=None if seed is None else f"{seed}:{i}")
+               for i in range(12)]
+    ids = await _parked_at_approval(runtime, tickets)
+    states = [await runtime.load_state(eid) for eid in ids]
+    recorded = 0
+    for eid in ids:
+        recorded += sum(1 for e in await store.read(eid) if e.type == EventType.VALUE_RECORDED)
+    await runtime.close()
+    return [(s.decisions["reply_style"]["choice"], s.decisions["discount"]["choice"])
+            for s in states], recorded
+
+
+async def test_the_agents_draws_are_a_function_of_the_tickets_seed() -> None:
+    # fleet demo --seed: the same seed, the same decisions, whatever else differs
+    # (execution ids, which process drove them); another seed, other decisions.
+    first, recorded = await _choices("7")
+    again, _ = await _choices("7")
+    other, _ = await _choices("8")
+    assert first == again
+    assert first != other
+    assert recorded == 0  # a function of the input: nothing to record
+    # Without a seed the draws come through ctx.random, recorded (four per run).
+    unseeded, recorded = await _choices(None)
+    assert recorded == 4 * len(unseeded)
+
+
+async def test_the_changed_agent_parks_as_diverged_and_the_fix_completes_it(
+        tmp_path: Path) -> None:
+    # The demo's deploy stage, in one process: parked before the effect, then retried.
+    effects = tmp_path / "effects.jsonl"
+    store = MemoryEventStore()
+    old = Runtime(store, flows=[agent.support_reply], divergence="fail")
+    ticket = agent.make_ticket(0, random.Random(0), effects=str(effects), draft_s=0.0,
+                               cool_off_s=0.0, seed="7:0")
+    (eid,) = await _parked_at_approval(old, [ticket])
+    await old.close()
+    changed = Runtime(store, flows=[agent_changed.support_reply], divergence="fail")
+    resumed = await changed.resume(eid, "approval", {"approved": True})
+    outcome = await resumed.outcome()
+    assert outcome.kind == "diverged_parked"
+    assert changed.stats.divergence_parked == 1
+    state = await changed.load_state(eid)
+    assert state.waiting == {"on": DIVERGED_GATE, "kind": "diverged",
+                             "correlationKey": "skipped 1: classify"}
+    assert [json.loads(line)["step"] for line in effects.read_text().splitlines()] == [
+        "draft"]  # the send never ran on the changed code
+    await changed.close()
+    fixed = Runtime(store, flows=[agent.support_reply], divergence="fail")
+    handle = await fixed.retry_diverged(eid)
+    assert (await handle.result(timeout=10))["approved"] is True
+    assert [json.loads(line)["step"] for line in effects.read_text().splitlines()] == [
+        "draft", "send"]
+    await fixed.close()

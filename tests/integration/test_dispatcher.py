@@ -9,6 +9,7 @@ its answer read from the result backend's key.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import secrets
 import time
@@ -266,6 +267,53 @@ async def test_fleet_dispatch_from_a_raw_message_and_typed_errors_for_bad_ones(
     async with Dispatcher(fleet.settings) as dispatcher:
         assert await _result(dispatcher, fine["execution_id"]) == 3
     assert fleet.worker.alive()
+
+
+def _queued(client: redis.Redis, queue: str) -> list[tuple[str, Any]]:
+    """(task, first argument) of each message on ``queue``, oldest first."""
+    found = []
+    for raw in reversed(client.lrange(queue, 0, -1)):
+        message = json.loads(raw)
+        args, _, _ = json.loads(base64.b64decode(message["body"]))
+        found.append((message["headers"]["task"], args[0]))
+    return found
+
+
+async def test_drives_published_together_are_batched_and_all_driven(fleet: Fleet) -> None:
+    """Decision 0030: the drives of one route published together go out as
+    ``fleet.drives`` messages of at most ``FLEET_DRIVE_BATCH`` executions (one alone:
+    ``fleet.drive``), each with its drive record; a worker drives every one."""
+    idle = f"fleet-d-idle-{secrets.token_hex(3)}"  # no worker consumes it
+    held = fleet.settings.model_copy(update={"queue": idle, "drive_batch": 16})
+    try:
+        async with Dispatcher(held) as dispatcher:
+            ids = await dispatcher.start_many([Start("fleet-three", n) for n in range(40)])
+            alone = await dispatcher.start("fleet-three", 40)
+            records = await dispatcher.recent_drives([*ids, alone])
+        queued = _queued(fleet.redis, idle)
+        assert [task for task, _ in queued] == ["fleet.drives"] * 3 + ["fleet.drive"]
+        assert [len(arg) for _, arg in queued[:3]] == [16, 16, 8]
+        assert [i for _, arg in queued[:3] for i in arg] == ids  # in order, each once
+        assert queued[3][1] == alone
+        assert set(records) == {*ids, alone}  # decision 0019: a record per execution
+        # drive_batch=1: one fleet.drive message per execution, as before.
+        single = fleet.settings.model_copy(update={"queue": idle, "drive_batch": 1})
+        fleet.redis.delete(idle)
+        async with Dispatcher(single) as dispatcher:
+            more = await dispatcher.start_many([Start("fleet-three", n) for n in range(3)])
+        assert _queued(fleet.redis, idle) == [("fleet.drive", i) for i in more]
+        # The worker's queue gets the batched messages: every execution is driven.
+        for raw in [*reversed(fleet.redis.lrange(idle, 0, -1))]:
+            fleet.redis.lpush(fleet.settings.queue, raw)
+        async with Dispatcher(fleet.settings) as dispatcher:
+            batched = await dispatcher.start_many([Start("fleet-three", n) for n in range(20)])
+            for n, eid in enumerate([*batched, *more]):
+                assert await _result(dispatcher, eid) == (n if n < 20 else n - 20) + 3
+            for eid in ids:  # started on the idle queue, never driven
+                state = await (await dispatcher.runtime()).load_state(eid, system=True)
+                assert state.status == "running"
+    finally:
+        fleet.redis.delete(idle)
 
 
 def test_the_worker_log_has_no_task_failure(fleet: Fleet) -> None:

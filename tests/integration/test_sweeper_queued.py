@@ -58,10 +58,12 @@ async def fleet(database_url: str) -> AsyncIterator[tuple[FleetSettings, redis.R
 
 
 def queued(client: redis.Redis, queue: str) -> Counter[str]:
-    """How many drives of each execution wait in ``queue``."""
+    """How many drives of each execution wait in ``queue`` (a ``fleet.drives`` message
+    carries several: decision 0030)."""
     counts: Counter[str] = Counter()
     for raw in client.lrange(queue, 0, -1):
-        counts[json.loads(base64.b64decode(json.loads(raw)["body"]))[0][0]] += 1
+        first = json.loads(base64.b64decode(json.loads(raw)["body"]))[0][0]
+        counts.update(first if isinstance(first, list) else [first])
     return counts
 
 

@@ -22,12 +22,13 @@ import pytest
 
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher
-from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK
+from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK, DRIVES_TASK
 from fleet.dispatcher.signing import sign_dispatch
 from fleet.host.celery_api import signals
 from fleet.kernel.store.spi import ExecutionSummary
 from fleet.workers import make_app
 from fleet.workers.process import WorkerProcess, local_process
+from fleet.workers.tasks import MAX_BATCH
 
 FLOWS = ["worker_unit_flows:double", "worker_unit_flows:gate"]
 QUEUES = ["q-in-process", "q-in-process-doubles"]
@@ -131,6 +132,42 @@ def test_the_drive_task_says_how_the_run_ended(celery_session_app: Any,
     assert summary is not None
     assert summary.status == "completed"
     assert worker.loop.run_coroutine(worker.runtime.result(done)) == 42
+
+
+def test_the_drives_task_drives_each_and_refuses_a_forged_batch(
+        celery_session_app: Any, worker: WorkerProcess) -> None:
+    app = celery_session_app
+    returned = _Returned()
+    signals.task_postrun.connect(returned, weak=False)
+
+    def drives(execution_ids: Any, queue: str = QUEUES[0]) -> Any:
+        sent = app.send_task(DRIVES_TASK, args=[execution_ids], queue=queue,
+                             kwargs={"flow_id": None, "tenant": None})
+        return returned.wait(sent.id)
+
+    try:
+        done = [_start_unenqueued(worker, "unit-double", n) for n in (1, 2, 3)]
+        parked = _start_unenqueued(worker, "unit-gate", 0)
+        before = worker.counters.deliveries
+        # Each execution once (a repeated id is one drive), in the order given.
+        assert drives([*done, parked, done[0], "no-such-execution"]) == [
+            "completed", "completed", "completed", "parked", "not_found"]
+        assert worker.counters.deliveries - before == 5
+        assert [worker.loop.run_coroutine(worker.runtime.result(e)) for e in done] == [2, 4, 6]
+        assert drives(done) == ["idle"] * 3  # delivered again: nothing to do
+        # Forged or mangled: refused whole, nothing driven, the worker goes on.
+        fresh = _start_unenqueued(worker, "unit-double", 9)
+        before = worker.counters.deliveries
+        for forged in (fresh, [], [fresh, 7], [fresh, ""], [fresh] * (MAX_BATCH + 1),
+                       {"ids": [fresh]}, ["x" * 2000]):
+            assert drives(forged) == ["refused"], forged
+        assert worker.counters.deliveries == before
+        summary = _summary(worker, fresh)
+        assert summary is not None
+        assert summary.status == "running"
+        assert drives([fresh]) == ["completed"]
+    finally:
+        signals.task_postrun.disconnect(returned)
 
 
 class _Deliveries:
