@@ -147,6 +147,31 @@ class FleetSettings(BaseSettings):
         64 * 1024 * 1024, ge=1024, description="bytes of JSON an EventPublisher (the in-process "
         "hook onto a stream of your own; no fleet role runs one) holds while Redis cannot take "
         "them; the oldest are dropped past it")
+    # -- what operators see (issue 14; decision 0022) --------------------------------
+    stats_prefix: str = Field(
+        "fleet:stats:", min_length=1, description="where processes report: the hash "
+        "<prefix><role>:<name> (deploy/redis/users.acl grants fleet:stats:<role>:*)")
+    stats_interval_s: float = Field(
+        2.0, gt=0, description="how often every fleet process writes its counters and a "
+        "heartbeat to its hash fleet:stats:<role>:<name> in Redis (the Fleet page, `fleet "
+        "status` and the metrics read them)")
+    stats_stale_s: float = Field(
+        10.0, gt=0, description="a process whose last report is older than this shows as "
+        "stale (its last values and their age, never zeros)")
+    stats_ttl_s: int = Field(
+        86_400, ge=60, description="how long a stopped process's last report is kept "
+        "(shown as stale) before Redis forgets it")
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="serve Prometheus /metrics on this port in every "
+        "fleet service process (timers, recovery, attacher, relay); unset: none")
+    operator: str | None = Field(
+        None, description="the principal (actor) the Fleet page and `fleet diverged retry` "
+        "retry diverged executions as; recorded on the log as who resumed. Unset: retry "
+        "is off")
+    operators: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="comma-separated Flower users (basic-auth names or "
+        "OAuth e-mails) with the operator role (may retry diverged executions); '*' is "
+        "every user Flower lets in")
     rewards_stream: str = "fleet:rewards"
     rewards_dead: str = "fleet:rewards:dead"
     rewards_group: str = "fleet-attachers"
@@ -194,7 +219,7 @@ class FleetSettings(BaseSettings):
                     '{"crm": ["acme", "globex"], "ops": ["*"]}')
         return value
 
-    @field_validator("flows", mode="before")
+    @field_validator("flows", "operators", mode="before")
     @classmethod
     def _split_flows(cls, value: object) -> object:
         if isinstance(value, str):

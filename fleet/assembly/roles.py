@@ -36,9 +36,12 @@ import asyncio
 import functools
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
@@ -53,7 +56,15 @@ from fleet.kernel.store.factory import StoreOptions, open_event_store
 from fleet.kernel.store.spi import CommitSignal, EventStore, SignalsCommits
 from fleet.recovery.sweeper import RecoverySweeper
 from fleet.services.base import PeriodicService, Service, run_services
+from fleet.services.counters import (
+    FleetCounters,
+    ProcessReport,
+    StatsReporter,
+    numbers,
+    process_name,
+)
 from fleet.services.health import Heartbeat
+from fleet.services.metrics import FleetCollector
 from fleet.streams.attacher import RewardAttacher
 from fleet.streams.redis_client import aioredis
 from fleet.streams.relay import EventRelay, RelayLease
@@ -135,11 +146,35 @@ async def _open(settings: FleetSettings, name: str, *,
     return Role(name, store, runtime)
 
 
-def _heartbeat(settings: FleetSettings, role: Role, **options: Any) -> None:
+def _heartbeat(settings: FleetSettings, role: Role, *,
+               collect: Callable[[], dict[str, Any]] | None = None,
+               process: str | None = None, **options: Any) -> None:
+    """The role's heartbeat file (``fleet health``) and its report to Redis (decision 0022)."""
     service = role.service
     if isinstance(service, PeriodicService):
         options.setdefault("stuck", service.stuck)  # a wedged tick fails liveness
+    reporter = StatsReporter.for_settings(settings, role.name, process or process_name(),
+                                          collect or functools.partial(role_counters, role))
+    if reporter is not None:
+        role.services.append(reporter)
     role.services.append(Heartbeat.for_component(settings, role.name, **options))
+
+
+#: A service's counters under the names the workers use (``fleet.workers.stats``).
+_RENAMES: dict[str, dict[str, str]] = {
+    "attacher": {"attached": "outcomes_attached", "dead_lettered": "outcomes_dead_lettered"}}
+
+
+def role_counters(role: Role) -> dict[str, float]:
+    """What a service role reports: its service's numeric stats (renamed where a
+    worker counter means the same), plus the kernel's ``timers_fired`` for the timers."""
+    service = role.service
+    values = numbers(service.stats(), _RENAMES.get(role.name)) if service is not None else {}
+    if role.name == "attacher":
+        values.setdefault("outcomes_dead_lettered", 0)  # {} until the first dead letter
+    if role.name == "timers" and role.runtime is not None:
+        values["timers_fired"] = role.runtime.timers_fired
+    return values
 
 
 def _bounds(settings: FleetSettings) -> dict[str, Any]:
@@ -150,17 +185,26 @@ def _bounds(settings: FleetSettings) -> dict[str, Any]:
 
 async def open_worker(settings: FleetSettings, *, slot: int | None = None,
                       on_durable_event: EventObserver | None = None,
-                      on_beat: Callable[[], Any] | None = None) -> Role:
-    """A worker process's parts: its store, its Runtime, its heartbeat.
+                      on_beat: Callable[[], Any] | None = None,
+                      collect: Callable[[], dict[str, Any]] | None = None,
+                      name: str | None = None) -> Role:
+    """A worker process's parts: its store, its Runtime, its heartbeat, its report.
 
     Args:
         settings: The worker's settings.
         slot: A prefork child's pool index (its own heartbeat file).
         on_durable_event: The ``WorkerProcess``'s observer.
         on_beat: Called on the loop after each heartbeat (the drain poll).
+        collect: The process's counters (``WorkerProcess.snapshot``), reported to
+            ``fleet:stats:worker:<name>``.
+        name: The worker's Celery node name (a prefork child adds ``#<slot>``).
     """
     role = await _open(settings, "worker", on_durable_event=on_durable_event)
-    _heartbeat(settings, role, slot=slot, on_beat=on_beat)
+    process = name or process_name()
+    if slot is not None:
+        process = f"{process}#{slot}"
+    _heartbeat(settings, role, slot=slot, on_beat=on_beat, process=process,
+               collect=collect or (lambda: {}))
     return role
 
 
@@ -300,15 +344,38 @@ async def serve(settings: FleetSettings, name: str, *,
     log.info("fleet %s (pid %d) running: %s", name, os.getpid(),
              ", ".join(s.name for s in role.services))
     relay = role.service if isinstance(role.service, EventRelay) else None
+    metrics = serve_metrics(settings, role)
     try:
         await run_services(role.services, until=_first(until, relay))
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         await role.aclose()
     stats = role.stats()
     log.info("fleet %s stopped: %s", name, stats)
     if relay is not None and relay.failed is not None:
         raise relay.failed  # a refusal that can never succeed ends the process
     return stats
+
+
+def serve_metrics(settings: FleetSettings, role: Role) -> Any:
+    """This process's ``/metrics`` on ``FLEET_METRICS_PORT`` (None when unset): its own
+    counters, in the families Flower's ``/metrics`` serves for the whole fleet."""
+    if settings.metrics_port is None:
+        return None
+    reporter = next((s for s in role.services if isinstance(s, StatsReporter)), None)
+    process = reporter.process if reporter is not None else process_name()
+
+    def read() -> FleetCounters:
+        counters = role_counters(role)
+        return FleetCounters((ProcessReport(role.name, process, counters, at=time.time(),
+                                            age_s=0.0, stale=False, pid=os.getpid()),))
+
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(read))
+    server, _ = start_http_server(settings.metrics_port, registry=registry)
+    log.info("fleet %s: Prometheus /metrics on port %d", role.name, settings.metrics_port)
+    return server
 
 
 async def _first(until: Awaitable[Any] | None, relay: EventRelay | None) -> None:
@@ -376,13 +443,20 @@ def flower_app(settings: FleetSettings) -> Any:
 
 def run_flower(settings: FleetSettings, *, port: int | None = None,
                address: str | None = None, basic_auth: str | None = None,
-               unauthenticated: bool = False, extra: Sequence[str] = ()) -> int:
-    """Serve Flower on the fleet's broker (workers' ``stats["fleet"]``) until SIGTERM."""
+               unauthenticated: bool = False, extra: Sequence[str] = (),
+               prepare: Callable[[FleetSettings], Any] | None = None) -> int:
+    """Serve Flower on the fleet's broker until SIGTERM.
+
+    ``prepare(settings)`` runs once authentication is settled, before Flower
+    builds its app: ``fleet flower`` adds the Fleet page there (``fleet.flowerui``).
+    """
     argv = flower_argv(port=port, address=address, basic_auth=basic_auth,
                        unauthenticated=unauthenticated, extra=extra)
     if unauthenticated:
         # Flower reads this itself: its API answers without credentials.
         os.environ["FLOWER_UNAUTHENTICATED_API"] = "true"
+    if prepare is not None:
+        prepare(settings)
     return run_command(flower_app(settings), argv)
 
 

@@ -79,14 +79,20 @@ relay = _service_command(
 @fleet_errors
 def flower(port: int | None, address: str | None, basic_auth: str | None,
            unauthenticated: bool, flower_args: tuple[str, ...]) -> None:
-    """Run Flower on the fleet's workers (their stats["fleet"] counters).
+    """Run Flower with the Fleet page (/fleet, "Fleet" in its navigation).
+
+    The page: every process's counters from Redis, the streams, the diverged
+    executions and their Retry (FLEET_OPERATOR, FLEET_OPERATORS); /metrics has
+    the fleet's metrics.
 
     Refuses to serve without authentication (FLOWER_BASIC_AUTH, --basic-auth or
     FLOWER_AUTH) unless --unauthenticated or FLOWER_UNAUTHENTICATED_API=true.
     """
+    from fleet.flowerui import install  # only this command loads Flower's parts
+
     exit_with(roles.run_flower(FleetSettings(), port=port, address=address,
-                          basic_auth=basic_auth, unauthenticated=unauthenticated,
-                          extra=flower_args))
+                               basic_auth=basic_auth, unauthenticated=unauthenticated,
+                               extra=flower_args, prepare=install))
 
 
 __all__ = ["attacher", "flower", "recovery", "relay", "timers", "worker"]

@@ -50,6 +50,7 @@ COMMANDS: dict[str, str] = {
     "reward": "fleet.cli.reward:reward",
     "events": "fleet.cli.events:events",
     "status": "fleet.cli.status:status",
+    "diverged": "fleet.cli.diverged:diverged",
     "health": "fleet.cli.health:health",
     "up": "fleet.cli.embedded:up",
     "demo": "fleet.cli.embedded:demo",

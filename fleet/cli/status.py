@@ -10,6 +10,7 @@ from typing import Any
 import click
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
@@ -25,20 +26,42 @@ from fleet.cli.common import (
 from fleet.config import FleetSettings
 from fleet.services.status import WORKER_FIELDS, StatusReader
 
+# The table's short headers (the lines a narrow terminal gets spell every name out).
 _SHORT = {"completed": "done", "stepped_aside": "aside", "fenced_out": "fenced",
-          "recovered": "recov", "handed_back": "handed", "divergence_parked": "diverged"}
+          "recovered": "recov", "handed_back": "handed", "divergence_warnings": "div.warn",
+          "divergence_parked": "div.park"}
+_ALARM = {"fenced_out", "divergence_warnings", "divergence_parked", "errors", "failed"}
+#: A service's counters in ``fleet status`` (--json has all of them).
+SERVICE_FIELDS: dict[str, tuple[str, ...]] = {
+    "timers": ("timers_fired", "enqueued", "enqueue_errors", "errors"),
+    "recovery": ("examined", "redriven", "diverged", "errors"),
+    "attacher": ("outcomes_attached", "outcomes_dead_lettered", "duplicates", "deferred"),
+    "relay": ("published", "lag_ms", "leader", "errors"),
+}
+
+
+def _cell(name: str, value: float) -> str:
+    text = str(int(value)) if float(value).is_integer() else f"{value:.1f}"
+    return f"[bold red]{text}[/bold red]" if name in _ALARM and value > 0 else text
+
+
+def _age(age_s: float | None, stale: bool) -> str:
+    if age_s is None:
+        return ""
+    return f"[red]stale {age_s:.0f}s[/red]" if stale else f"{age_s:.0f}s"
 
 
 def _workers_table(status: Any, wide: bool) -> Table:
     """Every worker a row, every counter a column (needs about 120 columns)."""
     workers = Table(title=f"workers ({len(status.workers)})")
     id_column(workers, "worker", [w.name for w in status.workers])
-    for col in ("pool", "slots", *WORKER_FIELDS):
+    for col in ("pool", "slots", *WORKER_FIELDS, "seen"):
         workers.add_column(col if wide else _SHORT.get(col, col), justify="right",
                            no_wrap=True)
     for w in status.workers:
         workers.add_row(w.name, w.pool, "" if w.concurrency is None else str(w.concurrency),
-                        *(str(int(w.fleet.get(name, 0))) for name in WORKER_FIELDS))
+                        *(_cell(name, w.fleet.get(name, 0)) for name in WORKER_FIELDS),
+                        _age(w.age_s, w.stale))
     return workers
 
 
@@ -48,11 +71,26 @@ def _workers_lines(status: Any) -> list[Any]:
     lines: list[Any] = [Text(f"workers ({len(status.workers)})", style="italic")]
     for w in status.workers:
         slots = "" if w.concurrency is None else f", {w.concurrency} slots"
-        lines.append(Text(f"  {w.name}: {w.pool}{slots}"))
-        counters = " ".join(f"{_SHORT.get(name, name)}={int(w.fleet.get(name, 0))}"
+        pool = f"{w.pool}{slots}" if w.pool else "(did not answer inspect)"
+        seen = f", seen {_age(w.age_s, w.stale)}" if w.age_s is not None else ""
+        lines.append(Text.from_markup(f"  {escape(w.name)}: {pool}{seen}"))
+        counters = " ".join(f"{name}={_cell(name, w.fleet.get(name, 0))}"
                             for name in WORKER_FIELDS)
-        lines.append(Padding(Text(counters), (0, 0, 0, 4)))
+        lines.append(Padding(Text.from_markup(counters), (0, 0, 0, 4)))
     return lines
+
+
+def _services_lines(services: Any) -> Group:
+    """Each service process in two lines: its role, name and last report, then the
+    counters ``SERVICE_FIELDS`` names (--json has all of them)."""
+    lines: list[Any] = [Text(f"services ({len(services)})", style="italic")]
+    for p in services:
+        lines.append(Text.from_markup(f"  {p.role} {escape(p.name)}: seen "
+                                      f"{_age(p.age_s, p.stale)}"))
+        counters = " ".join(f"{name}={_cell(name, p.counters.get(name, 0))}"
+                            for name in SERVICE_FIELDS.get(p.role, ()))
+        lines.append(Padding(Text.from_markup(counters), (0, 0, 0, 4)))
+    return Group(*lines)
 
 
 def _status_view(status: Any, *, wide: bool = False, width: int | None = None) -> Group:
@@ -64,6 +102,9 @@ def _status_view(status: Any, *, wide: bool = False, width: int | None = None) -
     table = _workers_table(status, wide)
     fits = natural_width(table) <= (width or console.width)
     parts: list[Any] = [counts, *([table] if wide or fits else _workers_lines(status))]
+    services = status.services
+    if services:
+        parts.append(_services_lines(services))
     parts += [Text(problem, style="red") for problem in status.problems]
     parts.append(time.strftime("at %H:%M:%S", time.localtime(status.at)))
     return Group(*parts)

@@ -344,8 +344,8 @@ class Dispatcher:
         return await self._order(runtime, execution_id) if woke else None
 
     async def _order(self, runtime: Runtime, execution_id: str) -> DriveOrder:
-        if not self.routes:
-            return DriveOrder(execution_id)
+        # The flow and tenant route the drive, and name it where an operator reads
+        # the task (Flower's args and kwargs): one index read.
         summary = await runtime.store.get_execution(execution_id)
         if summary is None:
             return DriveOrder(execution_id)

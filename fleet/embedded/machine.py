@@ -17,7 +17,8 @@ reward attacher,    timers|recovery|attacher|relay`` builds it in its own pod
 relay               (its store, its Runtime, its heartbeat in
                     ``<data_dir>/heartbeats``); the relay publishes every
                     event the store commits to the events stream
-Flower              a subprocess (``celery flower``) on 127.0.0.1, when asked
+Flower              a subprocess (``fleet flower``: with the Fleet page) on 127.0.0.1,
+                    when asked
 ==================  =========================================================
 
 **Why the services run in this process.** They are small asyncio loops that
@@ -361,13 +362,14 @@ class EmbeddedFleet:
 
     # ------------------------------------------------------------ processes
     def _spawn(self, name: str, args: list[str], env: dict[str, str],
-               node: str | None = None) -> ChildProcess:
+               node: str | None = None, *, command: list[str] | None = None) -> ChildProcess:
         log_path = self.data_dir / "logs" / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - closed by ChildProcess.close_log
         try:
             # Its own session: a terminal's Ctrl-C reaches only this process,
             # which stops the children in order; killpg reaches their children.
-            proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", APP_MODULE, *args],
+            program = command or [sys.executable, "-m", "celery", "-A", APP_MODULE]
+            proc = subprocess.Popen([*program, *args],
                                     env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         except BaseException:
@@ -407,8 +409,16 @@ class EmbeddedFleet:
             # workers down): a password of its own, printed by `fleet up`.
             self.flower_auth = f"fleet:{secrets.token_urlsafe(12)}"
             flower_env["FLOWER_BASIC_AUTH"] = self.flower_auth
-        self.flower = self._spawn("flower", ["flower", f"--port={port}", "--address=127.0.0.1",
-                                             "--inspect_timeout=1000"], flower_env)
+            # Its one user may retry diverged executions on the Fleet page (as the
+            # operator below), unless the settings say otherwise.
+            if not flower_env.get("FLEET_OPERATORS"):
+                flower_env["FLEET_OPERATORS"] = "fleet"
+        if not flower_env.get("FLEET_OPERATOR"):
+            flower_env["FLEET_OPERATOR"] = "operator:local"
+        # `fleet flower`: Flower with the Fleet page (fleet.flowerui), as deployed.
+        self.flower = self._spawn("flower", [f"--port={port}", "--address=127.0.0.1",
+                                             "--inspect_timeout=1000"], flower_env,
+                                  command=[sys.executable, "-m", "fleet.cli", "flower"])
         self.flower_url = f"http://127.0.0.1:{port}"
 
     def start_worker(self, *, flows: Sequence[str] | None = None,

@@ -4,6 +4,10 @@ Executions come from the store's index (``count_executions``, one grouped
 query; a store without it is paged, up to ``page_limit`` rows per state).
 Workers come from Celery's ``inspect().stats()``, each with the fleet
 counters its bootstep adds (``stats["fleet"]``, ``fleet.workers.stats``).
+With ``FLEET_REDIS_URL`` every process's own report is read too
+(``fleet.services.counters``, decision 0022): a worker's counters are then its
+reports (a prefork worker's children summed), the services (timers, recovery,
+attacher, relay) have theirs, and a process that stopped reporting is stale.
 
 ``StatusReader`` keeps one store and one Celery app (a bare one on the broker:
 inspecting needs no tasks) open between reads, for ``fleet status --watch``.
@@ -25,6 +29,7 @@ from fleet.host.kernel import open_store_to_read
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel.errors import FleetError
 from fleet.kernel.store.spi import CountsExecutions, EventStore
+from fleet.services.counters import CountersReader, FleetCounters, ProcessReport
 
 T = TypeVar("T")
 
@@ -33,7 +38,7 @@ STATES: tuple[str, ...] = ("running", "parked", "completed", "failed", "cancelle
 #: The worker counters ``fleet status`` shows, in order.
 WORKER_FIELDS: tuple[str, ...] = ("active", "drives", "completed", "failed", "parked",
                                   "stepped_aside", "fenced_out", "recovered", "handed_back",
-                                  "divergence_parked", "errors")
+                                  "divergence_warnings", "divergence_parked", "errors")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,9 @@ class WorkerStatus:
     concurrency: int | None
     fleet: dict[str, float]
     pid: int | None = None
+    #: Seconds since its last report to Redis (None: none read), and whether stale.
+    age_s: float | None = None
+    stale: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +64,57 @@ class FleetStatus:
     problems: tuple[str, ...] = ()
     at: float = field(default_factory=time.time)
     capped: bool = False  # a paged count stopped at its limit
+    counters: FleetCounters | None = None  # every process's report (None: no Redis)
+
+    @property
+    def services(self) -> list[ProcessReport]:
+        return [] if self.counters is None else [p for p in self.counters.processes
+                                                 if p.role != "worker"]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"at": self.at, "executions": dict(self.executions), "capped": self.capped,
-                "workers": [{"name": w.name, "pool": w.pool, "concurrency": w.concurrency,
-                             "pid": w.pid, "fleet": dict(w.fleet)} for w in self.workers],
-                "problems": list(self.problems)}
+        out = {"at": self.at, "executions": dict(self.executions), "capped": self.capped,
+               "workers": [{"name": w.name, "pool": w.pool, "concurrency": w.concurrency,
+                            "pid": w.pid, "fleet": dict(w.fleet), "age_s": w.age_s,
+                            "stale": w.stale} for w in self.workers],
+               "problems": list(self.problems)}
+        if self.counters is not None:
+            out["services"] = [p.to_dict() for p in self.services]
+            out["totals"] = self.counters.totals
+            out["streams"] = [st.to_dict() for st in self.counters.streams]
+        return out
+
+
+def merge_workers(inspected: list[WorkerStatus], reports: list[ProcessReport]
+                  ) -> list[WorkerStatus]:
+    """The workers that answered ``inspect``, with their Redis reports' counters (a prefork
+    worker's children, ``<node>#<slot>``, summed), and the reported ones that did not
+    answer: stale ones with their last values, never zeros."""
+    by_node: dict[str, list[ProcessReport]] = {}
+    for report in reports:
+        by_node.setdefault(report.name.split("#", 1)[0], []).append(report)
+    out: list[WorkerStatus] = []
+    for worker in inspected:
+        mine = by_node.pop(worker.name, [])
+        if not mine:
+            out.append(worker)
+            continue
+        out.append(WorkerStatus(worker.name, worker.pool, worker.concurrency, _sum(mine),
+                                worker.pid, min(r.age_s for r in mine),
+                                all(r.stale for r in mine)))
+    for node, mine in sorted(by_node.items()):
+        out.append(WorkerStatus(node, "", None, _sum(mine), mine[0].pid,
+                                min(r.age_s for r in mine), all(r.stale for r in mine)))
+    return out
+
+
+def _sum(reports: list[ProcessReport]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for report in reports:
+        for name, value in report.counters.items():
+            if name == "active" and report.stale:
+                continue
+            out[name] = out.get(name, 0) + value
+    return out
 
 
 async def execution_counts(store: EventStore, *, page_limit: int = 10_000
@@ -147,6 +200,7 @@ class StatusReader:
         self._loop.start()
         self._store: EventStore | None = None
         self._app: Any = None
+        self._counters: CountersReader | None = None
 
     async def _counts(self) -> tuple[dict[str, int], bool]:
         if self._store is None:
@@ -174,9 +228,19 @@ class StatusReader:
                              "status-inspect")
         except Exception as exc:  # noqa: BLE001 - shown, and the rest still reported
             problems.append(f"broker: {type(exc).__name__}: {exc}")
-        return FleetStatus(counts, tuple(workers), tuple(problems), capped=capped)
+        counters: FleetCounters | None = None
+        if self.settings.redis_url:
+            if self._counters is None:
+                self._counters = CountersReader(self.settings)
+            counters = self._counters.read()
+            problems += counters.problems
+            workers = merge_workers(workers, counters.of("worker"))
+        return FleetStatus(counts, tuple(workers), tuple(problems), capped=capped,
+                           counters=counters)
 
     def close(self) -> None:
+        if self._counters is not None:
+            self._counters.close()
         if self._store is not None:
             store, self._store = self._store, None
             try:
@@ -199,4 +263,4 @@ class StatusReader:
 
 
 __all__ = ["STATES", "WORKER_FIELDS", "FleetStatus", "StatusReader", "WorkerStatus",
-           "execution_counts", "within", "worker_statuses"]
+           "execution_counts", "merge_workers", "within", "worker_statuses"]

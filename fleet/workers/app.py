@@ -33,7 +33,7 @@ from fleet.dispatcher.broker import FleetCelery, producer_app
 from fleet.host.celery_api import current_app, is_prefork, process_index, signals
 from fleet.workers import shutdown
 from fleet.workers.bootstep import FleetStatsStep
-from fleet.workers.process import close_process, local_process, log, open_process
+from fleet.workers.process import close_process, local_process, log, open_process, set_node_name
 from fleet.workers.tasks import register_tasks
 
 
@@ -97,6 +97,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if sender is None or sender.app not in _apps:
         return
     shutdown.install()  # before a prefork pool forks: its children inherit the flag
+    set_node_name(getattr(sender, "hostname", None))
     if is_prefork(sender.pool_cls):
         return  # prefork: each child opens its own after the fork
     try:

@@ -19,10 +19,12 @@ and ``begin_drain`` is the graceful shutdown (``fleet.workers.shutdown``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +37,13 @@ from fleet.kernel.errors import (
     StoreUnavailableError,
 )
 from fleet.kernel.events import EventEnvelope
+from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
 from fleet.kernel.journal import EventObserver
 from fleet.kernel.run_outcome import OutcomeKind, RunOutcome
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.spi import EventStore
 from fleet.services.base import Service, start_order
+from fleet.services.counters import PARKS_KEPT
 from fleet.workers import shutdown, stats
 
 log = logging.getLogger("fleet.workers")
@@ -60,6 +64,48 @@ _REPORTED: dict[OutcomeKind, str] = {
     "diverged_parked": DIVERGENCE_PARKED, "continued": CONTINUED, "cancelled": CANCELLED,
     "fenced_out": FENCED_OUT, "handed_back": HANDED_BACK, "aborted": ABORTED,
     "nothing_to_do": IDLE}
+
+
+class DriveResult(str):
+    """How a drive ended: equal to its kind (``"parked"``, ``"handed_back"``...), with
+    ``detail``, the sentence the ``fleet.drive`` task returns (what Flower shows as its
+    result): ``completed``, ``parked on approval (gate)``, ``parked on
+    __fleet_diverged__ (skipped 1: a)``, ``fenced out: ...``, ``handed back``."""
+
+    detail: str
+
+    def __new__(cls, kind: str, detail: str | None = None) -> DriveResult:
+        made = super().__new__(cls, kind)
+        made.detail = detail or kind.replace("_", " ")
+        return made
+
+
+def describe(outcome: RunOutcome) -> str:
+    """One line for an operator: how the run ended."""
+    waiting = outcome.waiting
+    where = ""
+    if waiting is not None:
+        where = f" on {waiting.on} ({waiting.kind}"
+        where += f": {waiting.correlation_key})" if waiting.correlation_key else ")"
+    cause = outcome.cause
+    why = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+    if outcome.kind == "diverged_parked":
+        return f"parked{where}: the replay diverged; fix the code, then retry it"
+    if outcome.kind in ("parked", "nothing_to_do"):
+        text = "parked" if outcome.kind == "parked" else f"nothing to do ({outcome.status})"
+        return text + (where if outcome.status == "parked" else "")
+    if outcome.kind == "failed":
+        error = outcome.error or {}
+        return f"failed: {error.get('type', '')}: {error.get('message', '')}".rstrip(": ")
+    if outcome.kind == "continued":
+        return f"continued as {outcome.next_execution_id}"
+    if outcome.kind == "fenced_out":
+        return f"fenced out (a later holder took it; nothing more written){why}"
+    if outcome.kind == "handed_back":
+        return "handed back (the worker is shutting down; re-enqueued)"
+    if outcome.kind == "aborted":
+        return f"aborted{why}"
+    return outcome.kind.replace("_", " ")
 
 
 @dataclass(slots=True)
@@ -101,6 +147,8 @@ class WorkerProcess:
         self._runtime: Runtime | None = None
         self._store: EventStore | None = None
         self._base: dict[str, stats.Number] = {}
+        #: Recent parks on the divergence or in-doubt gate: (executionId, gate, at).
+        self.parks: collections.deque[dict[str, Any]] = collections.deque(maxlen=PARKS_KEPT)
         self._draining = False
         # At most worker_drives runs at once in this process, however many drives the
         # messages it holds carry (a fleet.drives message carries several).
@@ -128,7 +176,8 @@ class WorkerProcess:
         # The store, the runtime and the heartbeat: built as
         # every role's are (fleet.assembly.roles), started here on the loop.
         role = await open_worker(self.settings, slot=self.slot,
-                                 on_durable_event=self._observe, on_beat=self._poll_drain)
+                                 on_durable_event=self._observe, on_beat=self._poll_drain,
+                                 collect=self.report, name=_node)
         started: list[Service] = []
         try:
             for service in start_order(role.services):
@@ -207,7 +256,7 @@ class WorkerProcess:
             self.begin_drain()
 
     # ----------------------------------------------------------------- drive
-    def drive(self, execution_id: str) -> str:
+    def drive(self, execution_id: str) -> DriveResult:
         """Drive ``execution_id`` to the end of its run; how it stopped (sync)."""
         try:
             return self.loop.run_coroutine(self.drive_async(execution_id))
@@ -235,38 +284,40 @@ class WorkerProcess:
                 self.counters.errors += 1
                 log.error("drive of %s failed: %s: %s", execution_id, type(answer).__name__,
                           answer)
-                out.append(REFUSED)
+                out.append(DriveResult(REFUSED, f"refused: {type(answer).__name__}: "
+                                                f"{answer}"))
             else:  # a BaseException (cancelled, interrupted): not ours to swallow
                 raise answer
         return out
 
-    async def drive_async(self, execution_id: str) -> str:
+    async def drive_async(self, execution_id: str) -> DriveResult:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.settings.worker_drives)
         async with self._slots:
             return await self._drive_async(execution_id)
 
-    async def _drive_async(self, execution_id: str) -> str:
+    async def _drive_async(self, execution_id: str) -> DriveResult:
         runtime = self.runtime
         self.counters.deliveries += 1
         if self._draining or runtime.handing_back:
             # Shutting down: take nothing; the task hands the message on.
             self.counters.handed_back += 1
-            return HANDED_BACK
+            return DriveResult(HANDED_BACK, "handed back (the worker is shutting down; "
+                               "re-enqueued)")
         grant = await runtime.store.acquire_fence_if(execution_id, holder=runtime.holder,
                                                      lease_ms=runtime.lease_ms)
         if grant is None:
             # A live lease: another drive (here or elsewhere) holds the run.
             self.counters.stepped_aside += 1
             log.info("drive of %s stepped aside: a live lease holds it", execution_id)
-            return STEPPED_ASIDE
+            return DriveResult(STEPPED_ASIDE, "stepped aside (another drive holds its lease)")
         try:
             handle = await runtime.drive(execution_id, grant=grant, wait=True)
             outcome = await handle.outcome()
         except ExecutionNotFoundError:
             self.counters.errors += 1
             log.warning("drive of %s: no such execution", execution_id)
-            return NOT_FOUND
+            return DriveResult(NOT_FOUND, f"no execution {execution_id!r}")
         except StoreUnavailableError:
             raise  # not a refusal: the task retries it (and the sweeper finds it)
         except FleetError as exc:
@@ -274,11 +325,11 @@ class WorkerProcess:
             # code mismatch): nothing was written, the fence is released.
             self.counters.errors += 1
             log.error("drive of %s refused: %s: %s", execution_id, type(exc).__name__, exc)
-            return REFUSED
+            return DriveResult(REFUSED, f"refused: {type(exc).__name__}: {exc}")
         assert outcome is not None  # a drive always says how its run ended
         return self._report(outcome)
 
-    def _report(self, outcome: RunOutcome) -> str:
+    def _report(self, outcome: RunOutcome) -> DriveResult:
         execution_id, cause = outcome.execution_id, outcome.cause
         if outcome.kind == "fenced_out":
             self.counters.fenced_out += 1
@@ -294,7 +345,12 @@ class WorkerProcess:
             log.info("drive of %s handed back (the worker is shutting down)", execution_id)
         elif outcome.kind == "nothing_to_do":
             self.counters.idle += 1  # already parked or ended: nothing to do
-        return _REPORTED[outcome.kind]
+        waiting = outcome.waiting
+        if outcome.kind in ("diverged_parked", "parked") and waiting is not None and \
+                waiting.on in (DIVERGED_GATE, INDOUBT_GATE):
+            self.parks.append({"executionId": execution_id, "gate": waiting.on,
+                               "at": round(time.time(), 3)})
+        return DriveResult(_REPORTED[outcome.kind], describe(outcome))
 
     def _observe(self, event: EventEnvelope) -> Any:
         observer = self.event_observer
@@ -320,15 +376,24 @@ class WorkerProcess:
         values.update(stats.source_values())
         return values
 
+    def totals(self) -> dict[str, float]:
+        """This process's counters, continuing its prefork row's."""
+        values = self.snapshot()
+        for name in stats.COUNTERS:
+            values[name] = values.get(name, 0) + self._base.get(name, 0)
+        return {k: float(v) for k, v in values.items()}
+
+    def report(self) -> dict[str, Any]:
+        """What it reports to Redis: its totals, and its recent parks on an operator's gate
+        (the Fleet page's "worker" of a diverged execution)."""
+        return {**self.totals(), "parks": list(self.parks)}
+
     def write_stats_row(self) -> None:
         """Write this child's totals to its row of the prefork stats table (if any)."""
         board = stats.shared_board()
         if board is None or self.slot is None:
             return
-        values = self.snapshot()
-        for name in stats.COUNTERS:
-            values[name] = values.get(name, 0) + self._base.get(name, 0)
-        board.write_row(self.slot, values)
+        board.write_row(self.slot, self.totals())
 
 
 # --------------------------------------------------------------------------
@@ -337,6 +402,14 @@ class WorkerProcess:
 
 _process: WorkerProcess | None = None
 _process_lock = threading.Lock()
+_node: str | None = None
+
+
+def set_node_name(name: str | None) -> None:
+    """The worker's Celery node name (set before a prefork pool forks: children inherit it),
+    which names its report to Redis (``fleet:stats:worker:<node>``)."""
+    global _node
+    _node = name
 
 
 def local_process() -> WorkerProcess | None:

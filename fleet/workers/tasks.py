@@ -3,8 +3,12 @@
 ``fleet.drive(execution_id, flow_id=None, tenant=None)`` drives an execution
 to the end of its run (park, complete, fail, abort) before it returns, so the
 message is acknowledged (``acks_late``) only once the run stopped; it returns
-how the run stopped (``completed``, ``parked``, ``stepped_aside``,
-``fenced_out``, ...). ``flow_id`` and ``tenant`` only route the message.
+how the run stopped, in words, which Flower shows as its result
+(``completed``, ``parked on approval (gate)``, ``parked on __fleet_diverged__
+(diverged: skipped 1: a): ...``, ``fenced out ...``, ``handed back ...``;
+``fleet.workers.process.describe``). ``flow_id`` and ``tenant`` route the
+message, and show in Flower beside the execution id (the dispatcher fills the
+flow in for every drive it publishes).
 A drive the worker handed back because it is shutting down (``handed_back``)
 publishes a new drive of the execution, on the same route, before it returns
 (``requeue_handed_back``): another worker takes it over at once
@@ -55,7 +59,8 @@ def register_tasks(app: Any) -> None:
         outcome = open_process(app.fleet_settings).drive(execution_id)
         if outcome == HANDED_BACK:
             requeue_handed_back(app, execution_id, flow_id, tenant)
-        return outcome
+        # What Flower shows as the task's result: how the run ended, in words.
+        return outcome.detail
 
     def drives(task: Any, execution_ids: Any, flow_id: str | None = None,
                tenant: str | None = None) -> list[str]:

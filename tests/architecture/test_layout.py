@@ -38,6 +38,9 @@ FUNCTION_LEVEL_IMPORTS = {
     # Celery's command line (every subcommand's module) loads only in the process that
     # runs it (`fleet worker`, `fleet flower`), not in every client of the broker.
     ("fleet/host/celery_api.py", "celery.bin.celery"),
+    # Flower and its Fleet page (Tornado, Flower's app) load only in `fleet flower`,
+    # not in the other processes `fleet.cli.processes` starts.
+    ("fleet/cli/processes.py", "fleet.flowerui"),
 }
 
 

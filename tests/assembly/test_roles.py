@@ -54,8 +54,9 @@ async def test_every_service_role_is_built_from_the_same_settings(tmp_path: Path
     try:
         _assert_configured(role, settings)
         names = [service.name for service in role.services]
-        # The role's own service, then the heartbeat; no publisher (the relay's job).
-        assert names == [role.services[0].name, "heartbeat"]
+        # The role's own service, its report to Redis (decision 0022), then the
+        # heartbeat; no publisher (the relay's job).
+        assert names == [role.services[0].name, "stats", "heartbeat"]
         assert "event-publisher" not in names
         assert role.service is role.services[0]
         runtime = role.require_runtime()
@@ -82,7 +83,7 @@ async def test_the_relay_role_reads_the_store_and_publishes_under_a_lease(
         assert role.runtime is None
         with pytest.raises(ConfigurationError, match="no Runtime"):
             role.require_runtime()
-        assert [s.name for s in role.services] == ["relay", "heartbeat"]
+        assert [s.name for s in role.services] == ["relay", "stats", "heartbeat"]
         relay = role.service
         assert isinstance(relay, EventRelay)
         assert (relay.stream, relay.maxlen, relay.batch_size, relay.batch_bytes,
@@ -104,7 +105,8 @@ async def test_the_worker_role_has_its_heartbeat_and_no_publisher(tmp_path: Path
     try:
         _assert_configured(role, settings)
         assert role.require_runtime().store is role.store
-        assert [s.name for s in role.services] == ["heartbeat"]  # no publisher: the relay's job
+        # Its report to Redis, its heartbeat; no publisher: the relay's job.
+        assert [s.name for s in role.services] == ["stats", "heartbeat"]
         assert str(role.services[-1].stats()["path"]).endswith("fleet-worker-3.heartbeat")
     finally:
         await role.aclose()

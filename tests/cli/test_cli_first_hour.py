@@ -39,6 +39,11 @@ PROCESSES = set(ROLES)
 COVERED_ELSEWHERE = {
     "up": "tests/cli/test_cli_up_and_run.py::test_fleet_up_tells_another_shell_how_to_reach_it",
     "demo": "tests/integration/test_embedded.py::test_fleet_demo_json_with_nothing_configured",
+    # A fleet with workers, a diverged execution and an operator (issue 14).
+    "diverged list": "tests/integration/test_fleet_page.py::"
+                     "test_a_diverged_run_is_listed_with_its_reason_and_retry_reparks_until_fixed",
+    "diverged retry": "tests/integration/test_fleet_page.py::"
+                      "test_a_diverged_run_is_listed_with_its_reason_and_retry_reparks_until_fixed",
 }
 
 

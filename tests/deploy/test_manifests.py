@@ -484,7 +484,7 @@ def test_prod_refuses_an_image_by_tag_alone(tmp_path: Path) -> None:
     assert errors, "a tag-only prod image passed"
     assert all(e.endswith("registry.example.com/fleet:0.1.0: a tag, not a digest")
                for e in errors), errors
-    assert len(errors) == 12  # 7 containers and 5 schema gates
+    assert len(errors) == 13  # 7 containers and 6 schema gates (Flower reads the store)
     moved = image_errors([{"kind": "Job", "metadata": {"name": "j"}, "spec": {"template": {
         "spec": {"containers": [{"name": "c", "image": "fleet@sha256:abc"},
                                 {"name": "d", "image": "fleet:latest"}]}}}}], by_digest=False)

@@ -50,7 +50,7 @@ def expected_egress(overlay: str) -> dict[str, set[str]]:
     postgres = {PROD_POSTGRES} if overlay.startswith("prod") else {"postgres:TCP/5432"}
     both = DNS | redis | postgres
     expected = {"fleet-worker": both, "fleet-timers": both, "fleet-recovery": both,
-                "fleet-attacher": both, "fleet-relay": both, "fleet-flower": DNS | redis,
+                "fleet-attacher": both, "fleet-relay": both, "fleet-flower": both,
                 "fleet-db-upgrade": DNS | postgres}
     if overlay == "dev":  # the stores themselves open no connection
         expected |= {"fleet-redis": set(DNS), "fleet-postgres": set(DNS)}
@@ -187,6 +187,9 @@ def test_only_the_fleet_reaches_redis_and_postgres(overlay: str) -> None:
     assert store_clients(objs, {"app.kubernetes.io/name": "postgres"}, 5432) == POSTGRES_CLIENTS
 
 
+METRICS_SERVED = {"fleet-timers", "fleet-recovery", "fleet-attacher", "fleet-relay"}
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_flowers_ui_is_the_only_port_a_fleet_process_opens(overlay: str) -> None:
     objs = render(overlay)
@@ -199,5 +202,8 @@ def test_flowers_ui_is_the_only_port_a_fleet_process_opens(overlay: str) -> None
                  for rule in p["spec"].get("ingress", [])]
         if name == "fleet-flower":
             assert rules == [{"ports": [{"port": 5555, "protocol": "TCP"}]}]
+        elif name in METRICS_SERVED:
+            # Each service's /metrics (decision 0022): counters, no control.
+            assert rules == [{"ports": [{"port": 9100, "protocol": "TCP"}]}], name
         else:
             assert rules == [], name

@@ -273,6 +273,19 @@ ALLOWED: dict[str, list[Command]] = {
         ("SREM", "_kombu.binding.reply.celery.pidbox", "b"), ("MULTI",), ("EXEC",)],
     "keda": [("LLEN", Q), ("LLEN", QP)],
 }
+# Issue 14 (decision 0022): each component writes its own role's report hashes and
+# the index; Flower and the client (fleet status) read them, the streams' lags and
+# dead letters.
+for _role in ("worker", "timers", "recovery", "attacher", "relay"):
+    ALLOWED[_role] += [("HSET", f"fleet:stats:{_role}:n1", "at", "1"),
+                       ("EXPIRE", f"fleet:stats:{_role}:n1", "60"),
+                       ("ZADD", "fleet:stats:index", "1", f"fleet:stats:{_role}:n1"),
+                       ("ZREMRANGEBYSCORE", "fleet:stats:index", "0", "0")]
+STATS_READ = [("ZRANGEBYSCORE", "fleet:stats:index", "0", "+inf"),
+              ("HGETALL", "fleet:stats:worker:n1"), ("XLEN", "fleet:rewards:dead"),
+              ("XLEN", "fleet:events:dead"), ("HGETALL", "fleet:events:relay")]
+ALLOWED["client"] += STATS_READ
+ALLOWED["flower"] += STATS_READ
 # What no user but admin may do.
 SERVER = [("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "*"), ("CONFIG", "SET", "aclfile", "x"),
           ("KEYS", "*"), ("SCAN", "0"), ("ACL", "LIST"), ("ACL", "SETUSER", "evil", "on"),
@@ -298,13 +311,16 @@ REWARDS = [("XADD", "fleet:rewards", "*", "f", "v"), ("XRANGE", "fleet:rewards",
 FORGE_EVENT = [("PUBLISH", "/0.celeryev/task.multi", "e")]
 COMMAND_WORKERS = [("PUBLISH", "/0.celery.pidbox", "shutdown")]
 FORGE_REPLY = [("LPUSH", "t4.reply.celery.pidbox", "r"), ("LPUSH", "w@h.celery.pidbox", "c")]
+# Writing another role's report, or a reader writing any.
+FORGE_STATS = [("HSET", "fleet:stats:timers:n1", "at", "1"), ("DEL", "fleet:stats:index"),
+               ("HSET", "fleet:stats:relay:n1", "at", "1")]
 DENIED: dict[str, list[Command]] = {
     "default": [("LLEN", Q), *DISPATCH, *STEAL, *EVENTS, *REWARDS, *COMMAND_WORKERS],
     "worker": [("DEL", Q), ("LRANGE", Q, "0", "-1"), ("LPUSH", "celery", "m"),
-               ("HGETALL", "unacked"), *EVENTS,
+               ("HGETALL", "unacked"), *EVENTS, *FORGE_STATS,
                ("XTRIM", "fleet:events", "MAXLEN", "0"), ("DEL", "fleet:events"), *REWARDS,
                ("PUBLISH", "/1.celery.pidbox", "c")],
-    "client": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *FORGE_REPLY,
+    "client": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *FORGE_REPLY, *FORGE_STATS,
                ("LPUSH", "celery", "m")],
     "timers": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *COMMAND_WORKERS,
                *FORGE_REPLY],
@@ -329,6 +345,7 @@ DENIED: dict[str, list[Command]] = {
                  ("XREADGROUP", "GROUP", "g", "c", "STREAMS", "fleet:rewards", ">"),
                  ("XADD", "fleet:rewards:dead", "*", "f", "v"), ("DEL", "fleet:rewards")],
     "flower": [*DISPATCH, *STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *FORGE_REPLY,
+               *FORGE_STATS,
                ("SMEMBERS", "_kombu.binding.fleet.drive")],
     "keda": [*DISPATCH, *STEAL, *UNACKED, *EVENTS, *REWARDS, *COMMAND_WORKERS],
 }

@@ -413,10 +413,18 @@ def test_flowers_dashboard_and_api_read_on_the_flower_user(quiet: Fleet) -> None
             break
         assert time.monotonic() < deadline, ("Flower saw no task event", body[:2000])
     assert seen[0]["state"] == "SUCCESS"
-    for page in ("/", "/workers", "/tasks", "/broker"):
+    for page in ("/", "/workers", "/tasks", "/broker", "/fleet", "/metrics"):
         status, body = http(f"{base}{page}")
         assert status == 200, page
     assert QUEUE.encode() in http(f"{base}/broker")[1]
+    # The Fleet page reads every process's report on the flower user (decision 0022).
+    status, body = http(f"{base}/fleet/api/status")
+    assert status == 200
+    fleet_status = json.loads(body)
+    assert fleet_status["problems"] == []
+    roles = {p["role"] for p in fleet_status["processes"] if not p["stale"]}
+    assert {"worker", "timers", "recovery", "attacher", "relay"} <= roles
+    assert b"fleet_drives_total" in http(f"{base}/metrics")[1]
 
 
 PUBLISHING = {

@@ -441,3 +441,29 @@ def test_fleet_demo_json_on_postgres_and_redis(postgres_url: str, tmp_path: Path
                        for raw in client.hvals("unacked"))
     finally:
         client.close()
+
+
+def test_fleet_up_serves_flower_with_the_fleet_page(no_fleet_env: None, tmp_path: Path) -> None:
+    """``fleet up``'s Flower is ``fleet flower``: the Fleet page, behind its own password,
+    with every process of the embedded fleet reporting (issue 14)."""
+    import urllib.request
+    from base64 import b64encode
+
+    with EmbeddedFleet(workers=1, flower=True, data_dir=tmp_path / "up") as fleet:
+        assert fleet.flower_url is not None
+        assert fleet.flower_auth is not None
+        auth = "Basic " + b64encode(fleet.flower_auth.encode()).decode()
+
+        def status() -> dict[str, Any]:
+            request = urllib.request.Request(f"{fleet.flower_url}/fleet/api/status",
+                                             headers={"Authorization": auth})
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                data: dict[str, Any] = json.loads(reply.read())
+                return data
+        wait_for(lambda: {"worker", "timers", "recovery", "attacher", "relay"} <= {
+            p["role"] for p in status()["processes"] if not p["stale"]}, timeout=60)
+        assert status()["operator"] == {"principal": "operator:local", "retry": True}
+        request = urllib.request.Request(f"{fleet.flower_url}/fleet",
+                                         headers={"Authorization": auth})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert b'id="fleet-nav"' in reply.read()

@@ -37,7 +37,8 @@ COMMANDS = {"worker": ["worker", "--queues", "$(FLEET_QUEUE)",
             "relay": ["relay"], "flower": ["flower"], "db-upgrade": ["db", "upgrade"]}
 HEALTH_CHECKED = ("worker", "timers", "recovery", "attacher", "relay")
 REDIS_CLIENTS = {"worker", "timers", "recovery", "attacher", "relay", "flower"}
-POSTGRES_CLIENTS = {"worker", "timers", "recovery", "attacher", "relay", "db-upgrade"}
+POSTGRES_CLIENTS = {"worker", "timers", "recovery", "attacher", "relay", "flower",
+                    "db-upgrade"}
 SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|KEY|AUTH|CREDENTIAL|_URL$", re.I)
 CREDENTIALS_IN_URL = re.compile(r"://[^/\s]*:[^/\s]*@")
 

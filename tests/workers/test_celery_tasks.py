@@ -118,12 +118,15 @@ def test_the_drive_task_says_how_the_run_ended(celery_session_app: Any,
     def drive(execution_id: str, queue: str = QUEUES[0]) -> Any:
         return returned.wait(app.send_task(DRIVE_TASK, args=[execution_id], queue=queue).id)
 
+    # The result, in words (what Flower shows: issue 14 item 5).
     done = _start_unenqueued(worker, "unit-double", 21)
     assert drive(done, QUEUES[1]) == "completed"
-    assert drive(done) == "idle"  # a second delivery: nothing to do
+    assert drive(done) == "nothing to do (completed)"  # a second delivery
     parked = _start_unenqueued(worker, "unit-gate", 0)
-    assert drive(parked) == "parked"
-    assert drive("no-such-execution") == "not_found"
+    said = drive(parked)
+    assert said.startswith("parked on ")
+    assert said.endswith("(gate)")
+    assert drive("no-such-execution") == "no execution 'no-such-execution'"
     signals.task_postrun.disconnect(returned)
     summary = _summary(worker, done)
     assert summary is not None
