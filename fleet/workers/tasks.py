@@ -17,7 +17,8 @@ publishes a new drive of the execution, on the same route, before it returns
 ``fleet.drives(execution_ids, flow_id=None, tenant=None)`` is the same for
 several executions of one route, published together (decision 0030): the
 worker drives them at once on its loop (at most ``worker_drives`` runs at once
-per process) and returns how each stopped; the message is acknowledged when
+per process) and returns how each stopped, in words (``"<id>: completed"``,
+``"<id>: parked on approval (gate)"``...); the message is acknowledged when
 all stopped. Only the drives a store outage stopped are retried. A message
 whose ids are not a list of 1 to ``MAX_BATCH`` strings is refused
 (``["refused"]``, logged, not retried).
@@ -45,7 +46,7 @@ from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK, DRIVES_TASK
 from fleet.dispatcher.signing import DispatchVerifier
 from fleet.host.celery_api import get_exponential_backoff_interval
 from fleet.kernel.errors import StoreUnavailableError
-from fleet.workers.process import HANDED_BACK, REFUSED, open_process
+from fleet.workers.process import HANDED_BACK, REFUSED, DriveResult, open_process
 from fleet.workers.stats import register_stats_source
 
 log = logging.getLogger("fleet.workers")
@@ -84,7 +85,9 @@ def register_tasks(app: Any) -> None:
                 factor=1, retries=task.request.retries, maximum=30, full_jitter=True)
             raise task.retry(args=[failed], kwargs={"flow_id": flow_id, "tenant": tenant},
                              exc=exc, countdown=countdown)
-        return [str(o) for o in outcomes]
+        # What Flower shows as the task's result: each execution and how its run ended.
+        return [f"{execution_id}: {describe_result(outcome)}"
+                for execution_id, outcome in zip(ids, outcomes, strict=True)]
 
     verifiers: list[DispatchVerifier] = []  # one per process, made at the first message
 
@@ -126,6 +129,11 @@ def check_batch(execution_ids: Any) -> list[str] | None:
     if not all(isinstance(i, str) and 0 < len(i) <= _MAX_ID for i in execution_ids):
         return None
     return list(dict.fromkeys(execution_ids))  # one drive per execution
+
+
+def describe_result(outcome: object) -> str:
+    """A drive's answer in words (``DriveResult.detail``), whatever the answer's type."""
+    return outcome.detail if isinstance(outcome, DriveResult) else str(outcome)
 
 
 def _describe(value: Any) -> str:

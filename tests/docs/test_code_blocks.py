@@ -209,11 +209,31 @@ def classify(blocks: list[Block], entries: Iterable[NotRun] = NOT_RUN) -> list[s
     return problems
 
 
+#: What a block must print besides succeeding: (path, the block's text contains, lines
+#: its output must hold). What a newcomer is promised on first contact.
+EXPECTED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    # The demo explains each estimator it reports and shows a divergence parked and
+    # retried (issue 15 item 7).
+    ("README.md", "fleet demo", (
+        "How to read it", "IPS", "SNIPS", "unbiased", "normalised",
+        "effective sample size", "diverged")),
+)
+
+
+def expected(block: Block) -> tuple[str, ...]:
+    return tuple(line for path, contains, lines in EXPECTED
+                 if block.path == path and block.text.strip() == contains for line in lines)
+
+
 def failure(block: Block, workdir: Path, limit_s: float = LIMIT_S) -> str | None:
     """Run ``block`` in ``workdir``; None when it succeeded, else what to show."""
     rc, output = RUNNERS[block.lang](block, workdir, limit_s)
-    if rc == 0:
+    missing = [line for line in expected(block) if line not in output]
+    if rc == 0 and not missing:
         return None
+    if rc == 0:
+        return (f"{block.where}: the ```{block.lang} block ran but did not print "
+                f"{missing}; its output:\n{output[-4000:]}")
     how = f"ran over its {limit_s:g} s limit" if rc is None else f"exited {rc}"
     return (f"{block.where}: the ```{block.lang} block {how} (run as written in a fresh "
             f"directory, without FLEET_*); its output:\n{output[-4000:]}")
@@ -252,6 +272,9 @@ def test_the_readme_examples_are_run() -> None:
     assert readme
     assert all(b in run for b in readme)
     assert any(b.path == "README.md" and b.text.strip() == "fleet demo" for b in run)
+    # Every expectation names a block that is run.
+    for path, contains, _lines in EXPECTED:
+        assert [b for b in run if b.path == path and b.text.strip() == contains], contains
 
 
 @pytest.mark.integration

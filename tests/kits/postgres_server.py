@@ -76,6 +76,12 @@ def _answers(url: str) -> bool:
     return True
 
 
+# The session's server is the one named when the tests began: a test that points the
+# CLI at a SQLite file (monkeypatching FLEET_DATABASE_URL) before the first Postgres
+# test of the run must not make that file "the server".
+_CONFIGURED = os.environ.get("FLEET_DATABASE_URL")
+
+
 def server_url() -> str:
     """A URL of a reachable server (its admin database), found or started once."""
     global _server
@@ -86,7 +92,7 @@ def server_url() -> str:
 
 
 def _find_or_start() -> str:
-    configured = os.environ.get("FLEET_DATABASE_URL")
+    configured = _CONFIGURED
     if configured:
         if _answers(configured):
             return configured

@@ -38,13 +38,18 @@ def _answers(url: str) -> bool:
         return False
 
 
+# The session's server is the one named when the tests began (a test may point the
+# CLI elsewhere by monkeypatching FLEET_REDIS_URL before the first Redis test runs).
+_CONFIGURED = os.environ.get("FLEET_REDIS_URL")
+
+
 def server_url() -> str:
     """The URL of a reachable Redis, starting an embedded one if need be."""
     global _server, _embedded
     with _lock:
         if _server is not None:
             return _server
-        configured = os.environ.get("FLEET_REDIS_URL")
+        configured = _CONFIGURED
         if configured:
             if _answers(configured):
                 _server = configured

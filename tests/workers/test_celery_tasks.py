@@ -150,11 +150,17 @@ def test_the_drives_task_drives_each_and_refuses_a_forged_batch(
         parked = _start_unenqueued(worker, "unit-gate", 0)
         before = worker.counters.deliveries
         # Each execution once (a repeated id is one drive), in the order given.
-        assert drives([*done, parked, done[0], "no-such-execution"]) == [
-            "completed", "completed", "completed", "parked", "not_found"]
+        said = drives([*done, parked, done[0], "no-such-execution"])
+        # How each run ended, in words, beside its id (what Flower shows).
+        assert said[:3] == [f"{e}: completed" for e in done]
+        assert said[3].startswith(f"{parked}: parked on ")
+        assert said[3].endswith("(gate)")
+        assert said[4] == "no-such-execution: no execution 'no-such-execution'"
+        assert len(said) == 5
         assert worker.counters.deliveries - before == 5
         assert [worker.loop.run_coroutine(worker.runtime.result(e)) for e in done] == [2, 4, 6]
-        assert drives(done) == ["idle"] * 3  # delivered again: nothing to do
+        # Delivered again: nothing to do.
+        assert drives(done) == [f"{e}: nothing to do (completed)" for e in done]
         # Forged or mangled: refused whole, nothing driven, the worker goes on.
         fresh = _start_unenqueued(worker, "unit-double", 9)
         before = worker.counters.deliveries
@@ -165,7 +171,7 @@ def test_the_drives_task_drives_each_and_refuses_a_forged_batch(
         summary = _summary(worker, fresh)
         assert summary is not None
         assert summary.status == "running"
-        assert drives([fresh]) == ["completed"]
+        assert drives([fresh]) == [f"{fresh}: completed"]
     finally:
         signals.task_postrun.disconnect(returned)
 
