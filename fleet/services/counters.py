@@ -46,6 +46,7 @@ from typing import Any
 
 from fleet.config import FleetSettings
 from fleet.kernel.errors import ConfigurationError
+from fleet.services.base import PeriodicService
 from fleet.streams.redis_client import aioredis, as_text, sync_redis
 
 log = logging.getLogger("fleet.counters")
@@ -118,8 +119,8 @@ def numbers(values: Mapping[str, Any], renames: Mapping[str, str] | None = None
 Collect = Callable[[], Mapping[str, Any]]
 
 
-class StatsReporter:
-    """A ``Service`` writing this process's counters to ``fleet:stats:<role>:<name>``.
+class StatsReporter(PeriodicService):
+    """A ``PeriodicService`` writing this process's counters to ``fleet:stats:<role>:<name>``.
 
     Args:
         redis_url: The fleet's Redis (``FLEET_REDIS_URL``; each component's own ACL
@@ -134,26 +135,25 @@ class StatsReporter:
     interval; the process goes on. ``stop`` writes a last report marked stopped.
     """
 
-    requires: tuple[str, ...] = ()
+    name = "stats"
 
     def __init__(self, redis_url: str, role: str, name: str, collect: Collect, *,
                  interval_s: float = 2.0, ttl_s: int = 86_400, prefix: str = PREFIX) -> None:
-        if interval_s <= 0 or ttl_s < 1:
-            raise ConfigurationError("StatsReporter: interval_s must be > 0 and ttl_s >= 1")
-        self.name = "stats"
+        if ttl_s < 1:
+            raise ConfigurationError("StatsReporter: ttl_s must be >= 1")
+        # A report is bounded by its Redis client's timeouts (2 s connect, 5 s a
+        # command); stop cuts one still running after that.
+        super().__init__(interval_s, stop_timeout_s=8.0)
         self.key = stats_key(role, name, prefix)
         self.index = f"{prefix}index"
         self.role = role
         self.process = name
         self.redis_url = redis_url
         self.collect = collect
-        self.interval_s = interval_s
         self.ttl_s = ttl_s
         self.reports = 0
-        self.errors = 0
         self.started_at = time.time()
         self._client: aioredis.Redis | None = None
-        self._task: asyncio.Task[None] | None = None
 
     @classmethod
     def for_settings(cls, settings: FleetSettings, role: str, name: str,
@@ -217,21 +217,15 @@ class StatsReporter:
     async def start(self) -> None:
         if self._task is None:
             self.started_at = time.time()
-            await self.report()
-            self._task = asyncio.get_running_loop().create_task(self._loop(),
-                                                                name="fleet-stats")
+        await super().start()  # its first tick reports at once
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.report()
+    async def tick(self) -> None:
+        await self.report()  # a failure is counted in report, never raised
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        running = self._task is not None
+        await super().stop()
+        if running:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.report(stopped=True), 5.0)
         client, self._client = self._client, None
