@@ -1,13 +1,21 @@
 """Where the kernel's CPU goes per execution: cProfile over ``bench.kernel``'s 3-step flow.
 
-Run: ``python -m bench.kernel_profile [--store memory|postgres] [--n 2000] [--top 25]``.
-Never run as a test. Runs the flow sequentially (one execution at a time, the
-way ``bench.kernel``'s sequential row does), after a warm-up; prints the process
-CPU time per execution (user and system, ``os.times``, without the profiler; the
-system part is mostly socket calls), then a second pass under cProfile timed by
-process CPU (waiting is not in it) and its top functions by own time; writes
-``bench/results/kernel_profile_<store>.json``. On Postgres the CPU is the
-client's (this process): the server's work is not in it.
+Run: ``python -m bench.kernel_profile [--store memory|postgres] [--n 2000] [--top 25]
+[--repeat 3] [--loop auto|asyncio|uvloop] [--tag TAG]``. Never run as a test.
+
+Runs the flow sequentially (one execution at a time, the way ``bench.kernel``'s
+sequential row does), after a warm-up, and measures the process CPU time per
+execution (user and system, ``os.times``, without the profiler; the system part
+is mostly socket calls) ``--repeat`` times on each event loop, interleaved (uvloop,
+asyncio, uvloop, ...: a burst of load from elsewhere hits both alike), each
+round on a fresh loop, store and runtime; the figure is the median of the rounds.
+``--loop`` (default: what fleet's own processes run on, ``FLEET_EVENT_LOOP`` or
+``auto``: ``fleet.host.loop``) is the loop reported first and the one profiled:
+a last pass under cProfile timed by process CPU (waiting is not in it) gives the
+top functions by own time (cProfile inflates tiny calls; a sampling profiler,
+``py-spy record -- python -m bench.kernel_profile ...``, shows where real time
+goes). Writes ``bench/results/kernel_profile_<store>[_<tag>].json``. On Postgres
+the CPU is the client's (this process): the server's work is not in it.
 """
 
 from __future__ import annotations
@@ -20,16 +28,19 @@ import json
 import os
 import pstats
 import secrets
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.kernel import DEFAULT_URL, three_steps
+from fleet.host.loop import loop_factory, loop_name, run_loop
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.factory import open_event_store
 from fleet.kernel.store.spi import EventStore
 
 RESULTS = Path(__file__).parent / "results"
+WARMUP = 100
 
 
 async def _open(kind: str, url: str, schema: str) -> EventStore:
@@ -40,38 +51,79 @@ async def _open(kind: str, url: str, schema: str) -> EventStore:
     return await PostgresEventStore(url, schema=schema).open()
 
 
+async def _drop(kind: str, url: str, schema: str) -> None:
+    if kind == "memory":
+        return
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+
+
 async def _run(runtime: Runtime, n: int, base: int) -> None:
     for i in range(n):
         handle = await runtime.start("bench3", base + i)
         assert await handle.result() == base + i + 3
 
 
-async def measure(kind: str, n: int, url: str, top: int) -> dict[str, Any]:
+async def _round(kind: str, n: int, url: str,
+                 profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+    """One measurement on a fresh store and runtime: CPU (or a profile) of ``n`` executions."""
     schema = f"fleet_prof_{secrets.token_hex(4)}"
     store = await _open(kind, url, schema)
     runtime = Runtime(store, flows=[three_steps])
     try:
-        await _run(runtime, 100, 0)  # warm-up
+        await _run(runtime, WARMUP, 0)
         t0, wall0 = os.times(), time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         await _run(runtime, n, 1000)
+        if profiler is not None:
+            profiler.disable()
         t1 = os.times()
         wall = time.perf_counter() - wall0
-        user, system = t1.user - t0.user, t1.system - t0.system
-        profiler = cProfile.Profile(time.process_time)  # CPU, not waiting
-        profiler.enable()
-        await _run(runtime, n, 10**6)
-        profiler.disable()
     finally:
         await runtime.close()
         await store.close()
-        if kind != "memory":
-            import asyncpg
+        await _drop(kind, url, schema)
+    user, system = t1.user - t0.user, t1.system - t0.system
+    return {"event_loop": loop_name(asyncio.get_running_loop()),
+            "cpu_ms_per_execution": round((user + system) / n * 1000, 3),
+            "user_ms_per_execution": round(user / n * 1000, 3),
+            "system_ms_per_execution": round(system / n * 1000, 3),
+            "wall_ms_per_execution": round(wall / n * 1000, 3)}
 
-            conn = await asyncpg.connect(url)
+
+def _median(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("cpu_ms_per_execution", "user_ms_per_execution", "system_ms_per_execution",
+            "wall_ms_per_execution")
+    summary: dict[str, Any] = {key: round(statistics.median(r[key] for r in rounds), 3)
+                               for key in keys}
+    summary["cpu_ms_rounds"] = [r["cpu_ms_per_execution"] for r in rounds]
+    return summary
+
+
+def measure(kind: str, n: int, url: str, top: int, loop: str | None,
+            repeat: int) -> dict[str, Any]:
+    probe = loop_factory(loop)()
+    chosen = loop_name(probe)
+    probe.close()
+    loops = [chosen] + [other for other in ("uvloop", "asyncio") if other != chosen]
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in loops}
+    load_before = os.getloadavg()
+    for _ in range(repeat):
+        for name in loops:
             try:
-                await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-            finally:
-                await conn.close()
+                factory = loop_factory(name)
+            except Exception:  # noqa: BLE001 - uvloop not installed: asyncio alone
+                continue
+            with asyncio.Runner(loop_factory=factory) as runner:
+                rounds[name].append(runner.run(_round(kind, n, url)))
+    profiler = cProfile.Profile(time.process_time)  # CPU, not waiting
+    profiled = run_loop(_round(kind, n, url, profiler), event_loop=chosen)
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats(top)
@@ -81,12 +133,14 @@ async def measure(kind: str, n: int, url: str, top: int) -> dict[str, Any]:
         rows.append({"function": f"{Path(file).name}:{line}({name})", "calls_per_exec":
                      round(calls / n, 2), "own_us_per_exec": round(tottime / n * 1e6, 1),
                      "cum_us_per_exec": round(cumtime / n * 1e6, 1)})
-    return {"store": kind, "executions": n,
-            "cpu_ms_per_execution": round((user + system) / n * 1000, 3),
-            "user_ms_per_execution": round(user / n * 1000, 3),
-            "system_ms_per_execution": round(system / n * 1000, 3),
-            "wall_ms_per_execution": round(wall / n * 1000, 3), "top": rows,
-            "load_average": os.getloadavg(), "pstats": out.getvalue()}
+    total_calls = sum(calls for (_cc, calls, *_rest) in stats.stats.values())  # type: ignore[attr-defined]
+    by_loop = {name: _median(found) for name, found in rounds.items() if found}
+    return {"store": kind, "executions": n, "repeat": repeat, "event_loop": chosen,
+            **{k: v for k, v in by_loop[chosen].items() if k != "cpu_ms_rounds"},
+            "by_loop": by_loop, "profiled_cpu_ms_per_execution":
+            profiled["cpu_ms_per_execution"], "calls_per_execution": round(total_calls / n, 1),
+            "top": rows, "load_average_before": load_before, "load_average": os.getloadavg(),
+            "pstats": out.getvalue()}
 
 
 def main() -> None:
@@ -94,14 +148,24 @@ def main() -> None:
     parser.add_argument("--store", default="memory", choices=("memory", "postgres"))
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="CPU rounds per event loop (the figure is their median)")
+    parser.add_argument("--loop", default=None, choices=("auto", "asyncio", "uvloop"),
+                        help="the loop reported first and profiled (default: fleet's, "
+                        "FLEET_EVENT_LOOP or auto)")
     parser.add_argument("--url", default=os.environ.get("FLEET_DATABASE_URL", DEFAULT_URL))
     parser.add_argument("--tag", default="", help="suffix of the results file")
     args = parser.parse_args()
-    doc = asyncio.run(measure(args.store, args.n, args.url, args.top))
+    doc = measure(args.store, args.n, args.url, args.top, args.loop, args.repeat)
     print(doc["pstats"])
-    print(f"{args.store}: {doc['cpu_ms_per_execution']} ms CPU per execution (user "
-          f"{doc['user_ms_per_execution']}, system {doc['system_ms_per_execution']}; "
-          f"{doc['wall_ms_per_execution']} ms wall), load {doc['load_average'][0]:.1f}")
+    print(f"{doc['calls_per_execution']} Python calls per execution under cProfile")
+    for name, row in doc["by_loop"].items():
+        print(f"{args.store} on {name}: {row['cpu_ms_per_execution']} ms CPU per execution "
+              f"(median of {args.repeat}: {row['cpu_ms_rounds']}; user "
+              f"{row['user_ms_per_execution']}, system {row['system_ms_per_execution']}; "
+              f"{row['wall_ms_per_execution']} ms wall)")
+    print(f"load average {doc['load_average_before'][0]:.1f} before, "
+          f"{doc['load_average'][0]:.1f} after")
     RESULTS.mkdir(exist_ok=True)
     doc.pop("pstats")
     name = f"kernel_profile_{args.store}{'_' + args.tag if args.tag else ''}.json"
