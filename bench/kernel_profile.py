@@ -16,6 +16,17 @@ top functions by own time (cProfile inflates tiny calls; a sampling profiler,
 ``py-spy record -- python -m bench.kernel_profile ...``, shows where real time
 goes). Writes ``bench/results/kernel_profile_<store>[_<tag>].json``. On Postgres
 the CPU is the client's (this process): the server's work is not in it.
+
+The wait tax (Postgres only). Each of an execution's 4 writes waits for a commit,
+and the kernel charges a process for going idle and waking up (more on a shared
+virtual machine, whose other tenants evict its caches meanwhile: tens to hundreds
+of microseconds a wait). A calibration row runs the same flow on the memory
+store with each write waiting as long as a Postgres write took (``asyncio.sleep``)
+and reports its CPU beside the memory store's without waiting: the difference is
+what the waits alone cost this process on this machine at this load, a part of
+the Postgres figure no change to fleet's code removes (decision 0031). Beside it,
+the CPU of one bare asyncpg round trip (``SELECT 1``) on each loop: what the
+loop itself costs per write.
 """
 
 from __future__ import annotations
@@ -63,18 +74,46 @@ async def _drop(kind: str, url: str, schema: str) -> None:
         await conn.close()
 
 
+class WaitingStore:
+    """The memory store, each write waiting ``wait_s`` first (the calibration row)."""
+
+    def __init__(self, inner: EventStore, wait_s: float) -> None:
+        self.inner = inner
+        self.wait_s = wait_s
+
+    async def append(self, event: Any, *, fence: int | None = None) -> None:
+        await asyncio.sleep(self.wait_s)
+        await self.inner.append(event, fence=fence)
+
+    async def append_batch(self, events: Any, *, fence: int | None = None) -> None:
+        await asyncio.sleep(self.wait_s)
+        await self.inner.append_batch(events, fence=fence)
+
+    async def append_acquiring(self, events: Any, **options: Any) -> Any:
+        await asyncio.sleep(self.wait_s)
+        return await self.inner.append_acquiring(events, **options)  # type: ignore[attr-defined]
+
+    async def append_releasing(self, events: Any, **options: Any) -> Any:
+        await asyncio.sleep(self.wait_s)
+        return await self.inner.append_releasing(events, **options)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 async def _run(runtime: Runtime, n: int, base: int) -> None:
     for i in range(n):
         handle = await runtime.start("bench3", base + i)
         assert await handle.result() == base + i + 3
 
 
-async def _round(kind: str, n: int, url: str,
-                 profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+async def _round(kind: str, n: int, url: str, profiler: cProfile.Profile | None = None,
+                 wait_s: float = 0.0) -> dict[str, Any]:
     """One measurement on a fresh store and runtime: CPU (or a profile) of ``n`` executions."""
     schema = f"fleet_prof_{secrets.token_hex(4)}"
     store = await _open(kind, url, schema)
-    runtime = Runtime(store, flows=[three_steps])
+    runtime = Runtime(WaitingStore(store, wait_s) if wait_s else store,  # type: ignore[arg-type]
+                      flows=[three_steps])
     try:
         await _run(runtime, WARMUP, 0)
         t0, wall0 = os.times(), time.perf_counter()
@@ -95,6 +134,22 @@ async def _round(kind: str, n: int, url: str,
             "user_ms_per_execution": round(user / n * 1000, 3),
             "system_ms_per_execution": round(system / n * 1000, 3),
             "wall_ms_per_execution": round(wall / n * 1000, 3)}
+
+
+async def _round_trip_us(url: str, n: int = 3000) -> float:
+    """Process CPU (microseconds) of one bare asyncpg round trip on the running loop."""
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        for _ in range(200):
+            await conn.fetchval("SELECT 1")
+        began = time.process_time()
+        for _ in range(n):
+            await conn.fetchval("SELECT 1")
+        return round((time.process_time() - began) / n * 1e6, 1)
+    finally:
+        await conn.close()
 
 
 def _median(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -122,6 +177,25 @@ def measure(kind: str, n: int, url: str, top: int, loop: str | None,
                 continue
             with asyncio.Runner(loop_factory=factory) as runner:
                 rounds[name].append(runner.run(_round(kind, n, url)))
+    calibration: dict[str, Any] = {}
+    if kind == "postgres":
+        # Each write waits as long as a Postgres write took (4 per execution).
+        wait_s = statistics.median(r["wall_ms_per_execution"] for r in rounds[chosen]) / 4000
+        runs: dict[str, list[dict[str, Any]]] = {"memory": [], "memory_waiting": []}
+        for _ in range(repeat):
+            for label, wait in (("memory", 0.0), ("memory_waiting", wait_s)):
+                runs[label].append(run_loop(_round("memory", n, url, wait_s=wait),
+                                            event_loop=chosen))
+        idle, waiting = _median(runs["memory"]), _median(runs["memory_waiting"])
+        trips: dict[str, list[float]] = {name: [] for name in rounds if rounds[name]}
+        for _ in range(repeat):
+            for name in trips:
+                trips[name].append(run_loop(_round_trip_us(url), event_loop=name))
+        calibration = {"select_1_cpu_us_by_loop": {name: statistics.median(found)
+                                                   for name, found in trips.items()},
+                       "wait_ms_per_write": round(wait_s * 1000, 3), "memory": idle,
+                       "memory_waiting": waiting, "wait_tax_ms_per_execution": round(
+                           waiting["cpu_ms_per_execution"] - idle["cpu_ms_per_execution"], 3)}
     profiler = cProfile.Profile(time.process_time)  # CPU, not waiting
     profiled = run_loop(_round(kind, n, url, profiler), event_loop=chosen)
     out = io.StringIO()
@@ -139,7 +213,8 @@ def measure(kind: str, n: int, url: str, top: int, loop: str | None,
             **{k: v for k, v in by_loop[chosen].items() if k != "cpu_ms_rounds"},
             "by_loop": by_loop, "profiled_cpu_ms_per_execution":
             profiled["cpu_ms_per_execution"], "calls_per_execution": round(total_calls / n, 1),
-            "top": rows, "load_average_before": load_before, "load_average": os.getloadavg(),
+            "wait_calibration": calibration, "top": rows, "load_average_before": load_before,
+            "load_average": os.getloadavg(),
             "pstats": out.getvalue()}
 
 
@@ -164,6 +239,16 @@ def main() -> None:
               f"(median of {args.repeat}: {row['cpu_ms_rounds']}; user "
               f"{row['user_ms_per_execution']}, system {row['system_ms_per_execution']}; "
               f"{row['wall_ms_per_execution']} ms wall)")
+    cal = doc["wait_calibration"]
+    if cal:
+        idle = cal["memory"]["cpu_ms_per_execution"]
+        waiting = cal["memory_waiting"]["cpu_ms_per_execution"]
+        print(f"wait tax on {doc['event_loop']}: memory store {idle} ms CPU per execution, "
+              f"{waiting} ms with each of its writes waiting {cal['wait_ms_per_write']} ms as "
+              f"a Postgres write did: {cal['wait_tax_ms_per_execution']} ms of CPU per "
+              "execution is the waits' own")
+        print("one bare asyncpg round trip (SELECT 1), CPU: " + ", ".join(
+            f"{name} {us} us" for name, us in cal["select_1_cpu_us_by_loop"].items()))
     print(f"load average {doc['load_average_before'][0]:.1f} before, "
           f"{doc['load_average'][0]:.1f} after")
     RESULTS.mkdir(exist_ok=True)
