@@ -26,7 +26,10 @@ and reports its CPU beside the memory store's without waiting: the difference is
 what the waits alone cost this process on this machine at this load, a part of
 the Postgres figure no change to fleet's code removes (decision 0031). Beside it,
 the CPU of one bare asyncpg round trip (``SELECT 1``) on each loop: what the
-loop itself costs per write.
+loop itself costs per write. And the same flow with ``--in-flight`` executions
+at once (32), on each loop: the waits overlap, the process seldom sleeps, and
+the CPU per execution is the code's own (store calls are not batched: the store
+is opened without group commit, as in every row here).
 """
 
 from __future__ import annotations
@@ -101,14 +104,26 @@ class WaitingStore:
         return getattr(self.inner, name)
 
 
-async def _run(runtime: Runtime, n: int, base: int) -> None:
-    for i in range(n):
+async def _run(runtime: Runtime, n: int, base: int, in_flight: int = 1) -> None:
+    async def one(i: int) -> None:
         handle = await runtime.start("bench3", base + i)
         assert await handle.result() == base + i + 3
 
+    if in_flight == 1:
+        for i in range(n):
+            await one(i)
+        return
+    sem = asyncio.Semaphore(in_flight)
+
+    async def held(i: int) -> None:
+        async with sem:
+            await one(i)
+
+    await asyncio.gather(*(held(i) for i in range(n)))
+
 
 async def _round(kind: str, n: int, url: str, profiler: cProfile.Profile | None = None,
-                 wait_s: float = 0.0) -> dict[str, Any]:
+                 wait_s: float = 0.0, in_flight: int = 1) -> dict[str, Any]:
     """One measurement on a fresh store and runtime: CPU (or a profile) of ``n`` executions."""
     schema = f"fleet_prof_{secrets.token_hex(4)}"
     store = await _open(kind, url, schema)
@@ -119,7 +134,7 @@ async def _round(kind: str, n: int, url: str, profiler: cProfile.Profile | None 
         t0, wall0 = os.times(), time.perf_counter()
         if profiler is not None:
             profiler.enable()
-        await _run(runtime, n, 1000)
+        await _run(runtime, n, 1000, in_flight)
         if profiler is not None:
             profiler.disable()
         t1 = os.times()
@@ -162,7 +177,7 @@ def _median(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(kind: str, n: int, url: str, top: int, loop: str | None,
-            repeat: int) -> dict[str, Any]:
+            repeat: int, in_flight: int) -> dict[str, Any]:
     probe = loop_factory(loop)()
     chosen = loop_name(probe)
     probe.close()
@@ -177,6 +192,12 @@ def measure(kind: str, n: int, url: str, top: int, loop: str | None,
                 continue
             with asyncio.Runner(loop_factory=factory) as runner:
                 rounds[name].append(runner.run(_round(kind, n, url)))
+    busy: dict[str, list[dict[str, Any]]] = {name: [] for name in rounds if rounds[name]}
+    if in_flight > 1:
+        for _ in range(repeat):
+            for name in busy:
+                busy[name].append(run_loop(_round(kind, n, url, in_flight=in_flight),
+                                           event_loop=name))
     calibration: dict[str, Any] = {}
     if kind == "postgres":
         # Each write waits as long as a Postgres write took (4 per execution).
@@ -211,7 +232,9 @@ def measure(kind: str, n: int, url: str, top: int, loop: str | None,
     by_loop = {name: _median(found) for name, found in rounds.items() if found}
     return {"store": kind, "executions": n, "repeat": repeat, "event_loop": chosen,
             **{k: v for k, v in by_loop[chosen].items() if k != "cpu_ms_rounds"},
-            "by_loop": by_loop, "profiled_cpu_ms_per_execution":
+            "by_loop": by_loop, "in_flight": in_flight, "in_flight_by_loop": {
+                name: _median(found) for name, found in busy.items() if found},
+            "profiled_cpu_ms_per_execution":
             profiled["cpu_ms_per_execution"], "calls_per_execution": round(total_calls / n, 1),
             "wait_calibration": calibration, "top": rows, "load_average_before": load_before,
             "load_average": os.getloadavg(),
@@ -228,10 +251,13 @@ def main() -> None:
     parser.add_argument("--loop", default=None, choices=("auto", "asyncio", "uvloop"),
                         help="the loop reported first and profiled (default: fleet's, "
                         "FLEET_EVENT_LOOP or auto)")
+    parser.add_argument("--in-flight", type=int, default=32,
+                        help="executions at once in the busy rows (1: none)")
     parser.add_argument("--url", default=os.environ.get("FLEET_DATABASE_URL", DEFAULT_URL))
     parser.add_argument("--tag", default="", help="suffix of the results file")
     args = parser.parse_args()
-    doc = measure(args.store, args.n, args.url, args.top, args.loop, args.repeat)
+    doc = measure(args.store, args.n, args.url, args.top, args.loop, args.repeat,
+                  args.in_flight)
     print(doc["pstats"])
     print(f"{doc['calls_per_execution']} Python calls per execution under cProfile")
     for name, row in doc["by_loop"].items():
@@ -239,6 +265,10 @@ def main() -> None:
               f"(median of {args.repeat}: {row['cpu_ms_rounds']}; user "
               f"{row['user_ms_per_execution']}, system {row['system_ms_per_execution']}; "
               f"{row['wall_ms_per_execution']} ms wall)")
+    for name, row in doc["in_flight_by_loop"].items():
+        print(f"{args.store} on {name}, {args.in_flight} at once: {row['cpu_ms_per_execution']}"
+              f" ms CPU per execution (median of {args.repeat}: {row['cpu_ms_rounds']}; "
+              f"{row['wall_ms_per_execution']} ms wall per execution)")
     cal = doc["wait_calibration"]
     if cal:
         idle = cal["memory"]["cpu_ms_per_execution"]
