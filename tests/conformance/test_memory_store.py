@@ -15,8 +15,9 @@ from fleet.kernel.store.conformance import (
     make_event,
     started,
 )
+from fleet.kernel.store.forwarding import ForwardingEventStore
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
-from fleet.kernel.store.spi import EventStore, SnapshotStore
+from fleet.kernel.store.spi import AppendsManyLeased, EventStore, SnapshotStore
 
 
 class TestMemoryEventStore(EventStoreConformance):
@@ -24,6 +25,23 @@ class TestMemoryEventStore(EventStoreConformance):
     async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
         store = MemoryEventStore(clock=clock)
+        yield store
+        await store.close()
+
+    async def pass_time(self, ms: int) -> None:
+        self.clock.advance(ms)
+
+
+class TestForwardedMemoryEventStore(EventStoreConformance):
+    """Through a decorator without ``append_many_leased`` (``ForwardingEventStore``):
+    the kit's leased requests of one ``append_many`` are served by ``spi.append_many``
+    with the single calls, and must get the same answers."""
+
+    @pytest.fixture
+    async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
+        self.clock = clock
+        store = ForwardingEventStore(MemoryEventStore(clock=clock))
+        assert not isinstance(store, AppendsManyLeased)
         yield store
         await store.close()
 

@@ -134,12 +134,15 @@ class MemoryEventStore:
     async def append_many(self, requests: Sequence[AppendRequest],
                           ) -> list[BaseException | None]:
         """Every request in one step (one tick), each judged alone, in order."""
-        return cast(list[BaseException | None], await self.append_many_leased(requests))
+        return cast(list[BaseException | None], await self._append_many(requests))
 
     async def append_many_leased(self, requests: Sequence[ManyRequest],
                                  ) -> list[ManyAnswer]:
         """Plain, acquiring and releasing requests in one step (one tick), each judged
         alone, in order, exactly as its single call judges it (decision 0029)."""
+        return await self._append_many(requests)
+
+    async def _append_many(self, requests: Sequence[ManyRequest]) -> list[ManyAnswer]:
         await _tick()
         results: list[ManyAnswer] = []
         for request in requests:

@@ -330,7 +330,7 @@ class PostgresEventStore(_PostgresBase):
         The answer for each request is ``None`` (appended) or the error its own
         append would have raised; one request's refusal never fails another's.
         """
-        return cast(list[BaseException | None], await self.append_many_leased(requests))
+        return cast(list[BaseException | None], await self._append_many(requests))
 
     async def append_many_leased(self, requests: Sequence[ManyRequest],
                                  ) -> list[ManyAnswer]:
@@ -342,6 +342,9 @@ class PostgresEventStore(_PostgresBase):
         ``None`` (appended; an acquiring request: a live lease is held), the grant of
         an acquiring request, or the error its own call would have raised.
         """
+        return await self._append_many(requests)
+
+    async def _append_many(self, requests: Sequence[ManyRequest]) -> list[ManyAnswer]:
         results: list[ManyAnswer] = [None] * len(requests)
         prepared: list[tuple[int, Write, int | None]] = []
         ops: dict[int, LeaseOp] = {}

@@ -469,12 +469,15 @@ class SqliteEventStore:
     async def append_many(self, requests: Sequence[AppendRequest],
                           ) -> list[BaseException | None]:
         """Every request in one transaction of the writer (a savepoint each), judged alone."""
-        return cast(list[BaseException | None], await self.append_many_leased(requests))
+        return cast(list[BaseException | None], await self._append_many(requests))
 
     async def append_many_leased(self, requests: Sequence[ManyRequest],
                                  ) -> list[ManyAnswer]:
         """Plain, acquiring and releasing requests in one transaction of the writer (a
         savepoint each), each judged alone as its single call (decision 0029)."""
+        return await self._append_many(requests)
+
+    async def _append_many(self, requests: Sequence[ManyRequest]) -> list[ManyAnswer]:
         results: list[ManyAnswer] = [None] * len(requests)
         prepared: list[tuple[int, Callable[[sqlite3.Connection], ManyAnswer]]] = []
         for i, request in enumerate(requests):
