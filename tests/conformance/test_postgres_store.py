@@ -344,6 +344,16 @@ async def test_coalescer_groups_and_isolates_a_failing_request(database_url: str
         await store.close()
 
 
+async def _first(conn: asyncpg.Connection, query: str, *args: object) -> object:
+    """The first answer of ``query`` that is not NULL, asked again until there is one."""
+    for _ in range(3000):
+        answer = await conn.fetchval(query, *args)
+        if answer is not None:
+            return answer
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no answer from {query!r}")
+
+
 async def test_a_flush_whose_link_is_lost_gives_each_request_its_single_calls_verdict(
         db: PostgresEventStore, database_url: str) -> None:
     """The connection of a flush dies while the flush waits on a fence lock, so nothing
@@ -367,14 +377,10 @@ async def test_a_flush_whose_link_is_lost_gives_each_request_its_single_calls_ve
         waiting = ("SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
                    "AND pid <> pg_backend_pid() AND wait_event_type = 'Lock' "
                    "AND query LIKE '%fleet_append_many_leased%'")
-        pid = None
-        while pid is None:
-            await asyncio.sleep(0.01)
-            pid = await watcher.fetchval(waiting)
+        pid = await _first(watcher, waiting)
         assert await watcher.fetchval("SELECT pg_terminate_backend($1)", pid)
-        while await watcher.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
-                                     pid):
-            await asyncio.sleep(0.01)
+        await _first(watcher, "SELECT true WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity "
+                     "WHERE pid = $1)", pid)  # gone before the lock it waits on is freed
         await blocker.execute("ROLLBACK")
         answers = await flush
         assert answers[0] is None, answers
