@@ -220,8 +220,9 @@ class CoalescingEventStore(ForwardingEventStore):
                 results[i] = exc
                 futures.append(None)
                 continue
-            futures.append(self._enqueue((list(request[0]), request[1])
-                                         if isinstance(request, tuple) else request))
+            futures.append(self._enqueue(
+                request if isinstance(request, (AcquiringAppend, ReleasingAppend))
+                else (list(request[0]), request[1])))
         answers = await asyncio.gather(*(f for f in futures if f is not None),
                                        return_exceptions=True)
         it = iter(answers)

@@ -280,9 +280,14 @@ ManyAnswer = FenceGrant | BaseException | None
 
 def request_events(request: ManyRequest) -> Sequence[EventEnvelope]:
     """The events a request of ``append_many`` carries, whatever its kind."""
-    if isinstance(request, tuple):
-        return request[0]
-    return request.events
+    if isinstance(request, (AcquiringAppend, ReleasingAppend)):
+        return request.events
+    return request[0]
+
+
+def is_plain(request: ManyRequest) -> bool:
+    """A plain request (``AppendRequest``: any ``(events, fence)`` pair), not a leased one."""
+    return not isinstance(request, (AcquiringAppend, ReleasingAppend))
 
 
 @runtime_checkable
@@ -351,7 +356,7 @@ async def append_many(store: EventStore, requests: Sequence[ManyRequest],
     with only plain requests still share one ``append_many`` and the others go one
     request at a time through the single calls (the same answers, not one round trip).
     """
-    if all(isinstance(request, tuple) for request in requests):
+    if all(is_plain(request) for request in requests):
         plain = cast(Sequence[AppendRequest], requests)
         own = getattr(store, "append_many", None)
         if own is not None:
@@ -368,10 +373,9 @@ async def _append_mixed(store: EventStore, requests: Sequence[ManyRequest],
     """A mixed ``append_many`` on a store without ``append_many_leased``."""
     results: list[ManyAnswer] = [None] * len(requests)
     lanes = _lanes(requests)
-    together = [i for lane in lanes.values()
-                if all(isinstance(requests[j], tuple) for j in lane) for i in lane]
-    apart = [lane for lane in lanes.values()
-             if not all(isinstance(requests[j], tuple) for j in lane)]
+    together = [i for lane in lanes.values() if all(is_plain(requests[j]) for j in lane)
+                for i in lane]
+    apart = [lane for lane in lanes.values() if not all(is_plain(requests[j]) for j in lane)]
 
     async def plain() -> None:
         if together:
