@@ -4,8 +4,8 @@ subprocesses on Redis and Postgres, driven by ``fleet start/resume/send/cancel``
 ``fleet reward submit`` and ``fleet status``, probed by ``fleet health``; a
 worker's graceful shutdown against a crash, told apart by the fence records:
 SIGTERM mid-run hands the execution back before its lease would lapse, SIGKILL
-leaves it to the lease expiry and the recovery sweeper; and at the end, the events stream holding every event every one of
-them (and the command line) wrote.
+leaves it to the lease expiry and the recovery sweeper; and at the end, the
+events stream holding every event every one of them (and the command line) wrote.
 
 Redis database 11 is this module's; queues, streams and node names carry a
 random token, and the store is a throwaway Postgres database, so concurrent
