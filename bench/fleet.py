@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -50,6 +51,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +61,15 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from bench._common import RESULTS, ROOT, admin, bench_redis_url, with_database, workers
+from bench._common import (
+    RESULTS,
+    ROOT,
+    Worker,
+    admin,
+    bench_redis_url,
+    with_database,
+    workers,
+)
 from bench.fleet_flows import ALL as FLOWS
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher
@@ -111,36 +122,56 @@ async def _wait_count(probe: Any, target: int, timeout: float) -> None:
         await asyncio.sleep(0.02)
 
 
+@dataclass
+class RunningFleet:
+    """``fleet worker`` processes on a queue of their own, and a Dispatcher to them."""
+
+    workers: list[Worker]
+    dispatcher: Dispatcher
+    conn: asyncpg.Connection  # the run's database, to count what completed
+
+    async def batch(self, n: int) -> float:
+        """Seconds from the first of ``n`` starts of ``bench-three`` (64 in flight) until
+        all ``n`` completed, counted in Postgres."""
+        sem = asyncio.Semaphore(64)
+
+        async def one(i: int) -> None:
+            async with sem:
+                await self.dispatcher.start("bench-three", i)
+
+        base = await _completed(self.conn, "bench-three")
+        began = time.perf_counter()
+        producing = asyncio.gather(*(one(i) for i in range(n)))
+        await _wait_count(lambda: _completed(self.conn, "bench-three"), base + n, 600)
+        await producing
+        return time.perf_counter() - began
+
+
+@contextlib.asynccontextmanager
+async def running_fleet(env: dict[str, str], count: int, log_dir: Path, *, pool: str,
+                        concurrency: int, prefix: str) -> AsyncIterator[RunningFleet]:
+    """``count`` workers of ``env`` (``fleet_env``) started, and stopped on the way out:
+    the start-up every end-to-end measurement (``bench.fleet``, ``bench.scale``) uses."""
+    conn = await asyncpg.connect(env["FLEET_DATABASE_URL"])
+    try:
+        with workers(count, "fleet.workers.main", env["FLEET_QUEUE"], env, log_dir, pool=pool,
+                     concurrency=concurrency, prefix=prefix) as started:
+            async with Dispatcher(settings_for(env)) as dispatcher:
+                yield RunningFleet(started, dispatcher, conn)
+    finally:
+        await conn.close()
+
+
 async def fleet_throughput(db: str, broker: str, args: argparse.Namespace, log_dir: Path, *,
                            pool: str, concurrency: int, group_commit: bool,
                            documented: bool) -> float:
     queue = f"bench-fleet-{secrets.token_hex(3)}"
     env = fleet_env(db, broker, queue, drives=concurrency, group_commit=group_commit,
                     pool=pool, documented=documented)
-    settings = settings_for(env)
-    conn = await asyncpg.connect(db)
-    try:
-        with workers(args.workers, "fleet.workers.main", queue, env, log_dir, pool=pool,
-                     concurrency=concurrency, prefix=f"fleet-{pool}"):
-            async with Dispatcher(settings) as dispatcher:
-                sem = asyncio.Semaphore(64)
-
-                async def one(i: int) -> None:
-                    async with sem:
-                        await dispatcher.start("bench-three", i)
-
-                async def batch(n: int) -> float:
-                    base = await _completed(conn, "bench-three")
-                    began = time.perf_counter()
-                    producing = asyncio.gather(*(one(i) for i in range(n)))
-                    await _wait_count(lambda: _completed(conn, "bench-three"), base + n, 600)
-                    await producing
-                    return time.perf_counter() - began
-
-                await batch(args.warmup)
-                return float(args.n / await batch(args.n))
-    finally:
-        await conn.close()
+    async with running_fleet(env, args.workers, log_dir, pool=pool, concurrency=concurrency,
+                             prefix=f"fleet-{pool}") as fleet:
+        await fleet.batch(args.warmup)
+        return float(args.n / await fleet.batch(args.n))
 
 
 def chain_throughput(broker: str, args: argparse.Namespace, log_dir: Path, *, pool: str,

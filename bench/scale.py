@@ -50,15 +50,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import redis
 from rich.console import Console
 from rich.table import Table
 
-from bench._common import RESULTS, bench_redis_url, cpu_seconds, own_database, workers
-from bench.fleet import fleet_env, settings_for
+from bench._common import RESULTS, bench_redis_url, cpu_seconds, own_database
+from bench.fleet import fleet_env, running_fleet
 from bench.pg_limit import insert_tps
-from fleet.dispatcher import Dispatcher
 
 
 def machine_busy() -> tuple[float, float]:
@@ -121,64 +119,37 @@ async def one_run(args: argparse.Namespace, db: str, database: str, broker: str,
     queue = f"bench-scale-{secrets.token_hex(3)}"
     env = fleet_env(db, broker, queue, drives=64, documented=True)
     env.update(extra)
-    settings = settings_for(env)
     rclient = redis.Redis.from_url(broker)
-    conn = await asyncpg.connect(db)
-
-    async def completed() -> int:
-        return int(await conn.fetchval(
-            "SELECT count(*) FROM executions WHERE status = 'completed' AND flow_id = $1",
-            "bench-three"))
-
-    async def commits() -> int:
-        return int(await conn.fetchval(
-            "SELECT xact_commit FROM pg_stat_database WHERE datname = $1", database))
-
     try:
-        with workers(count, "fleet.workers.main", queue, env, log_dir, pool="threads",
-                     concurrency=64, prefix=f"scale{count}-") as started:
-            pids = [w.proc.pid for w in started]
-            async with Dispatcher(settings) as dispatcher:
-                sem = asyncio.Semaphore(64)
+        async with running_fleet(env, count, log_dir, pool="threads", concurrency=64,
+                                 prefix=f"scale{count}-") as fleet:
+            pids = [w.proc.pid for w in fleet.workers]
 
-                async def start(i: int) -> None:
-                    async with sem:
-                        await dispatcher.start("bench-three", i)
+            async def commits() -> int:
+                return int(await fleet.conn.fetchval(
+                    "SELECT xact_commit FROM pg_stat_database WHERE datname = $1", database))
 
-                async def batch(n: int) -> float:
-                    base = await completed()
-                    began = time.perf_counter()
-                    producing = asyncio.gather(*(start(i) for i in range(n)))
-                    deadline = time.monotonic() + 600
-                    while await completed() < base + n:
-                        if time.monotonic() > deadline:
-                            raise RuntimeError("scale batch timed out")
-                        await asyncio.sleep(0.02)
-                    await producing
-                    return time.perf_counter() - began
-
-                await batch(args.warmup)
-                per_worker0 = [cpu_seconds([p]) for p in pids]
-                own0, pg0, redis0 = time.process_time(), backend_cpu(database), \
-                    process_cpu(("redis-server",))
-                busy0, total0 = machine_busy()
-                commits0 = await commits()
-                cmds0 = int(rclient.info("stats")["total_commands_processed"])
-                load = os.getloadavg()[0]
-                elapsed = await batch(args.n)
-                # pg_stat_database is updated when a backend's transaction ends and
-                # reported at most every 0.5 s (PGSTAT_MIN_INTERVAL in 15): let it land.
-                await asyncio.sleep(1.0)
-                commits1 = await commits()
-                cmds1 = int(rclient.info("stats")["total_commands_processed"])
-                busy1, total1 = machine_busy()
-                per_worker = [cpu_seconds([p]) - c for p, c in zip(pids, per_worker0,
-                                                                    strict=True)]
-                own = time.process_time() - own0
-                pg = backend_cpu(database) - pg0
-                redis_cpu = process_cpu(("redis-server",)) - redis0
+            await fleet.batch(args.warmup)
+            per_worker0 = [cpu_seconds([p]) for p in pids]
+            own0, pg0, redis0 = time.process_time(), backend_cpu(database), \
+                process_cpu(("redis-server",))
+            busy0, total0 = machine_busy()
+            commits0 = await commits()
+            cmds0 = int(rclient.info("stats")["total_commands_processed"])
+            load = os.getloadavg()[0]
+            elapsed = await fleet.batch(args.n)
+            # pg_stat_database is updated when a backend's transaction ends and
+            # reported at most every 0.5 s (PGSTAT_MIN_INTERVAL in 15): let it land.
+            await asyncio.sleep(1.0)
+            commits1 = await commits()
+            cmds1 = int(rclient.info("stats")["total_commands_processed"])
+            busy1, total1 = machine_busy()
+            per_worker = [cpu_seconds([p]) - c for p, c in zip(pids, per_worker0,
+                                                                strict=True)]
+            own = time.process_time() - own0
+            pg = backend_cpu(database) - pg0
+            redis_cpu = process_cpu(("redis-server",)) - redis0
     finally:
-        await conn.close()
         rclient.close()
     rate = args.n / elapsed
     # The commits counter also saw the 1 s wait and the count queries: about 50 of them.

@@ -6,7 +6,6 @@ The command modules import these names and nothing else from one another.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import logging
@@ -37,10 +36,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 console = Console()
 err_console = Console(stderr=True)
 
-# Exceptions of these client libraries (a broker that does not answer) are a
-# one-line message, not a traceback.
-_CLIENT_MODULES = ("redis", "kombu", "amqp")
-
 
 def run_async(coro_fn: Callable[[], Awaitable[T]]) -> T:
     """Run a command's coroutine; a ``FleetError`` is a one-line message and exit code 1."""
@@ -48,23 +43,6 @@ def run_async(coro_fn: Callable[[], Awaitable[T]]) -> T:
         return run_loop(coro_fn())  # type: ignore[arg-type]
     except FleetError as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
-
-
-def fleet_errors(fn: F) -> F:
-    """A FleetError, or a broker client that cannot connect, is a one-line message and
-    exit code 1, not a traceback."""
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except FleetError as exc:
-            raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
-        except Exception as exc:
-            if isinstance(exc, OSError) or type(exc).__module__.startswith(_CLIENT_MODULES):
-                raise click.ClickException(
-                    f"the broker did not answer: {type(exc).__name__}: {exc}") from exc
-            raise
-    return wrapper  # type: ignore[return-value]
 
 
 def store_url(db: str | None) -> str:
@@ -290,7 +268,6 @@ __all__ = [
     "db_option",
     "err_console",
     "exit_with",
-    "fleet_errors",
     "id_column",
     "json_arg",
     "json_option",

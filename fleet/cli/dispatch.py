@@ -17,7 +17,6 @@ from typing import Any
 import click
 
 from fleet.cli.common import (
-    fleet_errors,
     json_arg,
     json_option,
     principal_from,
@@ -83,7 +82,6 @@ def flows_hint(exc: FlowNotFoundError, settings: FleetSettings) -> click.ClickEx
               help="idempotent: names an execution id (per tenant and flow)")
 @with_options(principal_options)
 @json_option
-@fleet_errors
 def start(flow_id: str, input_json: str | None, execution_id: str | None,
           idempotency_key: str | None, actor: str | None, tenant: str | None,
           as_json: bool) -> None:
@@ -124,7 +122,6 @@ def start(flow_id: str, input_json: str | None, execution_id: str | None,
 @click.option("--payload", default=None, help="the answer, as JSON")
 @with_options(principal_options)
 @json_option
-@fleet_errors
 def resume(execution_id: str, gate: str, payload: str | None, actor: str | None,
            tenant: str | None, as_json: bool) -> None:
     """Answer the GATE a parked execution waits on; a worker drives it on."""
@@ -143,7 +140,6 @@ def resume(execution_id: str, gate: str, payload: str | None, actor: str | None,
 @click.option("--payload", default=None, help="the message, as JSON")
 @with_options(principal_options)
 @json_option
-@fleet_errors
 def send(execution_id: str, key: str, payload: str | None, actor: str | None,
          tenant: str | None, as_json: bool) -> None:
     """Deliver a message to the execution's ctx.receive(KEY)."""
@@ -166,7 +162,6 @@ def send(execution_id: str, key: str, payload: str | None, actor: str | None,
 @click.option("--reason", default="", help="recorded with the cancellation")
 @with_options(principal_options)
 @json_option
-@fleet_errors
 def cancel(execution_id: str, reason: str, actor: str | None, tenant: str | None,
            as_json: bool) -> None:
     """Cancel an execution wherever it runs (its holder is fenced out)."""

@@ -17,7 +17,7 @@ import time
 import click
 from rich.table import Table
 
-from fleet.cli.common import console, fleet_errors, json_option
+from fleet.cli.common import console, json_option
 from fleet.config import FleetSettings
 from fleet.dispatcher.operator import GATES, Operator
 from fleet.services.counters import CountersReader
@@ -36,7 +36,6 @@ def diverged() -> None:
 @click.option("--limit", type=click.IntRange(min=1, max=10_000), default=200,
               show_default=True, help="most executions per gate")
 @json_option
-@fleet_errors
 def list_(all_gates: bool, limit: int, as_json: bool) -> None:
     """Each parked execution: flow, version, worker, when, and the recorded reason."""
     settings = FleetSettings()
@@ -79,7 +78,6 @@ def _parked_by(settings: FleetSettings) -> dict[str, str]:
 @click.option("--wait", type=click.FloatRange(min=0), default=15.0, show_default=True,
               help="seconds to wait for the worker's drive")
 @json_option
-@fleet_errors
 def retry(execution_id: str, wait: float, as_json: bool) -> None:
     """Retry EXECUTION_ID as FLEET_OPERATOR; exit code 2 if it diverged again."""
     operator = Operator(FleetSettings(), settle_s=wait)

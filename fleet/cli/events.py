@@ -12,7 +12,6 @@ import click
 
 from fleet.cli.common import (
     db_option,
-    fleet_errors,
     json_option,
     open_reader_at,
     read_store_url,
@@ -49,7 +48,6 @@ def events() -> None:
               help="wait for new events (default), or stop at the end of the stream")
 @db_option
 @json_option
-@fleet_errors
 def tail(start: str | None, execution_id: str | None, types: tuple[str, ...],
          tenant: str | None, count: int | None, follow: bool, db: str | None,
          as_json: bool) -> None:
@@ -81,7 +79,6 @@ def tail(start: str | None, execution_id: str | None, types: tuple[str, ...],
 
 @events.command("status")
 @json_option
-@fleet_errors
 def status(as_json: bool) -> None:
     """The events stream and the relay now: length, first and last position, what was
     trimmed, the consumer groups' lag, the publishing relay's counters."""

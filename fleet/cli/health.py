@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from fleet.cli.common import fleet_errors, json_option
+from fleet.cli.common import json_option
 from fleet.config import FleetSettings
 from fleet.services.health import COMPONENTS, check_health
 
@@ -25,7 +25,6 @@ from fleet.services.health import COMPONENTS, check_health
 @click.option("--max-age", type=click.FloatRange(min=0.1), default=None,
               help="oldest heartbeat that passes (default: FLEET_HEARTBEAT_MAX_AGE_S)")
 @json_option
-@fleet_errors
 def health(component: str, liveness: bool, timeout: float, max_age: float | None,
            as_json: bool) -> None:
     """Exit 0 when this machine's COMPONENT is healthy, else 1 with the reason.

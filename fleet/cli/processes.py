@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from fleet.assembly import roles
-from fleet.cli.common import exit_with, fleet_errors, loglevel_option, setup_logging
+from fleet.cli.common import exit_with, loglevel_option, setup_logging
 from fleet.config import FleetSettings
 from fleet.host.loop import run_loop
 from fleet.workers.run import run_worker
@@ -26,7 +26,6 @@ from fleet.workers.run import run_worker
 @click.option("--hostname", "-n", default=None, help="the worker's node name")
 @loglevel_option
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
-@fleet_errors
 def worker(queues: str | None, concurrency: int | None, pool: str | None,
            hostname: str | None, loglevel: str, celery_args: tuple[str, ...]) -> None:
     """Run a worker: drives executions from the queues until SIGTERM.
@@ -44,7 +43,6 @@ def worker(queues: str | None, concurrency: int | None, pool: str | None,
 def _service_command(component: str, summary: str) -> click.Command:
     @click.command(component, help=summary)
     @loglevel_option
-    @fleet_errors
     def command(loglevel: str) -> None:
         setup_logging(loglevel)
         settings = FleetSettings()
@@ -76,7 +74,6 @@ relay = _service_command(
 @click.option("--unauthenticated", is_flag=True,
               help="serve without authentication (as FLOWER_UNAUTHENTICATED_API=true)")
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
-@fleet_errors
 def flower(port: int | None, address: str | None, basic_auth: str | None,
            unauthenticated: bool, flower_args: tuple[str, ...]) -> None:
     """Run Flower with the Fleet page (/fleet, "Fleet" in its navigation).

@@ -8,7 +8,6 @@ from pathlib import Path
 import click
 
 from fleet.cli.common import (
-    fleet_errors,
     json_option,
     success_from,
     success_options,
@@ -36,7 +35,6 @@ def reward() -> None:
               "or FLEET_REWARD_KEYS)")
 @click.option("--nonce", default=None)
 @json_option
-@fleet_errors
 def reward_submit(execution_id: str, decision_id: str, key: str, score: float | None,
                   success: bool | None, failure: bool, producer: str, key_file: Path | None,
                   nonce: str | None, as_json: bool) -> None:

@@ -17,7 +17,6 @@ from rich.text import Text
 
 from fleet.cli.common import (
     console,
-    fleet_errors,
     id_column,
     json_option,
     natural_width,
@@ -126,7 +125,6 @@ def _print(view: Group, wide: bool) -> None:
               help="one row per worker with every counter, however wide (default: what "
               "fits the terminal)")
 @json_option
-@fleet_errors
 def status(watch: bool, interval: float, inspect_timeout: float, wide: bool,
            as_json: bool) -> None:
     """Executions by state (the store's index) and workers (Celery inspect stats)."""

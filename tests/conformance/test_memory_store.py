@@ -15,8 +15,16 @@ from fleet.kernel.store.conformance import (
     make_event,
     started,
 )
+from fleet.kernel.store.forwarding import ForwardingEventStore
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
-from fleet.kernel.store.spi import EventStore, SnapshotStore
+from fleet.kernel.store.spi import (
+    AcquiringAppend,
+    AppendsManyLeased,
+    EventStore,
+    FenceGrant,
+    SnapshotStore,
+    append_many,
+)
 
 
 class TestMemoryEventStore(EventStoreConformance):
@@ -24,6 +32,23 @@ class TestMemoryEventStore(EventStoreConformance):
     async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
         store = MemoryEventStore(clock=clock)
+        yield store
+        await store.close()
+
+    async def pass_time(self, ms: int) -> None:
+        self.clock.advance(ms)
+
+
+class TestForwardedMemoryEventStore(EventStoreConformance):
+    """Through a decorator without ``append_many_leased`` (``ForwardingEventStore``):
+    the kit's leased requests of one ``append_many`` are served by ``spi.append_many``
+    with the single calls, and must get the same answers."""
+
+    @pytest.fixture
+    async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
+        self.clock = clock
+        store = ForwardingEventStore(MemoryEventStore(clock=clock))
+        assert not isinstance(store, AppendsManyLeased)
         yield store
         await store.close()
 
@@ -83,3 +108,18 @@ async def test_read_returns_a_copy_of_the_log() -> None:
     first = await store.read("c")
     first.clear()
     assert len(await store.read("c")) == 1
+
+
+async def test_append_many_takes_a_plain_request_as_any_pair_beside_leased_ones() -> None:
+    """A caller written before the leased kinds may pass ``[events, fence]`` lists: they
+    stay plain requests, on a store with ``append_many_leased`` and on one without."""
+    inner = MemoryEventStore()
+    for n, store in enumerate((inner, ForwardingEventStore(inner))):
+        plain, leased = f"pair-{n}", f"leased-{n}"
+        answers = await append_many(store, [
+            [[started(plain)], 0],  # type: ignore[list-item]
+            AcquiringAppend([started(leased)], "w", 60_000)])
+        assert answers[0] is None
+        assert isinstance(answers[1], FenceGrant)
+        assert await store.head(plain) == 0
+        assert await store.head(leased) == 0

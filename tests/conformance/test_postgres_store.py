@@ -22,6 +22,7 @@ from fleet.kernel.errors import (
     SchemaVersionError,
     StaleFenceError,
     StoreError,
+    StoreUnavailableError,
 )
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.store.coalescing import CoalescingEventStore
@@ -42,7 +43,13 @@ from fleet.kernel.store.factory import (
 from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
 from fleet.kernel.store.pg_queries import APPEND_SQL, Write
 from fleet.kernel.store.postgres import PostgresEventStore, PostgresSnapshotStore
-from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
+from fleet.kernel.store.spi import (
+    AcquiringAppend,
+    EventStore,
+    ReleasingAppend,
+    Snapshot,
+    SnapshotStore,
+)
 
 pytestmark = pytest.mark.integration
 E = EventType
@@ -335,3 +342,56 @@ async def test_coalescer_groups_and_isolates_a_failing_request(database_url: str
         assert store.flushes - flushes < 4  # 44 requests, a few transactions
     finally:
         await store.close()
+
+
+async def _first(conn: asyncpg.Connection, query: str, *args: object) -> object:
+    """The first answer of ``query`` that is not NULL, asked again until there is one."""
+    for _ in range(3000):
+        answer = await conn.fetchval(query, *args)
+        if answer is not None:
+            return answer
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no answer from {query!r}")
+
+
+async def test_a_flush_whose_link_is_lost_gives_each_request_its_single_calls_verdict(
+        db: PostgresEventStore, database_url: str) -> None:
+    """The connection of a flush dies while the flush waits on a fence lock, so nothing
+    of it committed. A plain request is settled by reading its slots back (absent: sent
+    again, written); a releasing one whose bytes are not there and an acquiring one
+    answer the lost link, as their single calls do: never written twice, no token
+    taken blind (decision 0029, "Leased writes in group commit")."""
+    await db.append(started("ll-plain"))
+    grant = await db.append_acquiring([started("ll-rel")], holder="w", lease_ms=60_000)
+    assert grant is not None
+    blocker = await _raw(db, database_url)
+    watcher = await _raw(db, database_url)
+    try:
+        await blocker.execute("BEGIN")
+        await blocker.execute("SELECT 1 FROM fences WHERE ekey = fleet_key('ll-plain') "
+                              "FOR UPDATE")
+        flush = asyncio.create_task(db.append_many_leased([
+            ([make_event("ll-plain", 1)], None),
+            ReleasingAppend([make_event("ll-rel", 1)], grant.token),
+            AcquiringAppend([started("ll-acq")], "w2", 60_000)]))
+        waiting = ("SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                   "AND pid <> pg_backend_pid() AND wait_event_type = 'Lock' "
+                   "AND query LIKE '%fleet_append_many_leased%'")
+        pid = await _first(watcher, waiting)
+        assert await watcher.fetchval("SELECT pg_terminate_backend($1)", pid)
+        await _first(watcher, "SELECT true WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity "
+                     "WHERE pid = $1)", pid)  # gone before the lock it waits on is freed
+        await blocker.execute("ROLLBACK")
+        answers = await flush
+        assert answers[0] is None, answers
+        assert isinstance(answers[1], StoreUnavailableError), answers
+        assert isinstance(answers[2], StoreUnavailableError), answers
+        assert [await db.head(x) for x in ("ll-plain", "ll-rel", "ll-acq")] == [1, 0, None]
+        row = await db.get_execution("ll-rel")
+        assert row is not None
+        assert (row.fence, row.holder) == (grant.token, "w")  # its lease was not ended
+        assert await watcher.fetchval(
+            "SELECT count(*) FROM fences WHERE ekey = fleet_key('ll-acq')") == 0
+    finally:
+        await blocker.close()
+        await watcher.close()

@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +38,15 @@ from typing import Any
 
 import acl_flows
 import pytest
+from fleet_procs_kit import (
+    FLEET,
+    Proc,
+    StoreView,
+    nodename,
+    process_env,
+    stop_all,
+    wait_ready,
+)
 from k8s_kit import ROOT
 from postgres_server import throwaway_database
 from redis_acl_kit import PrivateRedis, free_port
@@ -48,86 +54,13 @@ from redis_acl_kit import PrivateRedis, free_port
 from fleet.assembly.roles import flower_app
 from fleet.config import FleetSettings
 from fleet.host.celery_api import broker_app
-from fleet.host.kernel import open_store
-from fleet.host.loop import EventLoopThread
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.runtime import Runtime
-from fleet.kernel.store.spi import EventStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-KITS = Path(__file__).resolve().parents[1] / "kits"  # acl_flows, for the workers
-FLEET = str(Path(sys.executable).with_name("fleet"))
 QUEUE, SLOW = "fleet.drive", "fleet.slow"
 PRODUCER, REWARD_KEY = "p1", "acl-test-secret"
-
-
-class Proc:
-    """One ``fleet ...`` subprocess with its log in a file."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path,
-                 nodename: str | None = None) -> None:
-        self.name, self.env, self.nodename = name, env, nodename
-        self.log_path = log_dir / f"{name}-{secrets.token_hex(2)}.log"
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([FLEET, *args], env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, cwd=str(ROOT))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 20.0) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-
-class Store:
-    """The test's own view of the store, on a loop thread of its own."""
-
-    def __init__(self, database_url: str) -> None:
-        self.loop = EventLoopThread("acl-test-store")
-        self.loop.start()
-        self.store: EventStore = open_store(FleetSettings(database_url=database_url))
-
-    def run(self, coro: Any) -> Any:
-        return self.loop.run_coroutine(coro, timeout=30)
-
-    def read(self, execution_id: str) -> list[EventEnvelope]:
-        return list(self.run(self.store.read(execution_id)))
-
-    def status(self, execution_id: str) -> str | None:
-        row = self.run(self.store.get_execution(execution_id))
-        return None if row is None else str(row.status)
-
-    def count(self) -> int:
-        return len(self.run(self.store.list_executions(limit=10_000)))
-
-    def until(self, execution_id: str, status: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        seen = None
-        while time.monotonic() < deadline:
-            seen = self.status(execution_id)
-            if seen == status:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"{execution_id} is {seen}, not {status}, after {timeout} s: "
-                             f"{[str(e.type) for e in self.read(execution_id)]}")
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.run(self.store.close())
-        self.loop.stop()
 
 
 @dataclass
@@ -136,7 +69,7 @@ class Fleet:
     database_url: str
     env: dict[str, str]
     log_dir: Path
-    store: Store
+    store: StoreView
     control: Any  # a Celery app on the client user, for pings
     token: str = field(default_factory=lambda: secrets.token_hex(3))
     procs: dict[str, Proc] = field(default_factory=dict)
@@ -151,10 +84,10 @@ class Fleet:
         return env
 
     def start_worker(self, name: str) -> Proc:
-        nodename = f"{name}.{secrets.token_hex(3)}@{socket.gethostname()}"
+        node = nodename(name, secrets.token_hex(3))  # restarted under its name: a new node
         # As the container runs it (base/worker.yaml): mingle, gossip, heartbeats on.
         proc = Proc(name, ["worker", "--queues", f"{QUEUE},{SLOW}", "--concurrency", "4",
-                           "-n", nodename], self.env_for(name, "worker"), self.log_dir, nodename)
+                           "-n", node], self.env_for(name, "worker"), self.log_dir, node)
         self.procs[name] = proc
         return proc
 
@@ -172,24 +105,9 @@ class Fleet:
         self.flower_url = f"http://127.0.0.1:{port}"
         return proc
 
-    def wait_ready(self, proc: Proc, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not proc.alive():
-                raise AssertionError(f"{proc.name} exited:\n{proc.log()[-4000:]}")
-            if proc.nodename is not None:
-                if self.control.control.ping(destination=[proc.nodename], timeout=0.5):
-                    return
-            elif proc.name == "flower":
-                with contextlib.suppress(OSError):
-                    if http(f"{self.flower_url}/healthcheck")[0] == 200:
-                        return
-                time.sleep(0.2)
-            elif any((self.log_dir / "heartbeats" / proc.name).glob("fleet-*.heartbeat")):
-                return
-            else:
-                time.sleep(0.1)
-        raise AssertionError(f"{proc.name} not ready in {timeout} s:\n{proc.log()[-4000:]}")
+    def wait_ready(self, proc: Proc) -> None:
+        wait_ready(proc, self.control, healthcheck=f"{self.flower_url}/healthcheck"
+                   if proc.name == "flower" else None)
 
     def cli(self, user: str, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
         done = subprocess.run([FLEET, *args], env=self.env_for("cli", user, **extra),
@@ -220,19 +138,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     server = PrivateRedis("redis", log_dir / "redis")
     try:
         with throwaway_database() as database_url:
-            env = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("FLEET_", "FLOWER_"))}
-            env.update({
+            env = process_env({
                 "FLEET_DATABASE_URL": database_url, "FLEET_QUEUE": QUEUE,
                 "FLEET_ROUTES": json.dumps({"flow:acl-nap": SLOW}), "FLEET_FLOWS": acl_flows.ALL,
                 "FLEET_LEASE_MS": "3000", "FLEET_RECOVERY_GRACE_MS": "1000",
                 "FLEET_RECOVERY_INTERVAL_S": "0.3", "FLEET_TIMER_INTERVAL_S": "0.2",
                 "FLEET_WORKER_DRAIN_S": "1",
-                "FLEET_REWARD_KEYS": json.dumps({PRODUCER: REWARD_KEY}),
-                "PYTHONPATH": os.pathsep.join([str(KITS), str(ROOT), env.get("PYTHONPATH", "")]),
-                "C_FORCE_ROOT": "1"})
+                "FLEET_REWARD_KEYS": json.dumps({PRODUCER: REWARD_KEY})})
             control = broker_app("acl-test-control", server.url("client"))
-            store = Store(database_url)
+            store = StoreView(FleetSettings(database_url=database_url), "acl-test-store")
             built = Fleet(server, database_url, env, log_dir, store, control)
             try:
                 built.cli("client", "db", "upgrade")
@@ -247,11 +161,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 built.startup_denials = server.denials()
                 yield built
             finally:
-                for proc in built.procs.values():  # all at once, then wait for each
-                    if proc.alive():
-                        proc.proc.send_signal(signal.SIGTERM)
-                for proc in built.procs.values():
-                    proc.stop()
+                stop_all(built.procs.values())
                 store.close()
                 control.close()
     finally:

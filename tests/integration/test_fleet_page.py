@@ -11,18 +11,14 @@ prefix too (FLEET_STATS_PREFIX), so other fleets on the same Redis are not read.
 
 from __future__ import annotations
 
-import contextlib
 import http.cookiejar
 import json
 import os
 import re
 import secrets
 import shutil
-import signal
-import socket
 import struct
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -32,115 +28,41 @@ from base64 import b64encode
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from fleet_page_flows import ALL
+from fleet_procs_kit import (
+    FLEET,
+    ROOT,
+    Proc,
+    StoreView,
+    nodename,
+    process_env,
+    stop_all,
+    until,
+    wait_ready,
+)
+from fleet_worker_kit import free_port
 from postgres_server import throwaway_database
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import url_with_db
 
 from fleet.config import FleetSettings
-from fleet.host.kernel import open_store
-from fleet.host.loop import EventLoopThread
-from fleet.kernel.events import EventEnvelope
-from fleet.kernel.store.spi import EventStore, ExecutionSummary
 from fleet.services.counters import WORKER_COUNTERS, CountersReader
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[2]
-KITS = ROOT / "tests" / "kits"
-FLEET = str(Path(sys.executable).with_name("fleet"))
 REDIS_DB = 13
 PRODUCER, SECRET = "p1", "test-secret"
 OPERATOR = "operator:oncall"
-T = TypeVar("T")
-
-
-def until(check: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
-class Proc:
-    """One ``fleet ...`` subprocess, its log in a file."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path,
-                 nodename: str | None = None) -> None:
-        self.name = name
-        self.env = env
-        self.nodename = nodename
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([FLEET, *args], env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, cwd=str(ROOT))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if not self._log.closed:
-            self._log.close()
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-
-class Store:
-    def __init__(self, settings: FleetSettings) -> None:
-        self.loop = EventLoopThread("test-store")
-        self.loop.start()
-        self.store: EventStore = open_store(settings)
-
-    def read(self, execution_id: str) -> list[EventEnvelope]:
-        return self.loop.run_coroutine(self.store.read(execution_id), timeout=30)
-
-    def summary(self, execution_id: str) -> ExecutionSummary | None:
-        return self.loop.run_coroutine(self.store.get_execution(execution_id), timeout=30)
-
-    def until(self, execution_id: str, status: str, waiting_on: str | None = None,
-              timeout: float = 30.0) -> ExecutionSummary:
-        def check() -> ExecutionSummary | None:
-            row = self.summary(execution_id)
-            if row is not None and row.status == status and (
-                    waiting_on is None or row.waiting_on == waiting_on):
-                return row
-            return None
-        return until(check, f"{execution_id} {status} {waiting_on or ''}", timeout)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.loop.run_coroutine(self.store.close(), timeout=10)
-        self.loop.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
 class Fleet:
     env: dict[str, str]
     settings: FleetSettings
-    store: Store
+    store: StoreView
     log_dir: Path
     token: str
     procs: dict[str, Proc] = field(default_factory=dict)
@@ -154,10 +76,10 @@ class Fleet:
         return env
 
     def start_worker(self, name: str) -> Proc:
-        nodename = f"{name}.{self.token}@{socket.gethostname()}"
-        proc = Proc(name, ["worker", "--concurrency", "4", "-n", nodename, "-E",
+        node = nodename(name, self.token)
+        proc = Proc(name, ["worker", "--concurrency", "4", "-n", node, "-E",
                            "--without-mingle", "--without-gossip"],
-                    self.env_for(name), self.log_dir, nodename)
+                    self.env_for(name), self.log_dir, node)
         self.procs[name] = proc
         return proc
 
@@ -178,17 +100,7 @@ class Fleet:
         if "FLOWER_BASIC_AUTH" in env:
             user = env["FLOWER_BASIC_AUTH"].split(",")[0]
             headers["Authorization"] = "Basic " + b64encode(user.encode()).decode()
-
-        def up() -> bool:
-            if not proc.alive():
-                raise AssertionError(f"flower exited:\n{proc.log()[-4000:]}")
-            try:
-                request = urllib.request.Request(f"{base}/healthcheck", headers=headers)
-                with urllib.request.urlopen(request, timeout=1) as reply:
-                    return reply.status == 200
-            except OSError:
-                return False
-        until(up, "flower to serve", 60)
+        wait_ready(proc, healthcheck=f"{base}/healthcheck", headers=headers)
         return base
 
     def cli(self, *args: str, check: bool = True, **env: str
@@ -227,8 +139,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     broker = url_with_db(REDIS_DB)
     log_dir = tmp_path_factory.mktemp("fleet-page")
     with throwaway_database() as database_url:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("FLEET_", "FLOWER_"))}
         settings_env = {
             "FLEET_DATABASE_URL": database_url, "FLEET_BROKER_URL": broker,
             "FLEET_REDIS_URL": broker, "FLEET_QUEUE": f"fleet.page-{token}",
@@ -244,14 +154,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             "FLEET_REWARDS_DEAD": f"fleet-test:{token}:rewards:dead",
             "FLEET_REWARDS_GROUP": f"fleet-test-{token}",
             "FLEET_EVENTS_STREAM": f"fleet-test:{token}:events"}
-        env.update(settings_env)
-        env.update({"PYTHONPATH": os.pathsep.join([str(KITS), str(ROOT),
-                                                   env.get("PYTHONPATH", "")]),
-                    "C_FORCE_ROOT": "1"})
+        env = process_env(settings_env)
         settings = FleetSettings(**{k[len("FLEET_"):].lower(): v  # type: ignore[arg-type]
                                     for k, v in settings_env.items()
                                     if k not in ("FLEET_REWARD_KEYS",)})
-        store = Store(settings)
+        store = StoreView(settings)
         built = Fleet(env, settings, store, log_dir, token)
         try:
             built.cli("db", "upgrade")
@@ -272,8 +179,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             built.flower_url = built.start_flower("flower", "--unauthenticated")
             yield built
         finally:
-            for proc in built.procs.values():
-                proc.stop()
+            stop_all(built.procs.values())
             store.close()
 
 

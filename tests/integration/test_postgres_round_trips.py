@@ -10,6 +10,7 @@ batches, release).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -109,3 +110,36 @@ async def test_behind_group_commit_it_is_four_round_trips_too(
     store, pool = counted
     sent = await _one(CoalescingEventStore(store), pool)
     assert len(sent) <= 4, sent
+
+
+async def test_at_32_at_once_behind_group_commit_flushes_carry_the_leased_writes_too(
+        counted: tuple[PostgresEventStore, CountingPool]) -> None:
+    """The four writes of 32 executions run at once share flushes: the one that takes
+    the fence and the one that ends it as well as the two between (decision 0029,
+    "Leased writes in group commit"). Counted, not timed: statements and flushes."""
+    store, pool = counted
+    grouped = CoalescingEventStore(store)
+    runtime = Runtime(grouped, flows=[three_steps])
+    try:
+        await (await runtime.start("rt3", 0)).result(timeout=10)  # warm: pool, plans
+        pool.sent.clear()
+        flushes, flushed = grouped.flushes, grouped.flushed
+        handles = await asyncio.gather(*(runtime.start("rt3", n) for n in range(32)))
+        results = await asyncio.gather(*(h.result(timeout=30) for h in handles))
+        sent = list(pool.sent)
+        flushes, flushed = grouped.flushes - flushes, grouped.flushed - flushed
+    finally:
+        await runtime.close()
+    assert results == [n + 3 for n in range(32)]
+    for handle in handles:
+        summary = await store.get_execution(handle.execution_id)
+        assert summary is not None
+        assert (summary.status, summary.head, summary.holder) == ("completed", 7, None)
+    assert flushed == 4 * 32  # every write went through a flush: the counters are true
+    assert flushed / flushes > 4, (flushes, flushed)  # leased writes share them too
+    # One statement per flush (one commit), and far fewer than 4 per execution. (A
+    # result read back from the log, when a run ended before its handle was awaited,
+    # is a read: not counted.)
+    writes = [q for q in sent if q in ("SELECT code, detail FROM", "SELECT codes, details FROM")]
+    assert len(writes) == flushes, sent
+    assert len(writes) <= 32, sent

@@ -15,8 +15,10 @@ from typing import Any
 
 from fleet.kernel.context import Context, Decision, Policy
 from fleet.kernel.flows import flow
+from fleet.workers.process import local_process
 
 WORKER_NAME_ENV = "FLEET_TEST_WORKER_NAME"
+UNTIL_HANDED_BACK = "until handed back"  # proc-nap's ``first``: see ``_nap``
 
 
 def _who() -> str:
@@ -25,14 +27,30 @@ def _who() -> str:
 
 def _mark(path: Path) -> int:
     attempt = 1 if not path.exists() else 2
-    path.write_text(f"{_who()} {os.getpid()} {time.time()}\n")
+    written = path.with_name(f"{path.name}.{os.getpid()}")
+    written.write_text(f"{_who()} {os.getpid()} {time.time()}\n")
+    written.replace(path)  # whole or not there: the test reads it once it exists
     return attempt
 
 
-async def _nap(marker: str, first: float, again: float) -> dict[str, Any]:
-    """Naps ``first`` seconds on the first attempt (writing ``marker``), ``again`` after."""
+def _handing_back() -> bool:
+    process = local_process()
+    return process is not None and process.runtime.handing_back
+
+
+async def _nap(marker: str, first: float | str, again: float) -> dict[str, Any]:
+    """The first attempt writes ``marker``, then naps ``first`` seconds, or, when
+    ``first`` is ``UNTIL_HANDED_BACK``, until its worker begins to hand its runs back
+    (SIGTERM): the step then ends, whatever delay load put between the signal and
+    its handling. Any later attempt naps ``again`` seconds."""
     attempt = await asyncio.to_thread(_mark, Path(marker))
-    await asyncio.sleep(first if attempt == 1 else again)
+    if attempt == 1 and first == UNTIL_HANDED_BACK:
+        while True:  # nothing to await: the runtime's flag, polled
+            if _handing_back():
+                break
+            await asyncio.sleep(0.02)
+    else:
+        await asyncio.sleep(float(first) if attempt == 1 else again)
     return {"worker": _who(), "attempt": attempt}
 
 
@@ -54,7 +72,9 @@ def _choose(n: int) -> Decision:
 
 @flow("proc-nap", version=1, steps=["nap", "after"])
 async def nap(ctx: Context, spec: dict[str, Any]) -> dict[str, Any]:
-    slept = await ctx.step("nap", _nap, spec["marker"], float(spec["first"]),
+    first = spec["first"]
+    slept = await ctx.step("nap", _nap, spec["marker"],
+                           first if first == UNTIL_HANDED_BACK else float(first),
                            float(spec.get("again", 0.0)))
     after = await ctx.step("after", _who)
     return {"nap": slept, "after": after}

@@ -1,8 +1,8 @@
 """``fleet.drive`` and ``fleet.dispatch`` run by a real Celery worker, in this process.
 
-pytest-celery's plain session fixtures (``celery_session_app`` / ``celery_session_worker``,
-from ``celery.contrib.pytest``; no Docker): the app is the fleet's own (``make_app``),
-on Celery's in-memory broker, the worker a threads pool in a thread of this process.
+Celery's test worker (``celery.contrib.testing.worker.start_worker``, what pytest-celery's
+fixtures use; no Docker): the app is the fleet's own (``make_app``), on Celery's in-memory
+broker, the worker a threads pool in a thread of this process, for this module only.
 The worker's signals open its ``WorkerProcess`` as they do in ``fleet worker``; the
 store is a SQLite file that this test reads too. Messages go through kombu, the
 tasks' arguments through JSON, replies through a result backend: what a unit test
@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from celery.contrib.testing.worker import start_worker
 
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher
@@ -35,7 +36,7 @@ QUEUES = ["q-in-process", "q-in-process-doubles"]
 SECRET = "unit-test-dispatch-key-0123456789"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def in_process_settings(tmp_path_factory: pytest.TempPathFactory) -> FleetSettings:
     data = tmp_path_factory.mktemp("celery-worker")
     return FleetSettings(
@@ -46,29 +47,34 @@ def in_process_settings(tmp_path_factory: pytest.TempPathFactory) -> FleetSettin
         dispatch_keys={"unit": {"client": "unit", "secret": SECRET, "tenants": ["*"]}})
 
 
-@pytest.fixture(scope="session")
-def celery_session_app(in_process_settings: FleetSettings) -> Any:
-    """The fleet's app (pytest-celery's fixture, redefined: its tasks, routes, hooks)."""
+@pytest.fixture(scope="module")
+def in_process_app(in_process_settings: FleetSettings) -> Iterator[Any]:
+    """The fleet's app (its tasks, routes, hooks) on the in-memory broker."""
     # The in-memory broker polls (1 s by default): poll often, the tests wait on it.
-    return make_app(in_process_settings, main="fleet-in-process",
-                    result_backend="cache+memory://",
-                    broker_transport_options={"polling_interval": 0.01})
+    app = make_app(in_process_settings, main="fleet-in-process",
+                   result_backend="cache+memory://",
+                   broker_transport_options={"polling_interval": 0.01})
+    yield app
+    app.close()
 
 
-@pytest.fixture(scope="session")
-def celery_worker_pool() -> str:
-    return "threads"
+@pytest.fixture(scope="module")
+def in_process_worker(in_process_app: Any) -> Iterator[Any]:
+    """The worker, stopped when this module's tests are done, not at the session's end.
 
-
-@pytest.fixture(scope="session")
-def celery_worker_parameters() -> dict[str, Any]:
-    # The ping check needs Celery's own test task; the drives are the check here.
-    return {"queues": QUEUES, "concurrency": 4, "perform_ping_check": False}
+    Every ``memory://`` connection in the process shares one broker (kombu's memory
+    transport keeps its queues and its broadcast exchanges in class attributes): a
+    worker left running answers every later test's broadcast, and ``fleet status``
+    on ``memory://`` in tests/cli counted it among its workers. The ping check needs
+    Celery's own test task; the drives are the check here."""
+    with start_worker(in_process_app, pool="threads", queues=QUEUES, concurrency=4,
+                      perform_ping_check=False) as controller:
+        yield controller
 
 
 @pytest.fixture
-def worker(celery_session_worker: Any) -> WorkerProcess:
-    """The ``WorkerProcess`` the session worker's ``worker_init`` opened."""
+def worker(in_process_worker: Any) -> WorkerProcess:
+    """The ``WorkerProcess`` the module worker's ``worker_init`` opened."""
     process = local_process()
     assert process is not None, "worker_init did not open the worker process"
     return process
@@ -109,9 +115,9 @@ class _Returned:
             return self.values[task_id]
 
 
-def test_the_drive_task_says_how_the_run_ended(celery_session_app: Any,
+def test_the_drive_task_says_how_the_run_ended(in_process_app: Any,
                                                worker: WorkerProcess) -> None:
-    app = celery_session_app
+    app = in_process_app
     returned = _Returned()
     signals.task_postrun.connect(returned, weak=False)
 
@@ -135,8 +141,8 @@ def test_the_drive_task_says_how_the_run_ended(celery_session_app: Any,
 
 
 def test_the_drives_task_drives_each_and_refuses_a_forged_batch(
-        celery_session_app: Any, worker: WorkerProcess) -> None:
-    app = celery_session_app
+        in_process_app: Any, worker: WorkerProcess) -> None:
+    app = in_process_app
     returned = _Returned()
     signals.task_postrun.connect(returned, weak=False)
 
@@ -190,8 +196,8 @@ class _Deliveries:
 
 
 def test_fleet_dispatch_writes_then_enqueues_a_drive_the_worker_runs(
-        celery_session_app: Any, worker: WorkerProcess) -> None:
-    app = celery_session_app
+        in_process_app: Any, worker: WorkerProcess) -> None:
+    app = in_process_app
     deliveries = _Deliveries()
     signals.task_prerun.connect(deliveries, weak=False)
 

@@ -1,22 +1,25 @@
 """Group commit: appends of many executions share one transaction per flush.
 
-``CoalescingEventStore`` wraps any ``EventStore``. ``append`` and
-``append_batch`` join a queue; a flush takes up to ``max_batch`` of them
+``CoalescingEventStore`` wraps any ``EventStore``. ``append``,
+``append_batch`` and the leased writes of decision 0029 (``append_acquiring``,
+``append_releasing``) join a queue; a flush takes up to ``max_batch`` of them
 after at most ``max_wait_ms`` (0: whatever queued during the current loop
 turn, and whatever queues while the in-flight flushes run, which is the
 batching that matters under load) and hands them to the inner store at once.
-Every other call goes straight to the inner store, the leased writes of decision
-0029 (``append_acquiring``, ``append_releasing``) too: they are not batched.
+Every other call goes straight to the inner store.
 
-An append made while nothing is queued or being written goes straight to the
+A write made while nothing is queued or being written goes straight to the
 inner store (a flush of one): at low concurrency the queue would only add task
-hops; appends that arrive while it is in flight queue as usual.
+hops; writes that arrive while it is in flight queue as usual.
 
 On a store that implements ``append_many`` (``spi.AppendsMany``; Postgres: one
-statement, one commit; SQLite: one transaction) a flush is one transaction. Each request is still
-judged alone: a stale fence, a taken slot or a gap refuses that request only
-and writes nothing of it, never its neighbours. On any other store the
-requests of a flush run concurrently, one execution's in order.
+statement, one commit; SQLite: one transaction) a flush of plain appends is one
+transaction, and on one that implements ``append_many_leased``
+(``spi.AppendsManyLeased``: every built-in store) so is a flush that also takes
+and ends leases. Each request is still judged alone, as its single call: a stale
+fence, a taken slot, a gap or a live lease refuses that request only and writes
+nothing of it, never its neighbours. On any other store the requests of a flush
+run concurrently, one execution's in order (``spi.append_many``).
 
 Guarantees kept per request: the fence check, the slot, all or nothing for a
 batch, order among one caller's sequential appends. A caller's ``append``
@@ -31,17 +34,23 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 from fleet.kernel.errors import FleetError, StoreError, ValidationError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.forwarding import ForwardingEventStore
 from fleet.kernel.store.spi import (
+    AcquiringAppend,
     AppendRequest,
     AppendsMany,
     EventStore,
     FenceGrant,
+    ManyAnswer,
+    ManyRequest,
+    ReleasingAppend,
     append_many,
     check_batch,
+    request_events,
 )
 
 __all__ = ["AppendRequest", "CoalescingEventStore", "GroupAppender"]
@@ -50,11 +59,13 @@ __all__ = ["AppendRequest", "CoalescingEventStore", "GroupAppender"]
 GroupAppender = AppendsMany
 
 
+T = TypeVar("T")
+
+
 @dataclass(slots=True)
 class _Pending:
-    events: Sequence[EventEnvelope]
-    fence: int | None
-    future: asyncio.Future[None]
+    request: ManyRequest
+    future: asyncio.Future[ManyAnswer]
 
 
 class CoalescingEventStore(ForwardingEventStore):
@@ -93,7 +104,7 @@ class CoalescingEventStore(ForwardingEventStore):
         if self._idle():
             await self._alone(self.inner.append(event, fence=fence))
             return
-        await self._enqueue((event,), fence)
+        await self._enqueue(((event,), fence))
 
     async def append_batch(self, events: Sequence[EventEnvelope], *,
                            fence: int | None = None) -> None:
@@ -101,50 +112,49 @@ class CoalescingEventStore(ForwardingEventStore):
         if self._idle():
             await self._alone(self.inner.append_batch(events, fence=fence))
             return
-        await self._enqueue(list(events), fence)
+        await self._enqueue((list(events), fence))
 
     async def append_acquiring(self, events: Sequence[EventEnvelope], *, holder: str,
                                lease_ms: int, release: bool = False) -> FenceGrant | None:
-        """Straight to the inner store (a leased write is not batched): a flush of one."""
-        try:
-            return await super().append_acquiring(events, holder=holder, lease_ms=lease_ms,
-                                                  release=release)
-        finally:
-            self.flushes += 1
-            self.flushed += 1
+        """Queued like an append (the inner store judges it as ``append_acquiring``)."""
+        check_batch(events)
+        if self._idle():
+            return await self._alone(super().append_acquiring(
+                events, holder=holder, lease_ms=lease_ms, release=release))
+        return cast(FenceGrant | None, await self._enqueue(
+            AcquiringAppend(list(events), holder, lease_ms, release)))
 
     async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
-        """Straight to the inner store (a leased write is not batched): a flush of one."""
-        try:
-            await super().append_releasing(events, fence=fence)
-        finally:
-            self.flushes += 1
-            self.flushed += 1
+        """Queued like an append (the inner store judges it as ``append_releasing``)."""
+        check_batch(events)
+        if self._idle():
+            await self._alone(super().append_releasing(events, fence=fence))
+            return
+        await self._enqueue(ReleasingAppend(list(events), fence))
 
     def _idle(self) -> bool:
-        """Nothing queued or being written: an append has nobody to share a flush with."""
+        """Nothing queued or being written: a write has nobody to share a flush with."""
         return not (self._pending or self._inflight or self._alone_now or self._closed
                     or self._driver is not None)
 
-    async def _alone(self, write: Awaitable[None]) -> None:
-        """An append made while the store is idle goes straight to the inner store (a
-        flush of one, without the queue's task hops); appends arriving meanwhile queue
+    async def _alone(self, write: Awaitable[T]) -> T:
+        """A write made while the store is idle goes straight to the inner store (a
+        flush of one, without the queue's task hops); writes arriving meanwhile queue
         behind it as behind any flush in flight, so batching under load is unchanged."""
         self._alone_now += 1
         try:
-            await write
+            return await write
         finally:
             self._alone_now -= 1
             self.flushes += 1
             self.flushed += 1
 
-    def _enqueue(self, events: Sequence[EventEnvelope],
-                 fence: int | None) -> asyncio.Future[None]:
+    def _enqueue(self, request: ManyRequest) -> asyncio.Future[ManyAnswer]:
         if self._closed:
             raise StoreError("the coalescing store is closed")
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        self._pending.append(_Pending(events, fence, future))
+        future: asyncio.Future[ManyAnswer] = loop.create_future()
+        self._pending.append(_Pending(request, future))
         if len(self._pending) >= self.max_batch:
             self._full.set()
         if self._driver is None:
@@ -181,36 +191,44 @@ class CoalescingEventStore(ForwardingEventStore):
         for pending, result in zip(batch, results, strict=True):
             if pending.future.done():  # the caller was cancelled; the write may have landed
                 continue
-            if result is None:
-                pending.future.set_result(None)
-            else:
+            if isinstance(result, BaseException):
                 pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
 
-    async def _commit(self, batch: list[_Pending]) -> list[BaseException | None]:
-        # One transaction where the inner store has ``append_many`` (every built-in
-        # one does); otherwise executions concurrently, each one in order.
-        return await append_many(self.inner, [(p.events, p.fence) for p in batch])
+    async def _commit(self, batch: list[_Pending]) -> Sequence[ManyAnswer]:
+        # One transaction where the inner store has ``append_many`` (and, with a leased
+        # write in the flush, ``append_many_leased``): every built-in one does. Otherwise
+        # executions concurrently, each one in order.
+        return await append_many(self.inner, [p.request for p in batch])
 
     async def append_many(self, requests: Sequence[AppendRequest],
                           ) -> list[BaseException | None]:
         """Queue every request at once, so they share a flush (or a few); each judged alone."""
-        futures: list[asyncio.Future[None] | None] = []
-        results: list[BaseException | None] = [None] * len(requests)
-        for i, (events, fence) in enumerate(requests):
+        return cast(list[BaseException | None], await self.append_many_leased(requests))
+
+    async def append_many_leased(self, requests: Sequence[ManyRequest],
+                                 ) -> list[ManyAnswer]:
+        """Queue every request at once (plain, acquiring, releasing), so they share a
+        flush (or a few); each judged alone."""
+        futures: list[asyncio.Future[ManyAnswer] | None] = []
+        results: list[ManyAnswer] = [None] * len(requests)
+        for i, request in enumerate(requests):
             try:
-                check_batch(events)
+                check_batch(request_events(request))
             except FleetError as exc:
                 results[i] = exc
                 futures.append(None)
                 continue
-            futures.append(self._enqueue(list(events), fence))
+            futures.append(self._enqueue(
+                request if isinstance(request, (AcquiringAppend, ReleasingAppend))
+                else (list(request[0]), request[1])))
         answers = await asyncio.gather(*(f for f in futures if f is not None),
                                        return_exceptions=True)
         it = iter(answers)
         for i, future in enumerate(futures):
             if future is not None:
-                answer = next(it)
-                results[i] = answer if isinstance(answer, BaseException) else None
+                results[i] = next(it)
         return results
 
     # -- everything else goes straight through ------------------------------------

@@ -1,9 +1,10 @@
 """The conformance kit's leased writes (decision 0029): a write that takes the fence, one
-that ends it.
+that ends it, and both among the requests of one ``append_many`` (group commit).
 
-Run through ``spi.append_acquiring`` / ``spi.append_releasing``, so a store that
-implements ``AppendsLeased`` is held to it, and one that does not is held to the
-same answers through the separate calls. Included in ``EventStoreConformance``.
+Run through ``spi.append_acquiring`` / ``spi.append_releasing`` / ``spi.append_many``,
+so a store that implements ``AppendsLeased`` / ``AppendsManyLeased`` is held to them,
+and one that does not is held to the same answers through the separate calls.
+Included in ``EventStoreConformance``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,19 @@ from fleet.kernel.errors import (
     StaleFenceError,
     ValidationError,
 )
+from fleet.kernel.events import EventType
 from fleet.kernel.store.conformance_events import make_event, started
-from fleet.kernel.store.spi import EventStore, append_acquiring, append_releasing
+from fleet.kernel.store.spi import (
+    AcquiringAppend,
+    EventStore,
+    ExecutionSummary,
+    FenceGrant,
+    ManyRequest,
+    ReleasingAppend,
+    append_acquiring,
+    append_many,
+    append_releasing,
+)
 
 
 class LeaseConformance:
@@ -173,3 +185,167 @@ class LeaseConformance:
         assert summary is not None
         assert (summary.fence, summary.holder) == (grants[0].token, grants[0].holder)
         assert log[0].payload["owner"]["actor"] == grants[0].holder  # the winner's start
+
+    # -- leased requests in one append_many (group commit) -----------------------
+
+    async def _row(self, store: EventStore, execution_id: str) -> ExecutionSummary:
+        summary = await store.get_execution(execution_id)
+        assert summary is not None, execution_id
+        return summary
+
+    async def test_append_many_mixes_acquiring_plain_and_releasing_requests(
+            self, store: EventStore) -> None:
+        """One call carries starts that take the fence, writes under a held fence and
+        ends that let it go, of several executions: each as its single call."""
+        held = await append_acquiring(store, [started("mx-b")], holder="wb", lease_ms=60_000)
+        assert held is not None
+        requests: list[ManyRequest] = [
+            AcquiringAppend([started("mx-a"), make_event("mx-a", 1)], "wa", 60_000),
+            ([make_event("mx-b", 1)], held.token),
+            AcquiringAppend([started("mx-c")], "wc", 60_000, release=True),
+            ReleasingAppend([make_event("mx-b", 2),
+                             make_event("mx-b", 3, EventType.EXECUTION_COMPLETED)], held.token),
+            ([started("mx-d")], 0),
+            # Taken and ended in one call: the release presents the token the acquiring
+            # request before it takes (the first of a never-fenced execution).
+            AcquiringAppend([started("mx-e")], "we", 60_000),
+            ReleasingAppend([make_event("mx-e", 1)], 1),
+        ]
+        answers = await append_many(store, requests)
+        assert len(answers) == len(requests)
+        grant_a, grant_c, grant_e = answers[0], answers[2], answers[5]
+        for grant, execution_id, holder in ((grant_a, "mx-a", "wa"), (grant_c, "mx-c", "wc"),
+                                            (grant_e, "mx-e", "we")):
+            assert isinstance(grant, FenceGrant), answers
+            assert (grant.execution_id, grant.holder) == (execution_id, holder)
+        assert isinstance(grant_a, FenceGrant)
+        assert isinstance(grant_e, FenceGrant)
+        assert grant_e.token == 1
+        assert [answers[i] for i in (1, 3, 4, 6)] == [None] * 4, answers
+        assert [e.sequence for e in await store.read("mx-a")] == [0, 1]
+        assert [e.sequence for e in await store.read("mx-b")] == [0, 1, 2, 3]
+        assert await store.read("mx-d") == [started("mx-d")]
+        assert [e.sequence for e in await store.read("mx-e")] == [0, 1]
+        # a holds its lease; b's and e's ended with their last write; c's with its start.
+        row = await self._row(store, "mx-a")
+        assert (row.fence, row.holder, row.head) == (grant_a.token, "wa", 1)
+        assert row.lease_expires_at == grant_a.lease_expires_at
+        assert await self._free(store, "mx-a") is None
+        row = await self._row(store, "mx-b")
+        assert (row.fence, row.holder, row.status, row.head) == (held.token, None,
+                                                                 "completed", 3)
+        for execution_id, token in (("mx-b", held.token), ("mx-e", 1)):
+            assert await self._free(store, execution_id) == token + 1
+        assert isinstance(grant_c, FenceGrant)
+        row = await self._row(store, "mx-c")
+        assert (row.fence, row.holder, row.lease_expires_at) == (grant_c.token, None, None)
+        assert (await self._row(store, "mx-d")).fence == 0
+
+    async def test_append_many_refuses_each_leased_request_alone(
+            self, store: EventStore) -> None:
+        """A stale fence, a live lease, a taken slot, a gap, a bad lease: each refuses its
+        own request (nothing written, the fence as it was) while its neighbours land."""
+        old = await store.acquire_fence("rf-stale", holder="w1", lease_ms=60_000)
+        await store.append(started("rf-stale"), fence=old.token)
+        new = await store.acquire_fence("rf-stale", holder="w2", lease_ms=60_000)
+        live = await store.acquire_fence("rf-live", holder="w1", lease_ms=60_000)
+        taken = await append_acquiring(store, [started("rf-taken")], holder="w1",
+                                       lease_ms=60_000, release=True)
+        assert taken is not None
+        requests: list[ManyRequest] = [
+            AcquiringAppend([started("rf-ok")], "w", 60_000),
+            ReleasingAppend([make_event("rf-stale", 1)], old.token),  # superseded
+            AcquiringAppend([started("rf-live")], "w3", 60_000),       # a live lease
+            ([started("rf-plain")], 0),
+            AcquiringAppend([started("rf-taken")], "w3", 60_000),      # the slot is taken
+            AcquiringAppend([make_event("rf-gap", 1)], "w3", 60_000),  # a gap, new log
+            AcquiringAppend([started("rf-bad")], "w3", -1),            # a bad lease
+            ReleasingAppend([], 1),                                     # no events
+            ReleasingAppend([make_event("rf-stale", 1)], new.token),   # after the stale one
+        ]
+        answers = await append_many(store, requests)
+        assert isinstance(answers[0], FenceGrant), answers
+        assert isinstance(answers[1], StaleFenceError), answers
+        assert answers[2] is None, answers
+        assert answers[3] is None, answers
+        assert isinstance(answers[4], DuplicateSequenceError), answers
+        assert isinstance(answers[5], SequenceGapError), answers
+        assert isinstance(answers[6], ValidationError), answers
+        assert isinstance(answers[7], ValidationError), answers
+        assert answers[8] is None, answers
+        # The neighbours landed.
+        assert await store.head("rf-ok") == 0
+        assert await store.head("rf-plain") == 0
+        # The stale release wrote nothing and ended nothing of w2's lease; w2's did.
+        assert [e.sequence for e in await store.read("rf-stale")] == [0, 1]
+        assert await self._free(store, "rf-stale") == new.token + 1
+        # The live lease: nothing written, w1 still holds it with its token.
+        assert await store.head("rf-live") is None
+        assert await self._free(store, "rf-live") is None
+        assert await store.release_fence("rf-live", live.token)
+        # The taken slot: the fence exactly as it was (released, same token).
+        row = await self._row(store, "rf-taken")
+        assert (row.fence, row.holder, row.lease_expires_at, row.head) == (taken.token, None,
+                                                                           None, 0)
+        assert await self._free(store, "rf-taken") == taken.token + 1
+        # The gap and the bad lease: no log, and no fence left behind.
+        for execution_id in ("rf-gap", "rf-bad"):
+            assert await store.head(execution_id) is None
+            assert await self._free(store, execution_id) == 1
+
+    async def test_append_many_answers_two_executions_in_either_key_order(
+            self, store: EventStore) -> None:
+        """Whatever order the store takes the rows in, each answer is its own request's."""
+        lengths = {"a": 1, "b": 3}
+        for order in ("ab", "ba"):
+            ids = {name: f"ko-{order}-{name}" for name in "ab"}
+            answers = await append_many(store, [AcquiringAppend(
+                [started(ids[name])] + [make_event(ids[name], s)
+                                        for s in range(1, lengths[name])],
+                f"holder-{name}", 60_000) for name in order])
+            grants = dict(zip(order, answers, strict=True))
+            for name, grant in grants.items():
+                assert isinstance(grant, FenceGrant), answers
+                assert (grant.execution_id, grant.holder) == (ids[name], f"holder-{name}")
+            ends: list[ManyRequest] = []
+            for name in order:
+                grant = grants[name]
+                assert isinstance(grant, FenceGrant)
+                ends.append(ReleasingAppend([make_event(ids[name], lengths[name])],
+                                            grant.token))
+                ends.append(ReleasingAppend([make_event(ids[name], lengths[name] + 1)],
+                                            grant.token + 1))  # never held: stale
+            answers = await append_many(store, ends)
+            for n, name in enumerate(order):
+                assert answers[2 * n] is None, answers
+                assert isinstance(answers[2 * n + 1], StaleFenceError), answers
+                assert await store.head(ids[name]) == lengths[name]
+                row = await self._row(store, ids[name])
+                assert (row.holder, row.lease_expires_at) == (None, None)
+
+    async def test_concurrent_many_calls_in_opposite_orders_each_start_wins_once(
+            self, store: EventStore) -> None:
+        """Two calls race for the same executions, listed in opposite orders: each
+        execution is taken by exactly one request; the others hear a live lease or a
+        taken slot (no deadlock, nothing written twice)."""
+        ids = [f"race-{n}" for n in range(6)]
+
+        def starts(holder: str, order: list[str]) -> list[ManyRequest]:
+            return [AcquiringAppend([started(i, owner=holder)], holder, 60_000)
+                    for i in order]
+
+        first, second = await asyncio.gather(
+            append_many(store, starts("w1", ids)),
+            append_many(store, starts("w2", ids[::-1])))
+        answers = dict(zip(ids, first, strict=True))
+        for execution_id, other in zip(ids[::-1], second, strict=True):
+            mine = answers[execution_id]
+            grants = [a for a in (mine, other) if isinstance(a, FenceGrant)]
+            assert len(grants) == 1, (execution_id, mine, other)
+            loser = other if grants[0] is mine else mine
+            assert loser is None or isinstance(loser, DuplicateSequenceError), loser
+            log = await store.read(execution_id)
+            assert len(log) == 1
+            assert log[0].payload["owner"]["actor"] == grants[0].holder
+            row = await self._row(store, execution_id)
+            assert (row.fence, row.holder) == (grants[0].token, grants[0].holder)

@@ -17,7 +17,7 @@ import asyncio
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from fleet.kernel.errors import StoreUnavailableError, ValidationError
 from fleet.kernel.events import EventEnvelope
@@ -27,8 +27,11 @@ from fleet.kernel.store.spi import (
     ConditionalAppendResult,
     EventStore,
     FenceGrant,
+    ManyAnswer,
+    ManyRequest,
     TipObservation,
     append_many,
+    request_events,
 )
 
 __all__ = ["FaultInjectingEventStore", "InjectedFault", "WritePredicate"]
@@ -129,9 +132,16 @@ class FaultInjectingEventStore(ForwardingEventStore):
                           ) -> list[BaseException | None]:
         """Each request draws its own fate, in order; those let through go to the inner
         store in one ``append_many``. A rejected or hung one writes nothing."""
-        results: list[BaseException | None] = [None] * len(requests)
+        return cast(list[BaseException | None], await self.append_many_leased(requests))
+
+    async def append_many_leased(self, requests: Sequence[ManyRequest],
+                                 ) -> list[ManyAnswer]:
+        """``append_many`` with leased requests too: each draws its fate as its single
+        call would, in order; those let through go to the inner store in one call."""
+        results: list[ManyAnswer] = [None] * len(requests)
         passed: list[int] = []
-        for i, (events, _) in enumerate(requests):
+        for i, request in enumerate(requests):
+            events = request_events(request)
             if not events:
                 passed.append(i)  # the inner store refuses the shape, with its own error
                 continue

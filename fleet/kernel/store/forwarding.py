@@ -3,6 +3,12 @@
 It forwards each ``EventStore`` operation to ``inner`` unchanged; a decorator
 (fault injection, group commit, a third party's) overrides only what it
 changes. ``close`` closes the wrapped store: the decorator owns it.
+
+It does not forward ``append_many_leased`` (``spi.AppendsManyLeased``): a decorator
+that overrides ``append_many`` or the leased writes would be bypassed by it.
+``spi.append_many`` serves a mixed batch to such a decorator through those calls;
+one that can batch leased writes itself (group commit, the fault injector) says so
+by implementing the method.
 """
 
 from __future__ import annotations

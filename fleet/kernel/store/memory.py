@@ -21,6 +21,7 @@ import asyncio
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from fleet.kernel.errors import (
     DuplicateSequenceError,
@@ -33,13 +34,17 @@ from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
 from fleet.kernel.store.spi import (
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
+    AcquiringAppend,
     AppendRequest,
     CommittedEvent,
     ConditionalAppendResult,
     DueTimer,
     ExecutionSummary,
     FenceGrant,
+    ManyAnswer,
+    ManyRequest,
     Position,
+    ReleasingAppend,
     Snapshot,
     TipObservation,
     check_batch,
@@ -129,14 +134,38 @@ class MemoryEventStore:
     async def append_many(self, requests: Sequence[AppendRequest],
                           ) -> list[BaseException | None]:
         """Every request in one step (one tick), each judged alone, in order."""
+        return cast(list[BaseException | None], await self._append_many(requests))
+
+    async def append_many_leased(self, requests: Sequence[ManyRequest],
+                                 ) -> list[ManyAnswer]:
+        """Plain, acquiring and releasing requests in one step (one tick), each judged
+        alone, in order, exactly as its single call judges it (decision 0029)."""
+        return await self._append_many(requests)
+
+    async def _append_many(self, requests: Sequence[ManyRequest]) -> list[ManyAnswer]:
         await _tick()
-        results: list[BaseException | None] = []
-        for events, fence in requests:
+        results: list[ManyAnswer] = []
+        for request in requests:
             try:
-                execution_id = check_batch(events)
-                self._encode(events)
-                self._check_fence(execution_id, fence)
-                self._write(execution_id, events)
+                if isinstance(request, AcquiringAppend):
+                    execution_id = check_batch(request.events)
+                    self._check_acquire(execution_id, request.holder, request.lease_ms)
+                    self._encode(request.events)
+                    results.append(self._acquiring(execution_id, request.events,
+                                                   request.holder, request.lease_ms,
+                                                   request.release))
+                    continue
+                if isinstance(request, ReleasingAppend):
+                    execution_id = check_batch(request.events)
+                    check_int64(request.fence, "fence")
+                    self._encode(request.events)
+                    self._releasing(execution_id, request.events, request.fence)
+                else:
+                    events, fence = request
+                    execution_id = check_batch(events)
+                    self._encode(events)
+                    self._check_fence(execution_id, fence)
+                    self._write(execution_id, events)
             except FleetError as exc:
                 results.append(exc)
             else:
@@ -150,6 +179,10 @@ class MemoryEventStore:
         self._check_acquire(execution_id, holder, lease_ms)
         self._encode(events)
         await _tick()
+        return self._acquiring(execution_id, events, holder, lease_ms, release)
+
+    def _acquiring(self, execution_id: str, events: Sequence[EventEnvelope], holder: str,
+                   lease_ms: int, release: bool) -> FenceGrant | None:
         held = self._fences.get(execution_id)
         if (held is not None and held.lease_expires_at is not None
                 and held.lease_expires_at > self._clock()):
@@ -175,6 +208,10 @@ class MemoryEventStore:
         check_int64(fence, "fence")
         self._encode(events)
         await _tick()
+        self._releasing(execution_id, events, fence)
+
+    def _releasing(self, execution_id: str, events: Sequence[EventEnvelope],
+                   fence: int) -> None:
         self._check_fence(execution_id, fence)
         self._write(execution_id, events)
         if fence != 0:

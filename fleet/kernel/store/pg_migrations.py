@@ -602,12 +602,72 @@ BEGIN
 END $$;
 """
 
+# Leased writes in group commit (decision 0029): fleet_append_many whose items may
+# also take the fence (p_holders[i] set, with p_fences[i] NULL: acquire_fence_if's
+# rule, code 5 = a live lease is held, detail its token; on success detail is the new
+# token) or end the lease they wrote under (p_releases[i]), as fleet_append_leased
+# judges one. Everything else is fleet_append_many's, so each item is still judged
+# alone under its fence lock, fence rows are still locked in key order, and a refused
+# item writes nothing and moves no token: the token of an acquiring item moves only
+# once it is judged (code 0), and the token-0 row it made is removed if it is refused.
+# fleet_append_many stays as it was (a flush with no leased item still calls it, and
+# a process of the previous version keeps calling it during a rolling upgrade).
+_V5_APPEND_MANY_LEASED = _edit(
+    _V3_APPEND_MANY,
+    ("CREATE OR REPLACE FUNCTION fleet_append_many(",
+     "CREATE FUNCTION fleet_append_many_leased("),
+    ("    p_timer_ids text[], p_timer_dues bigint[], OUT codes integer[], OUT details bigint[])",
+     "    p_timer_ids text[], p_timer_dues bigint[], p_holders text[], p_expires bigint[],\n"
+     "    p_releases boolean[], p_now bigint, OUT codes integer[], OUT details bigint[])"),
+    ("    bell text;\nBEGIN",
+     "    bell text;\n"
+     "    acquires boolean := cardinality(array_remove(p_holders, NULL)) > 0;\n"
+     "    releases boolean := true = ANY (p_releases);\nBEGIN"),
+    ("                     CASE WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0) THEN 1\n",
+     "                     CASE WHEN u.h IS NOT NULL AND fe.lease_expires_at > p_now THEN 5\n"
+     "                          WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0) THEN 1\n"),
+    ("                     CASE WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0)\n"
+     "                          THEN coalesce(fe.token, 0) ELSE x.head END AS detail\n"
+     "              FROM unnest(p_keys, p_fences, p_firsts, p_rounds)\n"
+     "                   WITH ORDINALITY AS u(k, f, first, rd, i)\n",
+     "                     CASE WHEN u.h IS NOT NULL AND fe.lease_expires_at > p_now\n"
+     "                          THEN fe.token\n"
+     "                          WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0)\n"
+     "                          THEN coalesce(fe.token, 0) ELSE x.head END AS detail\n"
+     "              FROM unnest(p_keys, p_fences, p_firsts, p_rounds, p_holders)\n"
+     "                   WITH ORDINALITY AS u(k, f, first, rd, h, i)\n"),
+    ("            details[ri[j]] := rdet[j];\n        END LOOP;\n",
+     "            details[ri[j]] := rdet[j];\n        END LOOP;\n"
+     "        IF acquires THEN  -- an acquiring item judged free takes the next token\n"
+     "            WITH g AS (\n"
+     "                UPDATE fences AS f SET token = f.token + 1, holder = u.h,\n"
+     "                                       lease_expires_at = u.x\n"
+     "                FROM unnest(p_keys, p_holders, p_expires, p_rounds)\n"
+     "                     WITH ORDINALITY AS u(k, h, x, rd, i)\n"
+     "                WHERE f.ekey = u.k AND u.rd = r AND u.h IS NOT NULL AND codes[u.i] = 0\n"
+     "                RETURNING u.i, f.token)\n"
+     "            SELECT array_agg(g.i), array_agg(g.token) INTO ri, rdet FROM g;\n"
+     "            FOR j IN 1 .. coalesce(cardinality(ri), 0) LOOP\n"
+     "                details[ri[j]] := rdet[j];\n"
+     "            END LOOP;\n"
+     "        END IF;\n"),
+    ("        IF cardinality(created) > 0 THEN",
+     "        IF releases THEN  -- written, and its lease ends (the token stays)\n"
+     "            UPDATE fences AS f SET lease_expires_at = NULL, holder = NULL\n"
+     "            FROM unnest(p_keys, p_releases, p_rounds) WITH ORDINALITY AS u(k, rel, rd, i)\n"
+     "            WHERE f.ekey = u.k AND u.rd = r AND u.rel AND codes[u.i] = 0\n"
+     "              AND f.token > 0;\n"
+     "        END IF;\n"
+     "        IF cardinality(created) > 0 THEN"),
+)
+
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1_TABLES + _V1_LOCK + _V1_APPEND + _V1_APPEND_MANY + _V1_APPEND_IF
      + _V1_FENCES),
     (2, _V2_COMPACT),
     (3, _V3_FEED + _V3_APPEND + _V3_APPEND_IF + _V3_APPEND_MANY),
     (4, _V4_APPEND_LEASED),
+    (5, _V5_APPEND_MANY_LEASED),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -32,9 +32,10 @@ from fleet.kernel.store.spi import (
     index_change,
 )
 
-__all__ = ["APPEND_IF_SQL", "APPEND_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL",
-           "DUE_TIMERS_SQL", "SUMMARY_SQL", "TIP_SQL", "Write", "execution_key", "listing_sql",
-           "many_columns", "parse_event", "refusal", "summary"]
+__all__ = ["APPEND_IF_SQL", "APPEND_LEASED_SQL", "APPEND_MANY_LEASED_SQL", "APPEND_MANY_SQL",
+           "APPEND_SQL", "DUE_TIMERS_SQL", "SUMMARY_SQL", "TIP_SQL", "LeaseOp", "Write",
+           "execution_key", "lease_columns", "listing_sql", "many_columns", "parse_event",
+           "refusal", "summary"]
 
 PREFIX = 200  # characters of a text key that listing indexes hold (see pg_migrations)
 
@@ -59,6 +60,8 @@ APPEND_LEASED_SQL = ("SELECT code, detail FROM fleet_append_leased($1, $2, $3, $
                      "$8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)")
 APPEND_MANY_SQL = ("SELECT codes, details FROM fleet_append_many("
                     + ", ".join(f"${i}" for i in range(1, 24)) + ")")
+APPEND_MANY_LEASED_SQL = ("SELECT codes, details FROM fleet_append_many_leased("
+                          + ", ".join(f"${i}" for i in range(1, 28)) + ")")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -212,6 +215,32 @@ def many_columns(prepared: list[tuple[int, Write, int | None]]) -> list[list[Any
         columns[21].extend(write.timer_ids)
         columns[22].extend(write.timer_dues)
     return columns
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseOp:
+    """What an item of ``fleet_append_many_leased`` does to its lease besides the append.
+
+    ``holder`` set: it takes the fence (``append_acquiring``), until ``expires``;
+    ``release``: it ends the lease it wrote under. ``lease_ms`` is kept for the single
+    call that may judge the request again.
+    """
+
+    holder: str | None = None
+    lease_ms: int = 0
+    expires: int | None = None
+    release: bool = False
+
+
+def lease_columns(prepared: list[tuple[int, Write, int | None]], ops: dict[int, LeaseOp],
+                  now: int) -> list[Any]:
+    """The 4 arguments ``fleet_append_many_leased`` takes after ``many_columns``'s 23:
+    holders, expiries and releases in the order ``many_columns`` sorted ``prepared``
+    into (``ops`` by request index; a plain item has none), and ``now``."""
+    plain = LeaseOp()
+    rows = [ops.get(i, plain) for i, _, _ in prepared]
+    return [[op.holder for op in rows], [op.expires for op in rows],
+            [op.release for op in rows], now]
 
 
 def listing_sql(*, status: str | None, flow_id: str | None, tenant: str | None,

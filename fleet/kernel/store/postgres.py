@@ -57,13 +57,16 @@ from fleet.kernel.store.pg_migrations import SCHEMA_VERSION
 from fleet.kernel.store.pg_queries import (
     APPEND_IF_SQL,
     APPEND_LEASED_SQL,
+    APPEND_MANY_LEASED_SQL,
     APPEND_MANY_SQL,
     APPEND_SQL,
     DUE_TIMERS_SQL,
     SUMMARY_SQL,
     TIP_SQL,
+    LeaseOp,
     Write,
     execution_key,
+    lease_columns,
     listing_sql,
     many_columns,
     parse_event,
@@ -73,12 +76,17 @@ from fleet.kernel.store.pg_queries import (
 from fleet.kernel.store.spi import (
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
+    AcquiringAppend,
+    AppendRequest,
     CommittedEvent,
     ConditionalAppendResult,
     DueTimer,
     ExecutionSummary,
     FenceGrant,
+    ManyAnswer,
+    ManyRequest,
     Position,
+    ReleasingAppend,
     Snapshot,
     TipObservation,
     check_batch,
@@ -98,6 +106,14 @@ T = TypeVar("T")
 _RETRY = 4  # fleet_append's code for "an older transaction than the log's last writer"
 _BUSY = 5  # fleet_append_leased's code for "a live lease is held"
 _ORDER_RETRIES = 3  # one is enough (a new transaction is newer); more is a guard
+
+
+async def _answer(call: Awaitable[FenceGrant | None]) -> ManyAnswer:
+    """A request's answer in ``append_many_leased``: its result, or its refusal."""
+    try:
+        return await call
+    except FleetError as exc:
+        return exc
 
 
 class _PostgresBase:
@@ -235,6 +251,10 @@ class PostgresEventStore(_PostgresBase):
         write = self._prepare(events)
         check_text(holder, "holder")
         check_lease_ms(lease_ms)
+        return await self._append_acquiring(write, holder, lease_ms, release)
+
+    async def _append_acquiring(self, write: Write, holder: str, lease_ms: int,
+                                release: bool) -> FenceGrant | None:
         for _ in range(_ORDER_RETRIES):
             now = self._clock()
             expires = check_int64(now + lease_ms, "lease expiry")
@@ -258,7 +278,9 @@ class PostgresEventStore(_PostgresBase):
         """Append under ``fence`` and end its lease: one statement (decision 0029)."""
         check_batch(events)
         check_int64(fence, "fence")
-        write = self._prepare(events)
+        await self._append_releasing(self._prepare(events), fence)
+
+    async def _append_releasing(self, write: Write, fence: int) -> None:
         for _ in range(_ORDER_RETRIES):
             try:
                 row = await self._call(lambda pool: pool.fetchrow(
@@ -304,60 +326,116 @@ class PostgresEventStore(_PostgresBase):
             idempotent=True)
         return [row["body"] for row in rows]
 
-    async def append_many(self, requests: Sequence[tuple[Sequence[EventEnvelope], int | None]],
+    async def append_many(self, requests: Sequence[AppendRequest],
                           ) -> list[BaseException | None]:
         """Group commit: each (events, fence) as an append, all in one transaction.
 
         The answer for each request is ``None`` (appended) or the error its own
         append would have raised; one request's refusal never fails another's.
         """
-        results: list[BaseException | None] = [None] * len(requests)
+        return cast(list[BaseException | None], await self._append_many(requests))
+
+    async def append_many_leased(self, requests: Sequence[ManyRequest],
+                                 ) -> list[ManyAnswer]:
+        """Group commit of plain, acquiring and releasing appends: one statement, one
+        commit (``fleet_append_many``, or ``fleet_append_many_leased`` when a request
+        takes or ends a lease; decision 0029).
+
+        Each request is judged alone, as its single call judges it: the answer is
+        ``None`` (appended; an acquiring request: a live lease is held), the grant of
+        an acquiring request, or the error its own call would have raised.
+        """
+        return await self._append_many(requests)
+
+    async def _append_many(self, requests: Sequence[ManyRequest]) -> list[ManyAnswer]:
+        results: list[ManyAnswer] = [None] * len(requests)
         prepared: list[tuple[int, Write, int | None]] = []
-        for i, (events, fence) in enumerate(requests):
+        ops: dict[int, LeaseOp] = {}
+        now = self._clock()
+        for i, request in enumerate(requests):
             try:
-                check_batch(events)
-                prepared.append((i, self._prepare(events), fence))
+                if isinstance(request, AcquiringAppend):
+                    check_batch(request.events)
+                    write = self._prepare(request.events)
+                    check_text(request.holder, "holder")
+                    check_lease_ms(request.lease_ms)
+                    ops[i] = LeaseOp(request.holder, request.lease_ms,
+                                     check_int64(now + request.lease_ms, "lease expiry"),
+                                     request.release)
+                    prepared.append((i, write, None))
+                elif isinstance(request, ReleasingAppend):
+                    check_batch(request.events)
+                    check_int64(request.fence, "fence")
+                    prepared.append((i, self._prepare(request.events), request.fence))
+                    ops[i] = LeaseOp(release=True)
+                else:
+                    events, fence = request
+                    check_batch(events)
+                    prepared.append((i, self._prepare(events), fence))
             except FleetError as exc:
                 results[i] = exc
         if len(prepared) == 1:  # nothing to group: the single path costs less
             i, write, fence = prepared[0]
-            try:
-                await self._append(write, fence)
-            except FleetError as exc:
-                results[i] = exc
+            results[i] = await _answer(self._alone(write, fence, ops.get(i)))
         if len(prepared) <= 1:
             return results
         columns = many_columns(prepared)
+        sql = APPEND_MANY_SQL
+        if ops:
+            columns += lease_columns(prepared, ops, now)
+            sql = APPEND_MANY_LEASED_SQL
         try:
-            row = await self._call(lambda pool: pool.fetchrow(APPEND_MANY_SQL, *columns),
+            row = await self._call(lambda pool: pool.fetchrow(sql, *columns),
                                    idempotent=False)
-        except (StoreUnavailableError, ValidationError, DuplicateSequenceError):
+        except (StoreUnavailableError, ValidationError, DuplicateSequenceError) as failed:
             # A lost link, a deadlock, one bad value: nothing of the flush is known
-            # to have committed, so every request gets its own verdict through the
-            # single path (which settles a lost link by reading its slots back).
-            outcomes = [self._append(write, fence) for _, write, fence in prepared]
-            for (i, _, _), outcome in zip(prepared, outcomes, strict=True):
-                try:
-                    await outcome
-                except FleetError as exc:
-                    results[i] = exc
+            # to have committed, so every request gets its own verdict through its
+            # single path (a plain append whose link was lost is settled by reading
+            # its slots back, as a releasing one is; an acquiring one is not resent).
+            for i, write, fence in prepared:
+                results[i] = await _answer(self._after_failed_flush(write, fence, ops.get(i),
+                                                                    failed))
             return results
         again: set[bytes] = set()  # executions with a request to send again, in order
         for (i, write, fence), code, detail in zip(prepared, row["codes"], row["details"],
                                                    strict=True):
+            op = ops.get(i)
             if code == _RETRY or (write.key in again and code != 0):
                 # Too old a transaction for this log (decision 0020), and the requests
                 # of the same execution after it (judged against the head it did not
-                # move): nothing of them was written, each goes through the single path.
+                # move): nothing of them was written, each goes through its single path.
                 again.add(write.key)
                 self.order_retries += code == _RETRY
-                try:
-                    await self._append(write, fence)
-                except FleetError as exc:
-                    results[i] = exc
-            elif code != 0:
+                results[i] = await _answer(self._alone(write, fence, op))
+            elif code == 0:
+                if op is not None and op.holder is not None and op.expires is not None:
+                    results[i] = FenceGrant(write.execution_id, int(detail), op.holder,
+                                            op.expires)
+            elif code != _BUSY:  # _BUSY: an acquiring request found a live lease (None)
                 results[i] = refusal(write, fence, code, detail)
         return results
+
+    async def _alone(self, write: Write, fence: int | None, op: LeaseOp | None,
+                     ) -> FenceGrant | None:
+        """One request of ``append_many_leased`` through its single path."""
+        if op is None:
+            await self._append(write, fence)
+        elif op.holder is not None:
+            return await self._append_acquiring(write, op.holder, op.lease_ms, op.release)
+        else:
+            await self._append_releasing(write, fence or 0)
+        return None
+
+    async def _after_failed_flush(self, write: Write, fence: int | None, op: LeaseOp | None,
+                                  failed: FleetError) -> FenceGrant | None:
+        """A request's verdict once its flush failed as a whole (see append_many_leased)."""
+        if not isinstance(failed, StoreUnavailableError):
+            return await self._alone(write, fence, op)  # refused: nothing was written
+        if op is None:
+            await self._settle(write, fence, failed)
+        elif op.holder is not None or await self._bodies(write) != write.bodies:
+            raise failed  # as the single acquiring (or releasing) call on a lost link
+        return None
 
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,

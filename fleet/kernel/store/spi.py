@@ -38,10 +38,9 @@ import asyncio
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, cast, runtime_checkable
+from typing import Any, Literal, Protocol, cast, overload, runtime_checkable
 
 from fleet.kernel.errors import (
-    CorruptLogError,
     DuplicateSequenceError,
     NotSerializableError,
     PayloadTooLargeError,
@@ -57,6 +56,9 @@ from fleet.kernel.events import (
     Status,
     dumps,
 )
+from fleet.kernel.store.committed import ORIGIN as ORIGIN
+from fleet.kernel.store.committed import CommittedEvent as CommittedEvent
+from fleet.kernel.store.committed import Position as Position
 from fleet.kernel.values import (
     INT64_MAX,
     INT64_MIN,
@@ -131,113 +133,6 @@ class Snapshot:
     execution_id: str
     sequence: int
     state: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Position:
-    """Where an event sits in its store's commit order (``read_committed``).
-
-    Two integers compared in order: Postgres uses (inserting transaction id,
-    a per-insert sequence number), SQLite and memory (a commit counter, 0).
-    Positions of one store only grow; they are never reused, not even after a
-    deletion or a compaction. ``str(position)`` is ``"major-minor"``, which is
-    also a valid Redis stream entry id (the relay publishes under it).
-    Positions of different stores are not comparable.
-    """
-
-    major: int
-    minor: int = 0
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.major < 2**64 and 0 <= self.minor < 2**64):
-            raise ValidationError(f"a position is two integers in [0, 2**64), got "
-                                  f"{self.major}-{self.minor}")
-
-    def __str__(self) -> str:
-        return f"{self.major}-{self.minor}"
-
-    @classmethod
-    def parse(cls, text: str) -> Position:
-        """``"12-3"`` (or ``"12"``, minor 0) -> ``Position(12, 3)``; anything else is refused."""
-        major, sep, minor = str(text).strip().partition("-")
-        try:
-            if not major.isdigit() or (sep and not minor.isdigit()):
-                raise ValueError(text)
-            return cls(int(major), int(minor) if sep else 0)
-        except (ValueError, ValidationError):
-            raise ValidationError(f"{text!r} is not a position: two non-negative integers "
-                                  "as 'major-minor', e.g. '5123-17'") from None
-
-
-#: Before every event: ``read_committed(after=ORIGIN)`` reads from the first.
-ORIGIN = Position(0, 0)
-
-
-class CommittedEvent:
-    """One event of the committed feed: where it sits, the event, its execution's tenant.
-
-    ``json`` is the envelope exactly as the store holds it (the canonical JSON
-    of ``EventEnvelope.to_json``); ``event`` parses it on first use (a reader
-    that only forwards the text, such as the relay, never pays for that), and
-    raises ``CorruptLogError`` for a row that is not the envelope it should be.
-    ``tenant`` comes from the execution index (None: no tenant, or the index row
-    is gone). Two are equal when position, text and tenant are.
-    """
-
-    __slots__ = ("_event", "_json", "execution_id", "position", "sequence", "tenant", "type")
-
-    def __init__(self, position: Position, event: EventEnvelope | None = None,
-                 tenant: str | None = None, *, json: str | None = None,
-                 execution_id: str | None = None, sequence: int | None = None,
-                 type: str | None = None) -> None:
-        if event is None and (json is None or execution_id is None or sequence is None
-                              or type is None):
-            raise ValidationError("a CommittedEvent needs the event, or its JSON with its "
-                                  "execution id, sequence and type")
-        self.position = position
-        self.tenant = tenant
-        self._event = event
-        self._json = json
-        self.execution_id: str = event.execution_id if event is not None else str(execution_id)
-        self.sequence: int = event.sequence if event is not None else int(sequence or 0)
-        self.type: str = event.type.value if event is not None else str(type)
-
-    @property
-    def event(self) -> EventEnvelope:
-        if self._event is None:
-            assert self._json is not None
-            try:
-                event = EventEnvelope.from_json(self._json)
-            except CorruptLogError as exc:
-                raise CorruptLogError(f"execution {self.execution_id!r} sequence "
-                                      f"{self.sequence} is corrupt: {exc.message}",
-                                      execution_id=self.execution_id,
-                                      sequence=self.sequence) from exc
-            if event.execution_id != self.execution_id or event.sequence != self.sequence:
-                raise CorruptLogError(f"execution {self.execution_id!r} sequence "
-                                      f"{self.sequence} holds the envelope of {event.id!r}",
-                                      execution_id=self.execution_id, sequence=self.sequence)
-            self._event = event
-        return self._event
-
-    @property
-    def json(self) -> str:
-        if self._json is None:
-            assert self._event is not None
-            self._json = self._event.to_json()
-        return self._json
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, CommittedEvent):
-            return NotImplemented
-        return (self.position, self.json, self.tenant) == (other.position, other.json,
-                                                           other.tenant)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return (f"CommittedEvent({self.position}, {self.execution_id!r}-{self.sequence} "
-                f"{self.type}, tenant={self.tenant!r})")
 
 
 @runtime_checkable
@@ -350,6 +245,51 @@ class CountsExecutions(Protocol):
 AppendRequest = tuple[Sequence[EventEnvelope], "int | None"]
 
 
+@dataclass(frozen=True, slots=True)
+class AcquiringAppend:
+    """A request of ``append_many`` judged as ``append_acquiring(events, holder=, lease_ms=,
+    release=)``: take the fence if no live lease is held and append under the new token.
+
+    Its answer is the ``FenceGrant``, ``None`` (a live lease is held: nothing written,
+    the fence untouched) or the refusal ``append_acquiring`` would have raised (the
+    fence then as it was).
+    """
+
+    events: Sequence[EventEnvelope]
+    holder: str
+    lease_ms: int
+    release: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasingAppend:
+    """A request of ``append_many`` judged as ``append_releasing(events, fence=)``: append
+    under ``fence`` and end its lease. Its answer is ``None`` (both done) or the refusal
+    (``StaleFenceError``...: neither done)."""
+
+    events: Sequence[EventEnvelope]
+    fence: int
+
+
+#: Any request of ``append_many`` (decision 0029, "Leased writes in group commit").
+ManyRequest = AppendRequest | AcquiringAppend | ReleasingAppend
+#: An answer of ``append_many``: ``None`` (written; for an ``AcquiringAppend``: a live
+#: lease is held), the grant of an ``AcquiringAppend``, or the request's own refusal.
+ManyAnswer = FenceGrant | BaseException | None
+
+
+def request_events(request: ManyRequest) -> Sequence[EventEnvelope]:
+    """The events a request of ``append_many`` carries, whatever its kind."""
+    if isinstance(request, (AcquiringAppend, ReleasingAppend)):
+        return request.events
+    return request[0]
+
+
+def is_plain(request: ManyRequest) -> bool:
+    """A plain request (``AppendRequest``: any ``(events, fence)`` pair), not a leased one."""
+    return not isinstance(request, (AcquiringAppend, ReleasingAppend))
+
+
 @runtime_checkable
 class AppendsMany(Protocol):
     """Optional: many appends, of many executions, in one round trip.
@@ -373,37 +313,120 @@ class AppendsMany(Protocol):
                           ) -> list[BaseException | None]: ...
 
 
+@runtime_checkable
+class AppendsManyLeased(Protocol):
+    """Optional: ``append_many`` whose requests may also take or end a lease (decision 0029).
+
+    ``append_many_leased`` takes plain requests (``AppendRequest``), ``AcquiringAppend``
+    and ``ReleasingAppend`` in one round trip, and judges each alone exactly as its
+    single call would (``append_batch``, ``append_acquiring``, ``append_releasing``):
+    a stale fence, a taken slot, a gap or a live lease refuses that request only and
+    writes nothing of it, never its neighbours; a refused ``AcquiringAppend`` leaves
+    the fence exactly as it was. Requests of one execution apply in the order given.
+    A fault of the whole call may be raised instead, or given as every answer.
+
+    A separate method, not a wider ``append_many``: a store (or a decorator's
+    override) written before it never receives a request kind it does not know.
+    The built-in stores have it (Postgres: one statement, one commit), the group-commit
+    decorator flushes through it and the fault injector draws a fault per request;
+    ``append_many`` below serves a store without it.
+    """
+
+    async def append_many_leased(self, requests: Sequence[ManyRequest],
+                                 ) -> list[ManyAnswer]: ...
+
+
+@overload
 async def append_many(store: EventStore, requests: Sequence[AppendRequest],
-                      ) -> list[BaseException | None]:
+                      ) -> list[BaseException | None]: ...
+
+
+@overload
+async def append_many(store: EventStore, requests: Sequence[ManyRequest],
+                      ) -> Sequence[ManyAnswer]: ...
+
+
+async def append_many(store: EventStore, requests: Sequence[ManyRequest],
+                      ) -> Sequence[ManyAnswer]:
     """``store.append_many(requests)``, or the same answers one request at a time
-    (executions concurrently, each one's requests in order) for a store without it."""
-    own = getattr(store, "append_many", None)
-    if own is not None:
-        return cast(list[BaseException | None], await own(requests))
-    return await append_each(store, requests)
+    (executions concurrently, each one's requests in order) for a store without it.
+
+    With an ``AcquiringAppend`` or a ``ReleasingAppend`` among ``requests``:
+    ``store.append_many_leased`` where the store has it; otherwise the executions
+    with only plain requests still share one ``append_many`` and the others go one
+    request at a time through the single calls (the same answers, not one round trip).
+    """
+    if all(is_plain(request) for request in requests):
+        plain = cast(Sequence[AppendRequest], requests)
+        own = getattr(store, "append_many", None)
+        if own is not None:
+            return cast(list[BaseException | None], await own(plain))
+        return await append_each(store, plain)
+    leased = getattr(store, "append_many_leased", None)
+    if leased is not None:
+        return cast(list[ManyAnswer], await leased(requests))
+    return await _append_mixed(store, requests)
+
+
+async def _append_mixed(store: EventStore, requests: Sequence[ManyRequest],
+                        ) -> list[ManyAnswer]:
+    """A mixed ``append_many`` on a store without ``append_many_leased``."""
+    results: list[ManyAnswer] = [None] * len(requests)
+    lanes = _lanes(requests)
+    together = [i for lane in lanes.values() if all(is_plain(requests[j]) for j in lane)
+                for i in lane]
+    apart = [lane for lane in lanes.values() if not all(is_plain(requests[j]) for j in lane)]
+
+    async def plain() -> None:
+        if together:
+            answers = await append_many(store, [cast(AppendRequest, requests[i])
+                                                for i in together])
+            for i, answer in zip(together, answers, strict=True):
+                results[i] = answer
+
+    await asyncio.gather(plain(), *(_lane(store, requests, lane, results) for lane in apart))
+    return results
+
+
+def _lanes(requests: Sequence[ManyRequest]) -> dict[str, list[int]]:
+    """The indexes of ``requests`` by execution, each execution's in order."""
+    lanes: dict[str, list[int]] = {}
+    for i, request in enumerate(requests):
+        events = request_events(request)
+        lanes.setdefault(events[0].execution_id if events else "", []).append(i)
+    return lanes
+
+
+async def _lane(store: EventStore, requests: Sequence[ManyRequest], indexes: list[int],
+                results: list[ManyAnswer]) -> None:
+    """One execution's requests through the single calls, in order, each answer its own."""
+    for i in indexes:
+        request = requests[i]
+        try:
+            if isinstance(request, AcquiringAppend):
+                results[i] = await append_acquiring(store, request.events,
+                                                    holder=request.holder,
+                                                    lease_ms=request.lease_ms,
+                                                    release=request.release)
+            elif isinstance(request, ReleasingAppend):
+                await append_releasing(store, request.events, fence=request.fence)
+            else:
+                events, fence = request
+                if len(events) == 1:
+                    await store.append(events[0], fence=fence)
+                else:
+                    await store.append_batch(events, fence=fence)
+        except Exception as exc:  # noqa: BLE001 - the request's own verdict
+            results[i] = exc
 
 
 async def append_each(store: EventStore, requests: Sequence[AppendRequest],
                       ) -> list[BaseException | None]:
     """``append_many``'s answers through ``append``/``append_batch``, one request at a time."""
-    results: list[BaseException | None] = [None] * len(requests)
-    lanes: dict[str, list[int]] = {}
-    for i, (events, _) in enumerate(requests):
-        lanes.setdefault(events[0].execution_id if events else "", []).append(i)
-
-    async def lane(indexes: list[int]) -> None:
-        for i in indexes:
-            events, fence = requests[i]
-            try:
-                if len(events) == 1:
-                    await store.append(events[0], fence=fence)
-                else:
-                    await store.append_batch(events, fence=fence)
-            except Exception as exc:  # noqa: BLE001 - the request's own verdict
-                results[i] = exc
-
-    await asyncio.gather(*(lane(indexes) for indexes in lanes.values()))
-    return results
+    results: list[ManyAnswer] = [None] * len(requests)
+    await asyncio.gather(*(_lane(store, requests, lane, results)
+                           for lane in _lanes(requests).values()))
+    return cast(list[BaseException | None], results)
 
 
 @runtime_checkable

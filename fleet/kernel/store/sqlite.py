@@ -35,7 +35,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fleet.kernel.errors import (
     ConfigurationError,
@@ -52,13 +52,17 @@ from fleet.kernel.events import EventEnvelope, wall_clock_ms
 from fleet.kernel.store.spi import (
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
+    AcquiringAppend,
     AppendRequest,
     CommittedEvent,
     ConditionalAppendResult,
     DueTimer,
     ExecutionSummary,
     FenceGrant,
+    ManyAnswer,
+    ManyRequest,
     Position,
+    ReleasingAppend,
     TipObservation,
     check_batch,
     check_feed_read,
@@ -388,6 +392,12 @@ def _place_fenced(conn: sqlite3.Connection, write: _Write, fence: int | None) ->
     write.place(conn, tip.head)
 
 
+def _releasing(conn: sqlite3.Connection, write: _Write, fence: int) -> None:
+    """Place ``write`` under ``fence`` and end that lease (``append_releasing``)."""
+    _place_fenced(conn, write, fence)
+    _end_lease(conn, write.execution_id, fence)
+
+
 def _end_lease(conn: sqlite3.Connection, execution_id: str, token: int) -> bool:
     return conn.execute("UPDATE fences SET lease_expires_at = NULL, holder = NULL "
                         "WHERE execution_id = ? AND token = ? AND token > 0",
@@ -437,60 +447,80 @@ class SqliteEventStore:
         execution_id = check_batch(events)
         self._check_acquire(execution_id, holder, lease_ms)
         write = _Write.of(execution_id, events, self._max_event_bytes)
+        return await self._db.writer.call(
+            lambda conn: self._acquiring(conn, write, holder, lease_ms, release))
 
-        def job(conn: sqlite3.Connection) -> FenceGrant | None:
-            grant, head = self._grant_if_free(conn, execution_id, holder, lease_ms)
-            if grant is None:
-                return None
-            write.place(conn, head)  # a refusal raises: the transaction rolls back
-            if release:
-                _end_lease(conn, execution_id, grant.token)
-            return grant
-
-        return await self._db.writer.call(job)
+    def _acquiring(self, conn: sqlite3.Connection, write: _Write, holder: str, lease_ms: int,
+                   release: bool) -> FenceGrant | None:
+        grant, head = self._grant_if_free(conn, write.execution_id, holder, lease_ms)
+        if grant is None:
+            return None
+        write.place(conn, head)  # a refusal raises: its transaction or savepoint rolls back
+        if release:
+            _end_lease(conn, write.execution_id, grant.token)
+        return grant
 
     async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
         """Append under ``fence`` and end its lease, in one transaction (decision 0029)."""
         check_int64(fence, "fence")
         write = _Write.of(check_batch(events), events, self._max_event_bytes)
-
-        def job(conn: sqlite3.Connection) -> None:
-            _place_fenced(conn, write, fence)
-            _end_lease(conn, write.execution_id, fence)
-
-        await self._db.writer.call(job)
+        await self._db.writer.call(lambda conn: _releasing(conn, write, fence))
 
     async def append_many(self, requests: Sequence[AppendRequest],
                           ) -> list[BaseException | None]:
         """Every request in one transaction of the writer (a savepoint each), judged alone."""
-        results: list[BaseException | None] = [None] * len(requests)
-        prepared: list[tuple[int, _Write, int | None]] = []
-        for i, (events, fence) in enumerate(requests):
+        return cast(list[BaseException | None], await self._append_many(requests))
+
+    async def append_many_leased(self, requests: Sequence[ManyRequest],
+                                 ) -> list[ManyAnswer]:
+        """Plain, acquiring and releasing requests in one transaction of the writer (a
+        savepoint each), each judged alone as its single call (decision 0029)."""
+        return await self._append_many(requests)
+
+    async def _append_many(self, requests: Sequence[ManyRequest]) -> list[ManyAnswer]:
+        results: list[ManyAnswer] = [None] * len(requests)
+        prepared: list[tuple[int, Callable[[sqlite3.Connection], ManyAnswer]]] = []
+        for i, request in enumerate(requests):
             try:
-                prepared.append((i, _Write.of(check_batch(events), events,
-                                              self._max_event_bytes), fence))
+                prepared.append((i, self._many_job(request)))
             except FleetError as exc:
                 results[i] = exc
         if not prepared:
             return results
 
-        def job(conn: sqlite3.Connection) -> list[BaseException | None]:
-            answers: list[BaseException | None] = []
-            for _, write, fence in prepared:
+        def job(conn: sqlite3.Connection) -> list[ManyAnswer]:
+            answers: list[ManyAnswer] = []
+            for _, place in prepared:
                 conn.execute("SAVEPOINT many")
                 try:
-                    _place_fenced(conn, write, fence)
+                    answers.append(place(conn))
                 except Exception as exc:  # noqa: BLE001 - this request's verdict only
                     conn.execute("ROLLBACK TO many")
                     answers.append(_translate(exc))
-                else:
-                    answers.append(None)
                 conn.execute("RELEASE many")
             return answers
 
-        for (i, _, _), answer in zip(prepared, await self._db.writer.call(job), strict=True):
+        for (i, _), answer in zip(prepared, await self._db.writer.call(job), strict=True):
             results[i] = answer
         return results
+
+    def _many_job(self, request: ManyRequest) -> Callable[[sqlite3.Connection], ManyAnswer]:
+        """What one request of ``append_many_leased`` does in the writer's transaction,
+        prepared (checked, serialised) on the loop as its single call prepares it."""
+        if isinstance(request, AcquiringAppend):
+            execution_id = check_batch(request.events)
+            self._check_acquire(execution_id, request.holder, request.lease_ms)
+            acquiring = _Write.of(execution_id, request.events, self._max_event_bytes)
+            return lambda conn: self._acquiring(conn, acquiring, request.holder,
+                                                request.lease_ms, request.release)
+        if isinstance(request, ReleasingAppend):
+            check_int64(request.fence, "fence")
+            releasing = _Write.of(check_batch(request.events), request.events,
+                                  self._max_event_bytes)
+            return lambda conn: _releasing(conn, releasing, request.fence)
+        events, fence = request
+        write = _Write.of(check_batch(events), events, self._max_event_bytes)
+        return lambda conn: _place_fenced(conn, write, fence)
 
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,
