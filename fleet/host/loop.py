@@ -12,13 +12,13 @@ call: that would open a connection pool per call and tie nothing together.
 first: blocking a running loop's thread on work that needs the loop would
 deadlock it.
 
-Which loop. Every loop fleet owns (this thread's, ``run``'s: the CLI commands,
-the services, the embedded fleet) comes from ``loop_factory``: uvloop's where
-it is installed and ``FLEET_EVENT_LOOP`` allows (the default, ``auto``),
-asyncio's otherwise. uvloop runs the loop's own work (the ready queue, timers,
-socket reads and writes) in C: on a Postgres-backed execution it is about half
-the client's CPU (decision 0031). A Runtime in the user's own program runs on
-the user's loop, which fleet never replaces.
+Which loop. Every loop fleet owns (this thread's, ``run_loop``'s: the CLI
+commands, the services, the embedded fleet) comes from ``loop_factory``:
+uvloop's where it is installed and ``FLEET_EVENT_LOOP`` allows (the default,
+``auto``), asyncio's otherwise. uvloop runs the loop's own work (the ready
+queue, timers, socket reads and writes) in C: a store round trip costs the
+client less CPU than on asyncio's (decision 0031). A Runtime in the user's own
+program runs on the user's loop, which fleet never replaces.
 """
 
 from __future__ import annotations
