@@ -11,7 +11,8 @@ Two ways of driving DBOS, both documented, so the comparison takes its better on
 - ``async``: ``@DBOS.workflow()`` ``async def`` calling three ``async``
   ``@DBOS.step()``s; ``await DBOS.start_workflow_async(...)`` then ``await
   handle.get_result()``, one after another or as 32 asyncio tasks at once (the
-  shape fleet's rows have: start durably, await the result);
+  shape fleet's rows have: start durably, await the result), on the event loop
+  ``--loop`` names (``bench.kernel`` passes the one fleet's rows ran on);
 - ``sync``: the plain-function workflow and steps; called directly one after
   another, or from 32 threads at once.
 
@@ -28,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
 
 from dbos import DBOS, DBOSConfig
+
+from fleet.host.loop import loop_name, run_loop
 
 
 @DBOS.step()
@@ -72,7 +75,7 @@ def sync_three_steps(n: int) -> int:
     return sync_c(sync_b(sync_a(n)))
 
 
-async def measure_async(n: int, concurrency: int, first: int) -> float:
+async def measure_async(n: int, concurrency: int, first: int) -> tuple[float, str]:
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
@@ -87,7 +90,7 @@ async def measure_async(n: int, concurrency: int, first: int) -> float:
             await one(i)
     else:
         await asyncio.gather(*(one(i) for i in range(first, first + n)))
-    return n / (time.perf_counter() - began)
+    return n / (time.perf_counter() - began), loop_name(asyncio.get_running_loop())
 
 
 def measure_sync(n: int, concurrency: int) -> float:
@@ -110,6 +113,8 @@ def main() -> None:
     parser.add_argument("--url", required=True, help="an existing, empty database")
     parser.add_argument("--n", type=int, default=500, help="workflows per measurement")
     parser.add_argument("--concurrency", default="1,32")
+    parser.add_argument("--loop", default=None, choices=("auto", "asyncio", "uvloop"),
+                        help="the event loop of the async rows (default: fleet's)")
     args = parser.parse_args()
     config: DBOSConfig = {"name": "fleet-bench", "system_database_url": args.url,
                           "run_admin_server": False, "log_level": "WARNING"}
@@ -118,9 +123,10 @@ def main() -> None:
     rows = []
     try:
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            rate = asyncio.run(measure_async(args.n, concurrency, 1_000_000 * concurrency))
+            rate, loop = run_loop(measure_async(args.n, concurrency, 1_000_000 * concurrency),
+                            event_loop=args.loop)
             rows.append({"api": "async", "concurrency": concurrency, "executions": args.n,
-                         "executions_per_s": round(rate, 1)})
+                         "executions_per_s": round(rate, 1), "event_loop": loop})
             rate = measure_sync(args.n, concurrency)
             rows.append({"api": "sync", "concurrency": concurrency, "executions": args.n,
                          "executions_per_s": round(rate, 1)})

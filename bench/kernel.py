@@ -19,6 +19,11 @@ With a Postgres row, ``pgbench`` of a one-row INSERT transaction at the same
 concurrencies (``bench.pg_limit``) gives the machine's durable-write limit, and
 fleet's appends/s (counted at the store the runtime calls) is shown against it.
 
+Every row runs on one event loop: fleet's default (``FLEET_EVENT_LOOP`` or
+``auto``: uvloop where installed, ``fleet.host.loop``), or ``--loop
+asyncio|uvloop``; DBOS's async row runs in its child on the same loop (a fair
+comparison), and the document records which (``event_loop``).
+
 ``--repeat R`` runs R rounds of everything (fleet, DBOS, pgbench, interleaved)
 and keeps each row's best round: load from elsewhere only ever slows a run down.
 Prints one table and writes ``bench/results/kernel.json`` (``--json`` also
@@ -44,6 +49,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fleet.host.loop import loop_name, run_loop
 from fleet.kernel.context import Context
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.flows import flow
@@ -176,8 +182,10 @@ async def fleet_rows(kinds: list[str], n: int, url: str, args: argparse.Namespac
     return rows
 
 
-async def dbos_rows(n: int, url: str, console: Console) -> tuple[list[dict[str, Any]], str]:
-    """DBOS in a child process on its own database; (rows, version or why it did not run)."""
+async def dbos_rows(n: int, url: str, console: Console, event_loop: str,
+                    ) -> tuple[list[dict[str, Any]], str]:
+    """DBOS in a child process on its own database, its async row on ``event_loop`` (fleet's
+    rows' loop); (rows, version or why it did not run)."""
     from bench.pg_limit import with_database
 
     console.log(f"DBOS Transact (child process, database {DBOS_DATABASE}): {n} workflows "
@@ -188,7 +196,7 @@ async def dbos_rows(n: int, url: str, console: Console) -> tuple[list[dict[str, 
         done = await asyncio.to_thread(
             subprocess.run,
             [sys.executable, "-m", "bench.dbos_kernel", "--url",
-             with_database(url, DBOS_DATABASE), "--n", str(n)],
+             with_database(url, DBOS_DATABASE), "--n", str(n), "--loop", event_loop],
             capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent.parent)
     finally:
         await _admin(url, f'DROP DATABASE IF EXISTS "{DBOS_DATABASE}" WITH (FORCE)')
@@ -197,7 +205,8 @@ async def dbos_rows(n: int, url: str, console: Console) -> tuple[list[dict[str, 
         return [], f"DBOS did not run: {last}"
     out = json.loads(done.stdout.strip().splitlines()[-1])
     rows = [{"store": f"dbos-{r['api']}", "concurrency": r["concurrency"],
-             "executions": r["executions"], "executions_per_s": r["executions_per_s"]}
+             "executions": r["executions"], "executions_per_s": r["executions_per_s"],
+             **({"event_loop": r["event_loop"]} if "event_loop" in r else {})}
             for r in out["rows"]]
     return rows, str(out["dbos_version"])
 
@@ -271,6 +280,8 @@ def _caption(doc: dict[str, Any]) -> str:
         if v and v["value"] is not None:
             parts.append(f"{label}: {v['value']:{spec}} (target >= {v['target']:{spec}}: "
                          f"{'met' if v['met'] else 'NOT met'})")
+    if "event_loop" in doc:
+        parts.append(f"event loop: {doc['event_loop']} (fleet and DBOS's async API alike)")
     if "load_average_after" in doc:
         parts.append(f"1-minute load average {doc['load_average_before'][0]:.1f} before, "
                      f"{doc['load_average_after'][0]:.1f} after, on {doc['machine']}")
@@ -294,6 +305,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                            "dbos_sys_db_pool_size": "DBOS default", "repeat": args.repeat,
                            "notes": ["fleet/DBOS divides by DBOS's better API (async or sync) "
                                      "at that concurrency"]}
+    doc["event_loop"] = loop_name(asyncio.get_running_loop())
     doc["load_average_before"] = os.getloadavg()
     best: dict[tuple[str, int], dict[str, Any]] = {}
     pgbench: dict[int, float] = {}
@@ -304,7 +316,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             console.log(f"round {round_} of {args.repeat}")
         rows = await fleet_rows(fleet_kinds, args.n, args.url, args, console)
         if "dbos" in kinds:
-            found, version = await dbos_rows(args.dbos_n, args.url, console)
+            found, version = await dbos_rows(args.dbos_n, args.url, console,
+                                             doc["event_loop"])
             rows.extend(found)
             if found:
                 doc["dbos_version"] = version
@@ -342,12 +355,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds of every measurement; each row keeps its best")
     parser.add_argument("--pgbench-seconds", type=int, default=5, help="0: no pgbench")
+    parser.add_argument("--loop", default=None, choices=("auto", "asyncio", "uvloop"),
+                        help="the event loop of every row, DBOS's async one too (default: "
+                        "fleet's, FLEET_EVENT_LOOP or auto)")
     parser.add_argument("--json", action="store_true", help="also print the JSON document")
     args = parser.parse_args()
     console = Console(stderr=args.json)
     if not console.is_terminal:
         console = Console(stderr=args.json, width=132)
-    doc = asyncio.run(main_async(args, console))
+    doc = run_loop(main_async(args, console), event_loop=args.loop)
     console.print(render(doc))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "kernel.json").write_text(json.dumps(doc, indent=2) + "\n")

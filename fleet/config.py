@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic import ValidationError as PydanticValidationError
@@ -19,6 +19,10 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, Settin
 
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.store.factory import GroupCommit, StoreOptions
+
+#: The event loops a fleet process may run on (``FLEET_EVENT_LOOP``; ``fleet.host.loop``).
+EventLoopName = Literal["auto", "asyncio", "uvloop"]
+EVENT_LOOPS: tuple[EventLoopName, ...] = ("auto", "asyncio", "uvloop")
 
 
 class FleetSettings(BaseSettings):
@@ -33,6 +37,11 @@ class FleetSettings(BaseSettings):
     strict: bool = Field(False, description="every call needs a principal")
     divergence: str | None = Field(None, pattern="^(off|warn|fail)$")
     sha256_flow_hash: bool = False
+    event_loop: EventLoopName = Field(
+        "auto", description="the event loop every loop fleet owns runs on (workers, services, "
+        "the dispatcher's and the CLI's): auto (uvloop where it is installed, else asyncio's), "
+        "uvloop (refused when it is not installed) or asyncio; a Runtime in your own "
+        "application runs on your loop (decision 0031)")
 
     # -- the store (issue 3): Postgres pool and limits, group commit ---------------
     # Turned into ``StoreOptions`` by ``store_options``. Unset pool sizes leave the

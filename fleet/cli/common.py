@@ -6,7 +6,6 @@ The command modules import these names and nothing else from one another.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import json
 import logging
@@ -24,6 +23,7 @@ from rich.text import Text
 
 from fleet.config import FleetSettings
 from fleet.host.kernel import open_store, open_store_to_read
+from fleet.host.loop import run_loop
 from fleet.kernel.errors import ConfigurationError, FleetError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.security import Principal
@@ -36,10 +36,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 console = Console()
 err_console = Console(stderr=True)
 
+
 def run_async(coro_fn: Callable[[], Awaitable[T]]) -> T:
     """Run a command's coroutine; a ``FleetError`` is a one-line message and exit code 1."""
     try:
-        return asyncio.run(coro_fn())  # type: ignore[arg-type]
+        return run_loop(coro_fn())  # type: ignore[arg-type]
     except FleetError as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
 

@@ -36,6 +36,7 @@ from fleet.embedded import EmbeddedFleet
 from fleet.embedded.children import redact
 from fleet.embedded.finished import TRANSIENT, FinishedWatcher
 from fleet.examples.demo import DemoOptions, NullReporter, Reporter, run_demo
+from fleet.host.loop import run_loop
 from fleet.kernel.errors import FleetError
 
 
@@ -258,7 +259,7 @@ def demo(executions: int, workers: int, seed: int, flower: bool, data_dir: str |
             loop.remove_signal_handler(signal.SIGTERM)
 
     try:
-        summary = asyncio.run(go())
+        summary = run_loop(go())
     except (FleetError, TimeoutError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
     except (KeyboardInterrupt, asyncio.CancelledError):

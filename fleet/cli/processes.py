@@ -7,13 +7,12 @@ Each parses its options and runs what ``fleet.assembly.roles`` builds for its ro
 
 from __future__ import annotations
 
-import asyncio
-
 import click
 
 from fleet.assembly import roles
 from fleet.cli.common import exit_with, loglevel_option, setup_logging
 from fleet.config import FleetSettings
+from fleet.host.loop import run_loop
 from fleet.workers.run import run_worker
 
 
@@ -46,7 +45,8 @@ def _service_command(component: str, summary: str) -> click.Command:
     @loglevel_option
     def command(loglevel: str) -> None:
         setup_logging(loglevel)
-        asyncio.run(roles.serve(FleetSettings(), component))
+        settings = FleetSettings()
+        run_loop(roles.serve(settings, component), event_loop=settings.event_loop)
 
     return command
 

@@ -557,7 +557,9 @@ class Dispatcher:
                     f"Dispatcher.{what}: this dispatcher is closed; nothing was written")
             if self._thread is None:
                 # Created once, under the lock: every thread's calls share this loop.
-                thread = EventLoopThread("fleet-dispatcher")
+                assert self.settings is not None
+                thread = EventLoopThread("fleet-dispatcher",
+                                         event_loop=self.settings.event_loop)
                 thread.start()
                 self._thread = thread
             return self._thread

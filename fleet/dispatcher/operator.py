@@ -135,7 +135,7 @@ class Operator:
         self.settings = settings
         self.settle_s = settle_s
         self.principal = Principal(settings.operator) if settings.operator else None
-        self._thread = EventLoopThread("fleet-operator")
+        self._thread = EventLoopThread("fleet-operator", event_loop=settings.event_loop)
         self._thread.start()
         self._store: EventStore | None = None
         self._runtime: Runtime | None = None

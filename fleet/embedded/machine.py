@@ -525,7 +525,8 @@ class EmbeddedFleet:
 
     # ------------------------------------------------------------ services
     def _start_services(self) -> None:
-        loop = EventLoopThread(f"fleet-embedded-{self._token}")
+        loop = EventLoopThread(f"fleet-embedded-{self._token}",
+                               event_loop=self.settings.event_loop)
         loop.start()
         self._loop = loop
         loop.run_coroutine(self._open_services(), timeout=60)

@@ -152,6 +152,9 @@ class RetryPolicy:
 
 NO_RETRY = RetryPolicy(max_attempts=1)
 
+# What a step returns most, never awaitable: no ABC check (inspect.isawaitable) for it.
+_PLAIN = frozenset({type(None), bool, int, float, str, dict, list})
+
 
 @dataclass(slots=True)
 class _Counters:
@@ -268,7 +271,7 @@ class Context:
             await journal.barrier()
             try:
                 result = fn(*args, **kwargs)
-                if inspect.isawaitable(result):
+                if type(result) not in _PLAIN and inspect.isawaitable(result):
                     result = await result
             except (RunInterrupt, asyncio.CancelledError):
                 raise

@@ -135,8 +135,19 @@ class Results:
     async def await_end(self, execution_id: str,
                         fut: asyncio.Future[ExecutionState]) -> ExecutionState:
         """Wait for a local run to settle ``fut``, re-reading the log now and then:
-        an execution another runtime drives (a worker) must be seen to end too."""
+        an execution another runtime drives (a worker) must be seen to end too.
+
+        While a run of it is in flight here, no timer and no read: the run settles
+        ``fut`` when it ends (or fails it); only once its task is done without that
+        (parked, handed back) is the log watched (decision 0031).
+        """
+        run = self.runs.get(execution_id)
+        task = run.task if run is not None else None
+        if task is not None and not task.done():
+            await asyncio.wait((fut, task), return_when=asyncio.FIRST_COMPLETED)
         delay = 0.05
+        if fut.done():
+            return fut.result()
         while True:
             done, _ = await asyncio.wait({fut}, timeout=delay)
             if done:

@@ -36,6 +36,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from fleet.config import FleetSettings
+from fleet.host.loop import run_loop
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.store.factory import open_event_store, open_postgres_event_store
 
@@ -305,7 +306,7 @@ def check_store(settings: FleetSettings, timeout_s: float = 2.0) -> Check:
                 await asyncio.wait_for(store.close(), timeout_s)
 
     try:
-        asyncio.run(probe())
+        run_loop(probe(), event_loop=settings.event_loop)
     except TimeoutError:
         return Check("store", False, f"{where} did not answer within {timeout_s:g} s",
                      time.monotonic() - start)

@@ -196,7 +196,7 @@ class StatusReader:
         #: connect and one command's deadline.
         self.broker_deadline_s = (inspect_timeout + settings.broker_connect_timeout_s
                                   + settings.broker_socket_timeout_s)
-        self._loop = EventLoopThread("fleet-status")
+        self._loop = EventLoopThread("fleet-status", event_loop=settings.event_loop)
         self._loop.start()
         self._store: EventStore | None = None
         self._app: Any = None

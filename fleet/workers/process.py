@@ -139,7 +139,8 @@ class WorkerProcess:
                 PREFORK_POOL_MAX, settings.pg_pool_min or 0)})
         self.settings = settings
         self.slot = slot
-        self.loop = EventLoopThread(f"fleet-loop-{os.getpid()}")
+        self.loop = EventLoopThread(f"fleet-loop-{os.getpid()}",
+                                    event_loop=settings.event_loop)
         self.counters = WorkerCounters()
         # Forwarded every durable event this process writes.
         self.event_observer: EventObserver | None = None

@@ -8,6 +8,7 @@ and the listing queries. ``postgres.py`` holds the connections.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,10 +64,12 @@ APPEND_MANY_LEASED_SQL = ("SELECT codes, details FROM fleet_append_many_leased("
                           + ", ".join(f"${i}" for i in range(1, 28)) + ")")
 
 
+@functools.lru_cache(maxsize=4096)
 def execution_key(execution_id: str) -> bytes:
     """The row key of an execution: sha256 of its UTF-8 id (``fleet_key(id)`` in SQL).
 
-    The id is checked as every backend checks it (``spi.check_id``).
+    The id is checked as every backend checks it (``spi.check_id``). Remembered for
+    the executions in flight: each write of one asks again (a refused id is not).
     """
     return hashlib.sha256(check_id(execution_id).encode("utf-8")).digest()
 
@@ -131,10 +134,17 @@ class Write:
         return write
 
     def args(self) -> tuple[Any, ...]:
-        """The arguments of ``fleet_place`` from ``p_first`` on (after the key and id)."""
+        """The arguments of ``fleet_place`` from ``p_first`` on (after the key and id).
+
+        No timer change is sent as NULL arrays, not empty ones: the functions read
+        them with ``cardinality(p_timer_ids) > 0``, which NULL fails as empty does,
+        and asyncpg's encoder inspects every array argument (decision 0031).
+        """
+        timers = bool(self.timer_ids)
         return (self.first, self.types, self.timestamps, self.bodies, self.status,
                 self.waiting_on, self.flow_id, self.tenant, self.owner, self.anchor,
-                self.clear_timers, self.timer_ids, self.timer_dues)
+                self.clear_timers, self.timer_ids if timers else None,
+                self.timer_dues if timers else None)
 
 
 def refusal(write: Write, fence: int | None, code: int, detail: int | None) -> FleetError:

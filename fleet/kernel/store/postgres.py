@@ -122,7 +122,10 @@ class _PostgresBase:
     async def _call(self, op: Callable[[Any], Awaitable[T]], *, idempotent: bool) -> T:
         """Run ``op(pool)``; typed errors; an idempotent op is retried once on a lost link."""
         for attempt in (0, 1):
-            pool = await self._db.ready()
+            # The pool once open (no coroutine per call); else open it, or refuse if closed.
+            pool = self._db.pool
+            if pool is None:
+                pool = await self._db.ready()
             try:
                 return await op(pool)
             except Exception as exc:
