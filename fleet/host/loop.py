@@ -41,7 +41,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from fleet.config import EVENT_LOOPS
+from fleet.config import EVENT_LOOPS, GC_POLICIES
 from fleet.kernel.errors import ConfigurationError
 
 T = TypeVar("T")
@@ -118,7 +118,7 @@ def tune_gc() -> bool:
     """
     global _gc_tuned
     choice = os.environ.get("FLEET_GC", "").strip().lower() or "auto"
-    if choice not in ("auto", "default"):
+    if choice not in GC_POLICIES:
         raise ConfigurationError(f"FLEET_GC={choice!r}: use auto (tune the collector for "
                                  "a long-running loop) or default (leave it as it is)")
     if _gc_tuned or choice == "default":
