@@ -749,8 +749,10 @@ BEGIN
         INTO codes, details
         FROM unnest(p_keys, p_fences, p_firsts, p_rounds, codes, details)
              WITH ORDINALITY AS u(k, f, first, rd, c, d, i)
-        LEFT JOIN fences AS fe ON fe.ekey = u.k AND u.rd = r
-        LEFT JOIN executions AS x ON x.ekey = u.k AND u.rd = r;
+        LEFT JOIN LATERAL (SELECT f.token, f.lease_expires_at FROM fences AS f
+                           WHERE f.ekey = u.k AND u.rd = r LIMIT 1) AS fe ON true
+        LEFT JOIN LATERAL (SELECT e.head, e.last_txid FROM executions AS e
+                           WHERE e.ekey = u.k AND u.rd = r LIMIT 1) AS x ON true;
         WITH ev AS (
             INSERT INTO events (ekey, sequence, type, timestamp, body, txid)
             SELECT p_keys[e.item], e.seq, e.t, e.ts, e.b, tx
@@ -830,8 +832,8 @@ _V6_APPEND_MANY_LEASED = _edit(
      "             WITH ORDINALITY AS u(k, f, first, rd, c, d, i)\n",
      "        FROM unnest(p_keys, p_fences, p_firsts, p_rounds, codes, details, p_holders)\n"
      "             WITH ORDINALITY AS u(k, f, first, rd, c, d, h, i)\n"),
-    ("        LEFT JOIN executions AS x ON x.ekey = u.k AND u.rd = r;\n",
-     "        LEFT JOIN executions AS x ON x.ekey = u.k AND u.rd = r;\n"
+    ("                           WHERE e.ekey = u.k AND u.rd = r LIMIT 1) AS x ON true;\n",
+     "                           WHERE e.ekey = u.k AND u.rd = r LIMIT 1) AS x ON true;\n"
      "        IF acquires THEN  -- an acquiring item judged free takes the next token\n"
      "            WITH g AS (\n"
      "                UPDATE fences AS f SET token = f.token + 1, holder = u.h,\n"
