@@ -41,7 +41,16 @@ from fleet.kernel.store.factory import (
     postgres_event_store_class,
 )
 from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
-from fleet.kernel.store.pg_queries import APPEND_SQL, Write
+from fleet.kernel.store.pg_queries import (
+    APPEND_MANY_LEASED_SQL,
+    APPEND_MANY_SQL,
+    APPEND_SQL,
+    LeaseOp,
+    Write,
+    execution_key,
+    lease_columns,
+    many_columns,
+)
 from fleet.kernel.store.postgres import PostgresEventStore, PostgresSnapshotStore
 from fleet.kernel.store.spi import (
     AcquiringAppend,
@@ -172,6 +181,103 @@ async def test_an_older_schema_is_upgraded_on_first_use(database_url: str) -> No
             SCHEMA_VERSION)
     finally:
         await raw.close()
+
+
+_GENERIC_PLANNED = ("fleet_append", "fleet_append_if", "fleet_append_leased",
+                    "fleet_append_many", "fleet_append_many_leased")
+
+
+async def _flush(raw: asyncpg.Connection, items: list[tuple[EventEnvelope, int | None]],
+                 ops: dict[int, LeaseOp] | None = None) -> tuple[list[int], list[int | None]]:
+    """One group-commit flush as the client sends it (the leased flavour when ``ops``);
+    its codes and details in the order of ``items``."""
+    prepared = [(i, Write.of(e.execution_id, [e], None), fence)
+                for i, (e, fence) in enumerate(items)]
+    columns = many_columns(prepared)
+    if ops is None:
+        row = await raw.fetchrow(APPEND_MANY_SQL, *columns)
+    else:
+        row = await raw.fetchrow(APPEND_MANY_LEASED_SQL, *columns,
+                                 *lease_columns(prepared, ops, T0))
+    codes: list[int] = [0] * len(items)
+    details: list[int | None] = [None] * len(items)
+    for (i, _, _), code, detail in zip(prepared, row["codes"], row["details"], strict=True):
+        codes[i], details[i] = code, detail  # many_columns sorted the items by key
+    return codes, details
+
+
+async def _flushes(raw: asyncpg.Connection, p: str) -> list[object]:
+    """The same flushes on logs named with prefix ``p``: their answers and what they left."""
+    return [
+        await _flush(raw, [(started(f"{p}a"), None), (started(f"{p}b"), None)],
+                     {0: LeaseOp(holder="h", expires=T0 + 60_000)}),
+        # A fenced write that ends its lease, an unfenced one, a stale token on a log
+        # with no fence row (refused, no row made), a gap and a taken slot (the second
+        # request of b, judged after the first was written).
+        await _flush(raw, [(make_event(f"{p}a", 1), 1), (make_event(f"{p}b", 1), None),
+                           (started(f"{p}d"), 7), (make_event(f"{p}e", 2), None),
+                           (make_event(f"{p}b", 1), None)], {0: LeaseOp(release=True)}),
+        await _flush(raw, [(started(f"{p}a"), None)], {0: LeaseOp(holder="i", expires=T0)}),
+        await _flush(raw, [(make_event(f"{p}b", 2), None), (make_event(f"{p}b", 3), None)]),
+        await _flush(raw, [(make_event(f"{p}b", 4), 3)]),  # stale: b's row holds token 0
+        [tuple(r) for r in await raw.fetch(
+            "SELECT f.token, f.holder, f.lease_expires_at, x.head, x.status FROM fences AS f "
+            "FULL JOIN executions AS x USING (ekey) WHERE ekey = ANY ($1) ORDER BY 4",
+            [execution_key(f"{p}{x}") for x in "abde"])],
+    ]
+
+
+async def test_a_version_5_schema_is_upgraded_to_6_and_its_calls_keep_their_answers(
+        database_url: str) -> None:
+    # Version 6 replaces the flush functions in place (same arguments, same
+    # answers) and plans the append functions once per connection: a process of
+    # version 5 sends the same calls before and after the upgrade.
+    schema = fresh_schema()
+    raw = await asyncpg.connect(database_url, server_settings={
+        "default_transaction_isolation": "read committed"})
+    try:
+        await raw.execute(f'CREATE SCHEMA "{schema}"; SET search_path = "{schema}"')
+        await raw.execute(VERSION_TABLE)
+        for version, sql in MIGRATIONS[:5]:
+            await raw.execute(sql)
+            await raw.execute("INSERT INTO fleet_schema_version (version) VALUES ($1)", version)
+        before = await _flushes(raw, "v5-")
+    finally:
+        await raw.close()
+    assert before == [
+        ([0, 0], [1, None]),
+        ([0, 0, 1, 3, 2], [0, 0, 0, None, 1]),
+        ([2], [1]),
+        ([0, 0], [1, 2]),
+        ([1], [0]),
+        [(1, None, None, 1, "running"), (0, None, None, 3, "running")],
+    ]
+    store = PostgresEventStore(database_url, schema=schema, pool_max=1)
+    try:
+        assert await store.head("v5-a") == 1  # first use migrates
+        raw = await _raw(store, database_url)
+        try:
+            assert await raw.fetchval("SELECT max(version) FROM fleet_schema_version") == (
+                SCHEMA_VERSION) == 6
+            configs = dict(await raw.fetch(
+                "SELECT p.proname, p.proconfig FROM pg_proc AS p "
+                "WHERE p.pronamespace = $1::regnamespace AND p.proname LIKE 'fleet_append%'",
+                schema))
+            assert configs == {name: ["plan_cache_mode=force_generic_plan"]
+                               for name in _GENERIC_PLANNED}
+            assert await _flushes(raw, "v6-") == before
+        finally:
+            await raw.close()
+        for p in ("v5-", "v6-"):
+            assert [e.sequence for e in await store.read(f"{p}a")] == [0, 1]
+            assert [e.sequence for e in await store.read(f"{p}b")] == [0, 1, 2, 3]
+            assert await store.head(f"{p}d") is None
+        feed = await settled_feed(store, 12)
+        assert [(c.event.execution_id, c.event.sequence) for c in feed] == [
+            (f"{p}{x}", n) for p in ("v5-", "v6-")
+            for x, n in (("a", 0), ("b", 0), ("a", 1), ("b", 1), ("b", 2), ("b", 3))]
+    finally:
+        await store.close()
 
 
 async def test_migrate_false_refuses_an_empty_database(database_url: str) -> None:
