@@ -23,6 +23,9 @@ from fleet.kernel.store.factory import GroupCommit, StoreOptions
 #: The event loops a fleet process may run on (``FLEET_EVENT_LOOP``; ``fleet.host.loop``).
 EventLoopName = Literal["auto", "asyncio", "uvloop"]
 EVENT_LOOPS: tuple[EventLoopName, ...] = ("auto", "asyncio", "uvloop")
+#: What ``run_loop`` does to the garbage collector (``FLEET_GC``; ``fleet.host.loop``).
+GcPolicy = Literal["auto", "default"]
+GC_POLICIES: tuple[GcPolicy, ...] = ("auto", "default")
 
 
 class FleetSettings(BaseSettings):
@@ -42,6 +45,11 @@ class FleetSettings(BaseSettings):
         "the dispatcher's and the CLI's): auto (uvloop where it is installed, else asyncio's), "
         "uvloop (refused when it is not installed) or asyncio; a Runtime in your own "
         "application runs on your loop (decision 0031)")
+    gc: GcPolicy = Field(
+        "auto", description="what the first run_loop of a process does to the garbage "
+        "collector: auto (freeze what start-up built, collect the youngest generation every "
+        "5,000 allocations) or default (leave the interpreter's collector as it is; "
+        "decision 0031)")
 
     # -- the store (issue 3): Postgres pool and limits, group commit ---------------
     # Turned into ``StoreOptions`` by ``store_options``. Unset pool sizes leave the

@@ -19,19 +19,29 @@ uvloop's where it is installed and ``FLEET_EVENT_LOOP`` allows (the default,
 queue, timers, socket reads and writes) in C: a store round trip costs the
 client less CPU than on asyncio's (decision 0031). A Runtime in the user's own
 program runs on the user's loop, which fleet never replaces.
+
+The garbage collector. ``run_loop`` owns its process's main thread, so the first
+call also tunes the cyclic collector for a long-running loop (``tune_gc``): what
+the process built before it (modules, classes, settings) is frozen out of every
+later collection, and the youngest generation is collected every 5,000 net
+allocations, not 700. The kernel allocates a few hundred short-lived objects per
+write; at 32 executions in flight the default collector took about a tenth of
+the process's CPU, most of it full collections re-walking the imports (decision
+0031). ``FLEET_GC=default`` leaves the interpreter's collector as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import importlib
 import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from fleet.config import EVENT_LOOPS
+from fleet.config import EVENT_LOOPS, GC_POLICIES
 from fleet.kernel.errors import ConfigurationError
 
 T = TypeVar("T")
@@ -87,13 +97,49 @@ def loop_name(loop: asyncio.AbstractEventLoop) -> str:
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 
+GC_YOUNG_THRESHOLD = 5_000  # net allocations between collections of the youngest generation
+_gc_tuned = False
+
+
+def tune_gc() -> bool:
+    """Tune the cyclic garbage collector for a process that runs a loop, once.
+
+    Freezes what exists now (``gc.freeze``: the imports and what start-up built,
+    which live as long as the process; cyclic garbage among them is kept, not
+    collected) and raises the youngest generation's threshold to
+    ``GC_YOUNG_THRESHOLD`` (never lowers it). Reference counting still frees
+    everything acyclic at once; only cycles wait longer for a collection.
+
+    Returns whether it tuned: not twice in a process, not when ``FLEET_GC`` is
+    ``default``.
+
+    Raises:
+        ConfigurationError: ``FLEET_GC`` is neither ``auto`` nor ``default``.
+    """
+    global _gc_tuned
+    choice = os.environ.get("FLEET_GC", "").strip().lower() or "auto"
+    if choice not in GC_POLICIES:
+        raise ConfigurationError(f"FLEET_GC={choice!r}: use auto (tune the collector for "
+                                 "a long-running loop) or default (leave it as it is)")
+    if _gc_tuned or choice == "default":
+        return False
+    _gc_tuned = True
+    gc.freeze()
+    young, *older = gc.get_threshold()
+    if 0 < young < GC_YOUNG_THRESHOLD:  # 0: collection is disabled; leave it so
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
+    return True
+
+
 def run_loop(main: Coroutine[Any, Any, T], *, event_loop: str | None = None) -> T:
     """``asyncio.run(main)`` on a loop of ``event_loop`` (see ``loop_factory``).
 
-    The fleet's entry points (CLI commands, the services) start here.
+    The fleet's entry points (CLI commands, the services) start here; the first
+    call tunes the garbage collector (``tune_gc``).
     """
     try:
         factory = loop_factory(event_loop)
+        tune_gc()
     except BaseException:
         main.close()
         raise

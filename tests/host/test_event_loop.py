@@ -113,3 +113,68 @@ def test_the_loop_thread_runs_the_settings_loop() -> None:
             assert thread.run_coroutine(which(), timeout=10) == choice
         finally:
             thread.stop()
+
+
+# -- the garbage collector (tune_gc; FLEET_GC) ----------------------------------
+# Process-wide and once per process: each case runs in a fresh interpreter so it
+# sees run_loop's first call, and the test process's own collector is not judged.
+
+_GC_PROBE = """
+import gc, json, sys
+from fleet.host.loop import run_loop
+before = gc.get_threshold()
+async def main():
+    return 7
+try:
+    answer = run_loop(main())
+except Exception as exc:
+    answer = type(exc).__name__
+frozen = gc.get_freeze_count()
+after = gc.get_threshold()
+try:
+    run_loop(main())  # a second call changes nothing more
+except Exception:
+    pass
+print(json.dumps({"answer": answer, "before": before, "after": after, "frozen": frozen,
+                  "again": [gc.get_threshold(), gc.get_freeze_count()]}))
+"""
+
+
+def _gc_probe(env_value: str | None) -> dict[str, Any]:
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "FLEET_GC"}
+    if env_value is not None:
+        env["FLEET_GC"] = env_value
+    done = subprocess.run([sys.executable, "-c", _GC_PROBE], env=env, capture_output=True,
+                          text=True, check=True, timeout=120)
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("env_value", [None, "auto", " AUTO "])
+def test_run_loop_tunes_the_collector_once(env_value: str | None) -> None:
+    from fleet.host.loop import GC_YOUNG_THRESHOLD
+
+    seen = _gc_probe(env_value)
+    assert seen["answer"] == 7
+    assert seen["before"][0] < GC_YOUNG_THRESHOLD
+    assert seen["after"] == [GC_YOUNG_THRESHOLD, *seen["before"][1:]]
+    assert seen["frozen"] > 1000  # the imports, out of every later collection
+    assert seen["again"] == [seen["after"], seen["frozen"]]
+
+
+def test_fleet_gc_default_leaves_the_collector_alone() -> None:
+    seen = _gc_probe("default")
+    assert seen["answer"] == 7
+    assert seen["after"] == seen["before"]
+    assert seen["frozen"] == 0
+
+
+def test_a_bad_fleet_gc_is_refused_before_the_loop_runs() -> None:
+    seen = _gc_probe("off")
+    assert seen["answer"] == "ConfigurationError"
+    assert seen["after"] == seen["before"]
+    assert seen["frozen"] == 0

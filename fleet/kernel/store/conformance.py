@@ -260,6 +260,41 @@ class EventStoreConformance(FeedConformance, ValueConformance, LeaseConformance)
         assert (summary.head, summary.status, summary.waiting_on) == (7, "parked", "approval")
         assert await append_many(store, []) == []
 
+    async def test_append_many_keeps_each_requests_index_whatever_its_neighbours_carry(
+            self, store: EventStore) -> None:
+        """Each call's requests share one flush, and a field no request of it carries
+        (a tenant, a status, a wait, a clear, a timer, a fence) is sent as such
+        (Postgres: a NULL column); the index still moves as each append alone moves it."""
+        async def index(x: str) -> tuple[Any, ...]:
+            s = await store.get_execution(x)
+            assert s is not None
+            return (s.flow_id, s.tenant, s.owner, s.status, s.waiting_on, s.head)
+
+        # No tenant in the flush; one request fenced (fence 0), the other not.
+        assert await append_many(store, [([started("ix-a", tenant=None)], 0),
+                                         ([started("ix-b", tenant=None)], None)]) == [None] * 2
+        # Plain steps only: no status, wait, born field, clear, timer or fence.
+        assert await append_many(store, [([make_event("ix-a", 1)], None),
+                                         ([make_event("ix-b", 1)], None)]) == [None] * 2
+        assert await index("ix-a") == ("flow", None, "alice", "running", None, 1)
+        # A timer beside a suspension: one request's timer, the other's status and wait.
+        assert await append_many(store, [
+            ([make_event("ix-a", 2, E.TIMER_SCHEDULED, {"timerId": "n", "dueAt": T0 + 5})],
+             None),
+            ([make_event("ix-b", 2, E.EXECUTION_SUSPENDED)], None)]) == [None] * 2
+        assert await index("ix-a") == ("flow", None, "alice", "running", None, 2)
+        assert await index("ix-b") == ("flow", None, "alice", "parked", "approval", 2)
+        assert [(t.execution_id, t.timer_id) for t in await store.due_timers(T0 + 5)] == [
+            ("ix-a", "n")]
+        # One clears its timers (it ends) beside a plain step and a start with a tenant.
+        assert await append_many(store, [([make_event("ix-a", 3, E.EXECUTION_COMPLETED)], None),
+                                         ([make_event("ix-b", 3)], None),
+                                         ([started("ix-c", tenant="t9")], None)]) == [None] * 3
+        assert await index("ix-a") == ("flow", None, "alice", "completed", None, 3)
+        assert await index("ix-b") == ("flow", None, "alice", "parked", "approval", 3)
+        assert await index("ix-c") == ("flow", "t9", "alice", "running", None, 0)
+        assert await store.due_timers(T0 + 5) == []
+
     async def test_append_many_of_many_new_executions_with_hostile_ids(
             self, store: EventStore) -> None:
         ids = [f"many-{i}-{text}" for i, text in enumerate(HOSTILE_STRINGS)]

@@ -186,35 +186,102 @@ def summary(row: Any) -> ExecutionSummary:
                             fence=token or 0, holder=holder, lease_expires_at=lease)
 
 
-def many_columns(prepared: list[tuple[int, Write, int | None]]) -> list[list[Any]]:
+def many_columns(prepared: list[tuple[int, Write, int | None]]) -> list[list[Any] | None]:
     """The 23 array arguments of ``fleet_append_many`` for (index, write, fence) items.
 
     Sorts ``prepared`` in place into the order the arguments (and the answers) take.
+
+    A column every item leaves empty (fences, statuses, waits, the born fields,
+    clears, the timers: most of a flush) is sent as NULL, not as an array of NULLs
+    (of falses, or empty): asyncpg's encoder inspects every array element with
+    abstract-class checks, the client's largest cost per flush after the JSON.
+    The function reads these columns only through ``unnest`` (which pads a NULL
+    array with NULLs, as it pads a shorter one), ``true = ANY (...)`` and
+    ``cardinality(...) > 0`` (NULL, which ``IF`` takes as false), so a NULL column
+    reads as the column of NULLs (falses, nothing) it stands for (decision 0031).
     """
     # Sorted by key (stably: one execution's requests keep their order), so
     # two concurrent flushes take fence rows in the same order; the n-th
     # request of an execution goes in round n.
-    prepared.sort(key=lambda item: item[1].key)
-    columns: list[list[Any]] = [[] for _ in range(23)]
+    prepared.sort(key=_write_key)
+    keys: list[bytes] = []
+    ids: list[str] = []
+    fences: list[int | None] = []
+    firsts: list[int] = []
+    heads: list[int] = []
+    started: list[int] = []
+    updated: list[int] = []
+    statuses: list[str | None] = []
+    waitings: list[str | None] = []
+    flows: list[str | None] = []
+    tenants: list[str | None] = []
+    owners: list[str | None] = []
+    anchors: list[str | None] = []
+    clears: list[bool] = []
+    rounds: list[int] = []
+    event_items: list[int] = []
+    seqs: list[int] = []
+    types: list[str] = []
+    ts: list[int] = []
+    bodies: list[str] = []
+    timer_items: list[int] = []
+    timer_ids: list[str] = []
+    timer_dues: list[int | None] = []
     seen: dict[bytes, int] = {}
+    fenced = status = waiting = born = tenant = owner = clear = False
     for item, (_, write, fence) in enumerate(prepared, start=1):
-        seen[write.key] = seen.get(write.key, 0) + 1
-        last = write.first + len(write.bodies) - 1
-        for column, value in zip(columns, (
-                write.key, write.execution_id, fence, write.first, last,
-                write.timestamps[0], write.timestamps[-1], write.status, write.waiting_on,
-                write.flow_id, write.tenant, write.owner, write.anchor, write.clear_timers,
-                seen[write.key]), strict=False):
-            column.append(value)
-        columns[15].extend([item] * len(write.bodies))
-        columns[16].extend(range(write.first, last + 1))
-        columns[17].extend(write.types)
-        columns[18].extend(write.timestamps)
-        columns[19].extend(write.bodies)
-        columns[20].extend([item] * len(write.timer_ids))
-        columns[21].extend(write.timer_ids)
-        columns[22].extend(write.timer_dues)
-    return columns
+        key = write.key
+        n = len(write.bodies)
+        first = write.first
+        last = first + n - 1
+        stamps = write.timestamps
+        seen[key] = rd = seen.get(key, 0) + 1
+        keys.append(key)
+        ids.append(write.execution_id)
+        fences.append(fence)
+        firsts.append(first)
+        heads.append(last)
+        started.append(stamps[0])
+        updated.append(stamps[-1])
+        statuses.append(write.status)
+        waitings.append(write.waiting_on)
+        flows.append(write.flow_id)
+        tenants.append(write.tenant)
+        owners.append(write.owner)
+        anchors.append(write.anchor)
+        clears.append(write.clear_timers)
+        rounds.append(rd)
+        fenced = fenced or fence is not None
+        status = status or write.status is not None
+        waiting = waiting or write.waiting_on is not None
+        born = born or write.flow_id is not None or write.anchor is not None
+        tenant = tenant or write.tenant is not None
+        owner = owner or write.owner is not None
+        clear = clear or write.clear_timers
+        if n == 1:
+            event_items.append(item)
+            seqs.append(first)
+        else:
+            event_items.extend([item] * n)
+            seqs.extend(range(first, last + 1))
+        types.extend(write.types)
+        ts.extend(stamps)
+        bodies.extend(write.bodies)
+        if write.timer_ids:
+            timer_items.extend([item] * len(write.timer_ids))
+            timer_ids.extend(write.timer_ids)
+            timer_dues.extend(write.timer_dues)
+    timers = bool(timer_ids)
+    return [keys, ids, fences if fenced else None, firsts, heads, started, updated,
+            statuses if status else None, waitings if waiting else None,
+            flows if born else None, tenants if tenant else None, owners if owner else None,
+            anchors if born else None, clears if clear else None, rounds, event_items, seqs,
+            types, ts, bodies, timer_items if timers else None,
+            timer_ids if timers else None, timer_dues if timers else None]
+
+
+def _write_key(item: tuple[int, Write, int | None]) -> bytes:
+    return item[1].key
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,11 +303,19 @@ def lease_columns(prepared: list[tuple[int, Write, int | None]], ops: dict[int, 
                   now: int) -> list[Any]:
     """The 4 arguments ``fleet_append_many_leased`` takes after ``many_columns``'s 23:
     holders, expiries and releases in the order ``many_columns`` sorted ``prepared``
-    into (``ops`` by request index; a plain item has none), and ``now``."""
+    into (``ops`` by request index; a plain item has none), and ``now``.
+
+    A column no item uses is sent as NULL, as ``many_columns`` sends one: the
+    function reads it only through ``unnest``, ``true = ANY (...)`` and
+    ``cardinality(array_remove(..., NULL)) > 0``.
+    """
     plain = LeaseOp()
     rows = [ops.get(i, plain) for i, _, _ in prepared]
-    return [[op.holder for op in rows], [op.expires for op in rows],
-            [op.release for op in rows], now]
+    acquiring = any(op.holder is not None for op in rows)
+    releasing = any(op.release for op in rows)
+    return [[op.holder for op in rows] if acquiring else None,
+            [op.expires for op in rows] if acquiring else None,
+            [op.release for op in rows] if releasing else None, now]
 
 
 def listing_sql(*, status: str | None, flow_id: str | None, tenant: str | None,
