@@ -122,12 +122,17 @@ def test_run_imports_a_module_of_this_directory_and_says_where_it_parks(here: Pa
     proc = subprocess.Popen([FLEET, "run", "--flow", "myflows:nap", "--input", "3600"],
                             cwd=here, env=clean_env(), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    line = proc.stdout.readline() if proc.stdout else ""
-    # An hour ahead may be tomorrow: then the date is shown too.
-    assert re.match(r"parked on timer sleep#0 until (\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d "
-                    r"\(in 3600 s\)", line), line
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        # An hour ahead may be tomorrow: then the date is shown too.
+        assert re.match(r"parked on timer sleep#0 until (\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d "
+                        r"\(in 3600 s\)", line), line
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:  # a failed assertion must not leave an hour-long run behind the session
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 130, (out, err)
     assert "stays parked in sqlite:///fleet.db" in err
     assert "Traceback" not in err

@@ -27,6 +27,9 @@ COMMITTED, which it checks (``FL004``) rather than assumes.
 
 from __future__ import annotations
 
+from fleet.kernel.store.pg_migration_v6 import MIGRATION_6
+from fleet.kernel.store.pg_sql import CURRENT_TXID, READ_COMMITTED, RING, edit
+
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "VERSION_TABLE"]
 
 VERSION_TABLE = """
@@ -35,12 +38,6 @@ CREATE TABLE IF NOT EXISTS fleet_schema_version (
     applied_at timestamptz NOT NULL DEFAULT now())
 """
 
-_READ_COMMITTED = """
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'fleet writes need READ COMMITTED; this transaction runs %',
-            current_setting('transaction_isolation') USING ERRCODE = 'FL004';
-    END IF;
-"""
 
 _V1_TABLES = """
 CREATE FUNCTION fleet_key(id text) RETURNS bytea
@@ -171,7 +168,7 @@ DECLARE
     h bigint;
     n integer;
 BEGIN
-""" + _READ_COMMITTED + """
+""" + READ_COMMITTED + """
     LOOP
         SELECT f.token INTO held FROM fences AS f WHERE f.ekey = p_key FOR UPDATE;
         EXIT WHEN FOUND OR (p_fence IS NOT NULL AND p_fence <> 0);
@@ -222,7 +219,7 @@ DECLARE
     rc integer[];
     rdet bigint[];
 BEGIN
-""" + _READ_COMMITTED + """
+""" + READ_COMMITTED + """
     codes := array_fill(NULL::integer, ARRAY[n]);
     details := array_fill(NULL::bigint, ARRAY[n]);
     SELECT coalesce(max(x), 0) INTO rounds FROM unnest(p_rounds) AS x;
@@ -319,7 +316,7 @@ DECLARE
     f record;
     n integer;
 BEGIN
-""" + _READ_COMMITTED + """
+""" + READ_COMMITTED + """
     SELECT * INTO f FROM fleet_lock_fence(p_key, false);
     IF f.o_token IS NULL THEN
         -- No fence row: without a log there is nothing to lock and nothing is made.
@@ -361,7 +358,7 @@ DECLARE
     f record;
     t bigint;
 BEGIN
-""" + _READ_COMMITTED + """
+""" + READ_COMMITTED + """
     SELECT * INTO f FROM fleet_lock_fence(p_key, true);
     IF p_now IS NOT NULL AND f.o_lease IS NOT NULL AND f.o_lease > p_now THEN
         RETURN NULL;  -- acquire_fence_if: a live lease is held
@@ -376,7 +373,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     n bigint;
 BEGIN
-""" + _READ_COMMITTED + """
+""" + READ_COMMITTED + """
     PERFORM 1 FROM fences WHERE ekey = p_key FOR UPDATE;
     DELETE FROM events WHERE ekey = p_key;
     GET DIAGNOSTICS n = ROW_COUNT;
@@ -397,7 +394,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     n bigint;
 BEGIN
-""" + _READ_COMMITTED + """
+""" + READ_COMMITTED + """
     PERFORM 1 FROM fences WHERE ekey = p_key FOR UPDATE;
     DELETE FROM events WHERE ekey = p_key AND sequence >= 1 AND sequence <= p_through;
     GET DIAGNOSTICS n = ROW_COUNT;
@@ -455,44 +452,23 @@ CREATE UNLOGGED TABLE fleet_relay_doorbell (
     channel text NOT NULL);
 """
 
-_CURRENT_TXID = "pg_current_xact_id()::text::bigint"
 
-# Rung at the end of every append that wrote something; FOR UPDATE SKIP LOCKED
-# takes no lock while the bell is not armed, and lets one writer ring it.
-_RING = """
-    PERFORM 1 FROM fleet_relay_doorbell WHERE armed FOR UPDATE SKIP LOCKED;
-    IF FOUND THEN
-        UPDATE fleet_relay_doorbell SET armed = false RETURNING channel INTO bell;
-        PERFORM pg_notify(bell, '');
-    END IF;
-"""
-
-
-def _edit(sql: str, *edits: tuple[str, str]) -> str:
-    """``sql`` (a released function) with each ``old`` replaced by ``new`` exactly once."""
-    for old, new in edits:
-        if sql.count(old) != 1:
-            raise AssertionError(f"migration edit does not match once: {old!r}")
-        sql = sql.replace(old, new)
-    return sql
-
-
-_PLACE_V3 = _edit(
+_PLACE_V3 = edit(
     _PLACE,
     ("p_ts[n], p_first + n - 1, p_anchor);",
-     f"p_ts[n], p_first + n - 1, p_anchor, {_CURRENT_TXID});"),
+     f"p_ts[n], p_first + n - 1, p_anchor, {CURRENT_TXID});"),
     ("waiting_on, started_at, updated_at, head, anchor)\n        VALUES",
      "waiting_on, started_at, updated_at, head, anchor,\n"
      "                                last_txid)\n        VALUES"),
     ("UPDATE executions SET head = p_first + n - 1, updated_at = p_ts[n]\n",
      f"UPDATE executions SET head = p_first + n - 1, updated_at = p_ts[n],\n"
-     f"                              last_txid = {_CURRENT_TXID}\n"),
+     f"                              last_txid = {CURRENT_TXID}\n"),
     ("status = p_status, waiting_on = p_waiting\n",
      f"status = p_status, waiting_on = p_waiting,\n"
-     f"                              last_txid = {_CURRENT_TXID}\n"),
-) + _RING
+     f"                              last_txid = {CURRENT_TXID}\n"),
+) + RING
 
-_V3_APPEND = _edit(
+_V3_APPEND = edit(
     _V1_APPEND,
     ("CREATE FUNCTION fleet_append(", "CREATE OR REPLACE FUNCTION fleet_append("),
     ("    n integer;\nBEGIN", "    n integer;\n    lx bigint;\n    bell text;\nBEGIN"),
@@ -500,12 +476,12 @@ _V3_APPEND = _edit(
      "SELECT e.head, e.last_txid INTO h, lx FROM executions AS e WHERE e.ekey = p_key;"),
     ("        detail := h;\n        RETURN;\n    END IF;\n",
      "        detail := h;\n        RETURN;\n    END IF;\n"
-     f"    IF lx > {_CURRENT_TXID} THEN  -- the log's last writer is newer: retry\n"
+     f"    IF lx > {CURRENT_TXID} THEN  -- the log's last writer is newer: retry\n"
      "        code := 4;\n        detail := h;\n        RETURN;\n    END IF;\n"),
     (_PLACE, _PLACE_V3),
 )
 
-_V3_APPEND_IF = _edit(
+_V3_APPEND_IF = edit(
     _V1_APPEND_IF,
     ("CREATE FUNCTION fleet_append_if(", "CREATE OR REPLACE FUNCTION fleet_append_if("),
     ("    n integer;\nBEGIN", "    n integer;\n    lx bigint;\n    bell text;\nBEGIN"),
@@ -514,29 +490,29 @@ _V3_APPEND_IF = _edit(
      "    FROM executions AS e WHERE e.ekey = p_key;"),
     ("        o_reason := 'moved';\n        RETURN;\n    END IF;\n",
      "        o_reason := 'moved';\n        RETURN;\n    END IF;\n"
-     f"    IF lx > {_CURRENT_TXID} THEN  -- the log's last writer is newer: retry\n"
+     f"    IF lx > {CURRENT_TXID} THEN  -- the log's last writer is newer: retry\n"
      "        o_reason := 'retry';\n        RETURN;\n    END IF;\n"),
     (_PLACE, _PLACE_V3),
 )
 
-_V3_APPEND_MANY = _edit(
+_V3_APPEND_MANY = edit(
     _V1_APPEND_MANY,
     ("CREATE FUNCTION fleet_append_many(", "CREATE OR REPLACE FUNCTION fleet_append_many("),
     ("    rdet bigint[];\nBEGIN", "    rdet bigint[];\n    bell text;\nBEGIN"),
     ("                          WHEN u.first > coalesce(x.head + 1, 0) THEN 3\n",
      "                          WHEN u.first > coalesce(x.head + 1, 0) THEN 3\n"
-     f"                          WHEN x.last_txid > {_CURRENT_TXID} THEN 4\n"),
+     f"                          WHEN x.last_txid > {CURRENT_TXID} THEN 4\n"),
     ("                                waiting_on, started_at, updated_at, head, anchor)\n"
      "        SELECT u.k, u.id, u.flow, u.tenant, u.owner, u.status, u.waiting, u.started,\n"
      "               u.updated, u.head, u.anchor\n",
      "                                waiting_on, started_at, updated_at, head, anchor,\n"
      "                                last_txid)\n"
      "        SELECT u.k, u.id, u.flow, u.tenant, u.owner, u.status, u.waiting, u.started,\n"
-     f"               u.updated, u.head, u.anchor, {_CURRENT_TXID}\n"),
+     f"               u.updated, u.head, u.anchor, {CURRENT_TXID}\n"),
     ("            waiting_on = CASE WHEN u.status IS NULL THEN x.waiting_on ELSE u.waiting END\n",
      "            waiting_on = CASE WHEN u.status IS NULL THEN x.waiting_on ELSE u.waiting END,\n"
-     f"            last_txid = {_CURRENT_TXID}\n"),
-    ("    END LOOP;\nEND $$;", "    END LOOP;\n    IF 0 = ANY (codes) THEN" + _RING
+     f"            last_txid = {CURRENT_TXID}\n"),
+    ("    END LOOP;\nEND $$;", "    END LOOP;\n    IF 0 = ANY (codes) THEN" + RING
      + "    END IF;\nEND $$;"),
 )
 
@@ -560,7 +536,7 @@ DECLARE
     lx bigint;
     t bigint := p_fence;
 BEGIN
-""" + _READ_COMMITTED + """
+""" + READ_COMMITTED + """
     IF p_holder IS NOT NULL THEN
         SELECT * INTO f FROM fleet_lock_fence(p_key, true);
         IF f.o_lease IS NOT NULL AND f.o_lease > p_now THEN
@@ -569,7 +545,7 @@ BEGIN
             RETURN;
         END IF;
         SELECT e.head, e.last_txid INTO h, lx FROM executions AS e WHERE e.ekey = p_key;
-        IF p_first <> coalesce(h + 1, 0) OR lx > """ + _CURRENT_TXID + """ THEN
+        IF p_first <> coalesce(h + 1, 0) OR lx > """ + CURRENT_TXID + """ THEN
             IF f.o_created THEN
                 DELETE FROM fences WHERE ekey = p_key AND token = 0;
             END IF;
@@ -612,7 +588,7 @@ END $$;
 # once it is judged (code 0), and the token-0 row it made is removed if it is refused.
 # fleet_append_many stays as it was (a flush with no leased item still calls it, and
 # a process of the previous version keeps calling it during a rolling upgrade).
-_V5_APPEND_MANY_LEASED = _edit(
+_V5_APPEND_MANY_LEASED = edit(
     _V3_APPEND_MANY,
     ("CREATE OR REPLACE FUNCTION fleet_append_many(",
      "CREATE FUNCTION fleet_append_many_leased("),
@@ -661,213 +637,6 @@ _V5_APPEND_MANY_LEASED = _edit(
      "        IF cardinality(created) > 0 THEN"),
 )
 
-# -- version 6: less server work per group-commit flush (issue 16) -------------------
-#
-# The same two functions, same arguments, same answers, fewer and cheaper
-# statements per round (a process of version 5 keeps calling them during a rolling
-# upgrade):
-# - the keys of the round and those that need a fence row are gathered by one
-#   statement; the insert of missing fence rows runs only when some item needs one
-#   (an item carrying a token never makes a row), and the "is every needed row
-#   locked" check is made on the rows the lock statement returned (an array
-#   containment, no query), not by a third statement;
-# - the judge writes ``codes``/``details`` whole in one statement (an item of another
-#   round keeps its answer), not through a plpgsql loop over per-round arrays, and the
-#   item-aligned writes filter on ``codes`` unnested beside the other columns;
-# - the events and executions rows of a round are written by one statement (the
-#   inserts as data-modifying CTEs: they touch disjoint rows), the events' ``txid``
-#   given once from a variable instead of a per-row default (``pos`` stays the
-#   sequence default: one number per row, in order). The txid is taken after the
-#   fence rows are locked (a lock has assigned it by then), so a flush that locks
-#   nothing still assigns no transaction id, as before;
-# - every append function plans its statements once per connection
-#   (``plan_cache_mode = force_generic_plan``, PostgreSQL 12+): the arguments are
-#   arrays whose sizes the planner cannot see in a custom plan either, and every
-#   lookup is by primary key, so the generic plan is the custom one without a
-#   planning pass per statement per call.
-_V6_JUDGE_CODE = """
-                     CASE WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0) THEN 1
-                          WHEN u.first < coalesce(x.head + 1, 0) THEN 2
-                          WHEN u.first > coalesce(x.head + 1, 0) THEN 3
-                          WHEN tx IS NULL OR x.last_txid > tx THEN 4
-                          ELSE 0 END"""
-_V6_JUDGE_DETAIL = """
-                     CASE WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0)
-                          THEN coalesce(fe.token, 0) ELSE x.head END"""
-
-_V6_APPEND_MANY = """
-CREATE OR REPLACE FUNCTION fleet_append_many(p_keys bytea[], p_ids text[], p_fences bigint[],
-    p_firsts bigint[], p_heads bigint[], p_started bigint[], p_updated bigint[],
-    p_statuses text[], p_waitings text[], p_flows text[], p_tenants text[], p_owners text[],
-    p_anchors text[], p_clears boolean[], p_rounds integer[], p_event_items integer[],
-    p_seqs bigint[], p_types text[], p_ts bigint[], p_bodies text[], p_timer_items integer[],
-    p_timer_ids text[], p_timer_dues bigint[], OUT codes integer[], OUT details bigint[])
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
-DECLARE
-    n integer := coalesce(cardinality(p_keys), 0);
-    rounds integer;
-    keys bytea[];
-    need bytea[];
-    locked bytea[];
-    created bytea[];
-    tx bigint;
-    bell text;
-BEGIN
-""" + _READ_COMMITTED + """
-    codes := array_fill(NULL::integer, ARRAY[n]);
-    details := array_fill(NULL::bigint, ARRAY[n]);
-    SELECT coalesce(max(x), 0) INTO rounds FROM unnest(p_rounds) AS x;
-    FOR r IN 1 .. rounds LOOP
-        SELECT array_agg(u.k ORDER BY u.k),
-               array_agg(u.k ORDER BY u.k) FILTER (WHERE u.f IS NULL OR u.f = 0)
-        INTO keys, need
-        FROM unnest(p_keys, p_fences, p_rounds) AS u(k, f, rd) WHERE u.rd = r;
-        created := '{}';
-        LOOP  -- a token-0 row deleted under us (see fleet_lock_fence) is made again
-            IF need IS NOT NULL THEN
-                WITH made AS (
-                    INSERT INTO fences (ekey, token)
-                    SELECT k, 0 FROM unnest(need) AS k ORDER BY k
-                    ON CONFLICT (ekey) DO NOTHING RETURNING ekey)
-                SELECT created || coalesce(array_agg(made.ekey), '{}') INTO created FROM made;
-            END IF;
-            SELECT array_agg(l.ekey) INTO locked
-            FROM (SELECT f.ekey FROM fences AS f WHERE f.ekey = ANY (keys)
-                  ORDER BY f.ekey FOR UPDATE) AS l;
-            EXIT WHEN need IS NULL OR need <@ locked;
-        END LOOP;
-        IF tx IS NULL AND locked IS NOT NULL THEN  -- the lock assigned it: no new id
-            tx := """ + _CURRENT_TXID + """;
-        END IF;
-        -- Judged after the locks, in a fresh statement: a fresh snapshot. No row
-        -- locked means every item of the round is refused (stale: code 1) before
-        -- tx is needed; the tx IS NULL arm only makes that explicit.
-        SELECT array_agg(CASE WHEN u.rd = r THEN""" + _V6_JUDGE_CODE + """
-                         ELSE u.c END ORDER BY u.i),
-               array_agg(CASE WHEN u.rd = r THEN""" + _V6_JUDGE_DETAIL + """
-                         ELSE u.d END ORDER BY u.i)
-        INTO codes, details
-        FROM unnest(p_keys, p_fences, p_firsts, p_rounds, codes, details)
-             WITH ORDINALITY AS u(k, f, first, rd, c, d, i)
-        LEFT JOIN LATERAL (SELECT f.token, f.lease_expires_at FROM fences AS f
-                           WHERE f.ekey = u.k AND u.rd = r LIMIT 1) AS fe ON true
-        LEFT JOIN LATERAL (SELECT e.head, e.last_txid FROM executions AS e
-                           WHERE e.ekey = u.k AND u.rd = r LIMIT 1) AS x ON true;
-        WITH ev AS (
-            INSERT INTO events (ekey, sequence, type, timestamp, body, txid)
-            SELECT p_keys[e.item], e.seq, e.t, e.ts, e.b, tx
-            FROM unnest(p_event_items, p_seqs, p_types, p_ts, p_bodies)
-                 AS e(item, seq, t, ts, b)
-            WHERE p_rounds[e.item] = r AND codes[e.item] = 0),
-        made AS (
-            INSERT INTO executions (ekey, execution_id, flow_id, tenant, owner, status,
-                                    waiting_on, started_at, updated_at, head, anchor,
-                                    last_txid)
-            SELECT u.k, u.id, u.flow, u.tenant, u.owner, u.status, u.waiting, u.started,
-                   u.updated, u.head, u.anchor, tx
-            FROM unnest(p_keys, p_ids, p_flows, p_tenants, p_owners, p_statuses,
-                        p_waitings, p_started, p_updated, p_heads, p_anchors, p_firsts,
-                        p_rounds, codes)
-                 AS u(k, id, flow, tenant, owner, status, waiting, started, updated, head,
-                      anchor, first, rd, c)
-            WHERE u.rd = r AND u.first = 0 AND u.c = 0)
-        UPDATE executions AS x
-        SET head = u.head, updated_at = u.updated, status = coalesce(u.status, x.status),
-            waiting_on = CASE WHEN u.status IS NULL THEN x.waiting_on ELSE u.waiting END,
-            last_txid = tx
-        FROM unnest(p_keys, p_statuses, p_waitings, p_updated, p_heads, p_firsts, p_rounds,
-                    codes) AS u(k, status, waiting, updated, head, first, rd, c)
-        WHERE x.ekey = u.k AND u.rd = r AND u.first > 0 AND u.c = 0;
-        IF true = ANY (p_clears) THEN
-            DELETE FROM timers AS t
-            USING unnest(p_keys, p_clears, p_rounds, codes) AS u(k, cl, rd, c)
-            WHERE t.ekey = u.k AND u.cl AND u.rd = r AND u.c = 0;
-        END IF;
-        IF cardinality(p_timer_items) > 0 THEN
-            DELETE FROM timers AS t
-            USING unnest(p_timer_items, p_timer_ids, p_timer_dues) AS m(item, id, due)
-            WHERE m.due IS NULL AND p_rounds[m.item] = r AND codes[m.item] = 0
-              AND t.ekey = p_keys[m.item] AND t.tkey = fleet_key(m.id);
-            INSERT INTO timers (ekey, tkey, execution_id, timer_id, due_at)
-            SELECT p_keys[m.item], fleet_key(m.id), p_ids[m.item], m.id, m.due
-            FROM unnest(p_timer_items, p_timer_ids, p_timer_dues) AS m(item, id, due)
-            WHERE m.due IS NOT NULL AND p_rounds[m.item] = r AND codes[m.item] = 0
-            ON CONFLICT (ekey, tkey) DO UPDATE SET due_at = EXCLUDED.due_at;
-        END IF;
-        IF cardinality(created) > 0 THEN  -- a refused item leaves no token-0 row it made
-            DELETE FROM fences AS f
-            USING unnest(p_keys, p_rounds, codes) AS u(k, rd, c)
-            WHERE f.ekey = u.k AND u.rd = r AND u.c <> 0 AND f.token = 0
-              AND f.ekey = ANY (created);
-        END IF;
-    END LOOP;
-    IF 0 = ANY (codes) THEN""" + _RING + """    END IF;
-END $$;
-"""
-
-# The leased flavour, from the plain one as version 5 made it from version 3's.
-_V6_APPEND_MANY_LEASED = _edit(
-    _V6_APPEND_MANY,
-    ("CREATE OR REPLACE FUNCTION fleet_append_many(",
-     "CREATE OR REPLACE FUNCTION fleet_append_many_leased("),
-    ("    p_timer_ids text[], p_timer_dues bigint[], OUT codes integer[], OUT details bigint[])",
-     "    p_timer_ids text[], p_timer_dues bigint[], p_holders text[], p_expires bigint[],\n"
-     "    p_releases boolean[], p_now bigint, OUT codes integer[], OUT details bigint[])"),
-    ("    bell text;\nBEGIN",
-     "    bell text;\n"
-     "    ri bigint[];\n"
-     "    rdet bigint[];\n"
-     "    acquires boolean := cardinality(array_remove(p_holders, NULL)) > 0;\n"
-     "    releases boolean := true = ANY (p_releases);\nBEGIN"),
-    ("                     CASE WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0) THEN 1\n",
-     "                     CASE WHEN u.h IS NOT NULL AND fe.lease_expires_at > p_now THEN 5\n"
-     "                          WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0) THEN 1\n"),
-    ("                     CASE WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0)\n"
-     "                          THEN coalesce(fe.token, 0) ELSE x.head END\n",
-     "                     CASE WHEN u.h IS NOT NULL AND fe.lease_expires_at > p_now\n"
-     "                          THEN fe.token\n"
-     "                          WHEN u.f IS NOT NULL AND u.f <> coalesce(fe.token, 0)\n"
-     "                          THEN coalesce(fe.token, 0) ELSE x.head END\n"),
-    ("        FROM unnest(p_keys, p_fences, p_firsts, p_rounds, codes, details)\n"
-     "             WITH ORDINALITY AS u(k, f, first, rd, c, d, i)\n",
-     "        FROM unnest(p_keys, p_fences, p_firsts, p_rounds, codes, details, p_holders)\n"
-     "             WITH ORDINALITY AS u(k, f, first, rd, c, d, h, i)\n"),
-    ("                           WHERE e.ekey = u.k AND u.rd = r LIMIT 1) AS x ON true;\n",
-     "                           WHERE e.ekey = u.k AND u.rd = r LIMIT 1) AS x ON true;\n"
-     "        IF acquires THEN  -- an acquiring item judged free takes the next token\n"
-     "            WITH g AS (\n"
-     "                UPDATE fences AS f SET token = f.token + 1, holder = u.h,\n"
-     "                                       lease_expires_at = u.x\n"
-     "                FROM unnest(p_keys, p_holders, p_expires, p_rounds, codes)\n"
-     "                     WITH ORDINALITY AS u(k, h, x, rd, c, i)\n"
-     "                WHERE f.ekey = u.k AND u.rd = r AND u.h IS NOT NULL AND u.c = 0\n"
-     "                RETURNING u.i, f.token)\n"
-     "            SELECT array_agg(g.i), array_agg(g.token) INTO ri, rdet FROM g;\n"
-     "            FOR j IN 1 .. coalesce(cardinality(ri), 0) LOOP\n"
-     "                details[ri[j]] := rdet[j];\n"
-     "            END LOOP;\n"
-     "        END IF;\n"),
-    ("        IF cardinality(created) > 0 THEN",
-     "        IF releases THEN  -- written, and its lease ends (the token stays)\n"
-     "            UPDATE fences AS f SET lease_expires_at = NULL, holder = NULL\n"
-     "            FROM unnest(p_keys, p_releases, p_rounds, codes) AS u(k, rel, rd, c)\n"
-     "            WHERE f.ekey = u.k AND u.rd = r AND u.rel AND u.c = 0 AND f.token > 0;\n"
-     "        END IF;\n"
-     "        IF cardinality(created) > 0 THEN"),
-)
-
-# The single-request functions keep their text; they plan once per connection too.
-_V6_GENERIC_PLANS = """
-ALTER FUNCTION fleet_append(bytea, text, bigint, bigint, text[], bigint[], text[], text, text,
-    text, text, text, text, boolean, text[], bigint[]) SET plan_cache_mode = force_generic_plan;
-ALTER FUNCTION fleet_append_if(bytea, bigint, bigint, text, text, bigint, text[], bigint[],
-    text[], text, text, text, text, text, text, boolean, text[], bigint[])
-    SET plan_cache_mode = force_generic_plan;
-ALTER FUNCTION fleet_append_leased(bytea, text, bigint, text, bigint, bigint, boolean, bigint,
-    text[], bigint[], text[], text, text, text, text, text, text, boolean, text[], bigint[])
-    SET plan_cache_mode = force_generic_plan;
-"""
-
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1_TABLES + _V1_LOCK + _V1_APPEND + _V1_APPEND_MANY + _V1_APPEND_IF
      + _V1_FENCES),
@@ -875,7 +644,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (3, _V3_FEED + _V3_APPEND + _V3_APPEND_IF + _V3_APPEND_MANY),
     (4, _V4_APPEND_LEASED),
     (5, _V5_APPEND_MANY_LEASED),
-    (6, _V6_APPEND_MANY + _V6_APPEND_MANY_LEASED + _V6_GENERIC_PLANS),
+    (6, MIGRATION_6),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
