@@ -50,6 +50,10 @@ async def ask(ctx: Context, n: int) -> str:
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FLEET_", "FLOWER_", "PYTHONPATH", "COLUMNS"))}
+    # The shell scripts call `fleet` by name, as a user's shell with the venv active
+    # would: this interpreter's scripts come first even when pytest ran unactivated.
+    env["PATH"] = os.pathsep.join(filter(None, (str(Path(sys.executable).parent),
+                                                env.get("PATH"))))
     env.update(extra)
     return env
 
