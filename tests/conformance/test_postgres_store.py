@@ -142,19 +142,30 @@ async def test_schema_version_is_recorded_and_a_newer_one_refused(
         await again.head("x")
     await again.close()
 
+async def _old_schema(database_url: str, schema: str, version: int) -> asyncpg.Connection:
+    """A connection into ``schema`` as a fleet of schema ``version`` left it (migrations
+    1..version applied and recorded), for the upgrade tests; the caller closes it."""
+    raw = await asyncpg.connect(database_url, server_settings={
+        "default_transaction_isolation": "read committed"})
+    try:
+        await raw.execute(f'CREATE SCHEMA "{schema}"; SET search_path = "{schema}"')
+        await raw.execute(VERSION_TABLE)
+        for number, sql in MIGRATIONS[:version]:
+            await raw.execute(sql)
+            await raw.execute("INSERT INTO fleet_schema_version (version) VALUES ($1)", number)
+    except BaseException:
+        await raw.close()
+        raise
+    return raw
+
 
 async def test_an_older_schema_is_upgraded_on_first_use(database_url: str) -> None:
     # A schema made by version 1 alone (what an old fleet left), holding logs
     # written by its own functions: the store brings it to the newest version,
     # and the rows written before the feed existed join it, each log in order.
     schema = fresh_schema()
-    raw = await asyncpg.connect(database_url, server_settings={
-        "default_transaction_isolation": "read committed"})
+    raw = await _old_schema(database_url, schema, 1)
     try:
-        await raw.execute(f'CREATE SCHEMA "{schema}"; SET search_path = "{schema}"')
-        await raw.execute(VERSION_TABLE)
-        await raw.execute(MIGRATIONS[0][1])
-        await raw.execute("INSERT INTO fleet_schema_version (version) VALUES (1)")
         for x, stamps in (("u", (30, 10, 50)), ("v", (20, 40))):  # a clock step inside u
             events = [started(x, timestamp=T0 + stamps[0])] + [
                 make_event(x, s, timestamp=T0 + t) for s, t in enumerate(stamps[1:], 1)]
@@ -233,14 +244,8 @@ async def test_a_version_5_schema_is_upgraded_to_6_and_its_calls_keep_their_answ
     # answers) and plans the append functions once per connection: a process of
     # version 5 sends the same calls before and after the upgrade.
     schema = fresh_schema()
-    raw = await asyncpg.connect(database_url, server_settings={
-        "default_transaction_isolation": "read committed"})
+    raw = await _old_schema(database_url, schema, 5)
     try:
-        await raw.execute(f'CREATE SCHEMA "{schema}"; SET search_path = "{schema}"')
-        await raw.execute(VERSION_TABLE)
-        for version, sql in MIGRATIONS[:5]:
-            await raw.execute(sql)
-            await raw.execute("INSERT INTO fleet_schema_version (version) VALUES ($1)", version)
         before = await _flushes(raw, "v5-")
     finally:
         await raw.close()
