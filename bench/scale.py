@@ -138,17 +138,19 @@ async def one_run(args: argparse.Namespace, db: str, database: str, broker: str,
             cmds0 = int(rclient.info("stats")["total_commands_processed"])
             load = os.getloadavg()[0]
             elapsed = await fleet.batch(args.n)
-            # pg_stat_database is updated when a backend's transaction ends and
-            # reported at most every 0.5 s (PGSTAT_MIN_INTERVAL in 15): let it land.
-            await asyncio.sleep(1.0)
-            commits1 = await commits()
-            cmds1 = int(rclient.info("stats")["total_commands_processed"])
+            # CPU, first: read over the batch alone, as ``elapsed`` is (the idle
+            # second below would dilute the machine's busy share).
             busy1, total1 = machine_busy()
             per_worker = [cpu_seconds([p]) - c for p, c in zip(pids, per_worker0,
                                                                 strict=True)]
             own = time.process_time() - own0
             pg = backend_cpu(database) - pg0
             redis_cpu = process_cpu(("redis-server",)) - redis0
+            cmds1 = int(rclient.info("stats")["total_commands_processed"])
+            # pg_stat_database is updated when a backend's transaction ends and
+            # reported at most every 0.5 s (PGSTAT_MIN_INTERVAL in 15): let it land.
+            await asyncio.sleep(1.0)
+            commits1 = await commits()
     finally:
         rclient.close()
     rate = args.n / elapsed
