@@ -55,11 +55,11 @@ from fleet.kernel.store.pg_connections import (
 from fleet.kernel.store.pg_feed import PostgresCommitSignal, channel_for, committed, feed_query
 from fleet.kernel.store.pg_migrations import SCHEMA_VERSION
 from fleet.kernel.store.pg_queries import (
-    APPEND_IF_SQL,
-    APPEND_LEASED_SQL,
     APPEND_MANY_LEASED_SQL,
     APPEND_MANY_SQL,
-    APPEND_SQL,
+    APPENDS,
+    APPENDS_IF,
+    APPENDS_LEASED,
     DUE_TIMERS_SQL,
     SUMMARY_SQL,
     TIP_SQL,
@@ -223,8 +223,8 @@ class PostgresEventStore(_PostgresBase):
 
     async def _append(self, write: Write, fence: int | None) -> None:
         async def op(pool: Any) -> Any:
-            return await pool.fetchrow(APPEND_SQL, write.key, write.execution_id, fence,
-                                       *write.args())
+            return await pool.fetchrow(APPENDS[write.inline], write.key, write.execution_id,
+                                       fence, *write.params())
 
         for _ in range(_ORDER_RETRIES):
             try:
@@ -260,9 +260,9 @@ class PostgresEventStore(_PostgresBase):
             expires = check_int64(now + lease_ms, "lease expiry")
 
             async def op(pool: Any, now: int = now, expires: int = expires) -> Any:
-                return await pool.fetchrow(APPEND_LEASED_SQL, write.key, write.execution_id,
-                                           None, holder, expires, now, release,
-                                           *write.args())
+                return await pool.fetchrow(APPENDS_LEASED[write.inline], write.key,
+                                           write.execution_id, None, holder, expires, now,
+                                           release, *write.params())
 
             row = await self._call(op, idempotent=False)
             if row["code"] != _RETRY:
@@ -284,8 +284,8 @@ class PostgresEventStore(_PostgresBase):
         for _ in range(_ORDER_RETRIES):
             try:
                 row = await self._call(lambda pool: pool.fetchrow(
-                    APPEND_LEASED_SQL, write.key, write.execution_id, fence, None, None, None,
-                    True, *write.args()), idempotent=False)
+                    APPENDS_LEASED[write.inline], write.key, write.execution_id, fence, None,
+                    None, None, True, *write.params()), idempotent=False)
             except StoreUnavailableError as lost:
                 # Committed (the same bytes are there) or not: never written twice.
                 if await self._bodies(write) == write.bodies:
@@ -307,7 +307,8 @@ class PostgresEventStore(_PostgresBase):
             raise lost  # the slots hold something else: report what we know, retryably
         try:
             row = await self._call(lambda pool: pool.fetchrow(
-                APPEND_SQL, write.key, write.execution_id, fence, *write.args()),
+                APPENDS[write.inline], write.key, write.execution_id, fence,
+                *write.params()),
                 idempotent=False)
         except StoreUnavailableError:
             raise lost from None
@@ -454,8 +455,8 @@ class PostgresEventStore(_PostgresBase):
         write = self._prepare((event,))
         for _ in range(_ORDER_RETRIES):
             row = await self._call(lambda pool: pool.fetchrow(
-                APPEND_IF_SQL, key, expect.head, expect.fence, expect.anchor, execution_id,
-                *write.args()), idempotent=False)
+                APPENDS_IF[write.inline], key, expect.head, expect.fence, expect.anchor,
+                execution_id, *write.params()), idempotent=False)
             if row["o_reason"] != "retry":
                 break
             self.order_retries += 1  # see _append
