@@ -342,7 +342,7 @@ class EventEnvelope:
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "executionId": self.execution_id, "sequence": self.sequence,
-                "type": self.type.value, "timestamp": self.timestamp, "payload": self.payload,
+                "type": self.type._value_, "timestamp": self.timestamp, "payload": self.payload,
                 "metadata": self.metadata}
 
     def to_json(self) -> str:

@@ -25,7 +25,9 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope, Status
 from fleet.kernel.store.spi import (
+    MOVES_INDEX,
     ExecutionSummary,
+    IndexChange,
     check_id,
     creation_anchor,
     encode_event,
@@ -127,18 +129,27 @@ class Write:
     @classmethod
     def of(cls, execution_id: str, events: Sequence[EventEnvelope],
            max_bytes: int | None) -> Write:
-        write = cls(execution_key(execution_id), execution_id, events[0].sequence)
+        key = execution_key(execution_id)  # the id is refused before anything else
+        types: list[str] = []
+        stamps: list[int] = []
+        bodies: list[str] = []
         timers: dict[str, int | None] = {}
         status: tuple[Status, str | None] | None = None
+        clear = False
+        first = events[0]
+        born_change: IndexChange | None = None
         for event in events:
             if event.execution_id != execution_id:
                 raise ValidationError(f"event of {event.execution_id!r} in a write for "
                                       f"{execution_id!r}")
-            body = encode_event(event, max_bytes)
-            write.types.append(str(event.type))
-            write.timestamps.append(event.timestamp)
-            write.bodies.append(body)
+            bodies.append(encode_event(event, max_bytes))
+            types.append(str(event.type))
+            stamps.append(event.timestamp)
+            if event.type not in MOVES_INDEX:
+                continue  # most events (a step's) move only the head: no call
             change = index_change(event)
+            if event is first:
+                born_change = change
             if change.status is not None:
                 status = (change.status, change.waiting_on)
             if change.timer_add is not None:
@@ -146,24 +157,23 @@ class Write:
             if change.timer_remove is not None:
                 timers[change.timer_remove] = None
             if change.clear_timers:
-                write.clear_timers = True
+                clear = True
                 timers.clear()
-        born = events[0]
-        if born.sequence == 0:
-            change = index_change(born)
-            write.flow_id = change.started.get("flow_id") or ""
-            write.tenant = change.started.get("tenant")
-            write.owner = change.started.get("owner")
-            write.anchor = creation_anchor(born)
+        flow_id = tenant = owner = anchor = None
+        if first.sequence == 0:
+            if born_change is None:
+                born_change = index_change(first)
+            flow_id = born_change.started.get("flow_id") or ""
+            tenant = born_change.started.get("tenant")
+            owner = born_change.started.get("owner")
+            anchor = creation_anchor(first)
             if status is None:
-                status = (change.status or "running", change.waiting_on)
-        if status is not None:
-            write.status, write.waiting_on = status
-        write.timer_ids = list(timers)
-        write.timer_dues = list(timers.values())
-        if len(events) <= INLINE_EVENTS:
-            write.inline = len(events)
-        return write
+                status = (born_change.status or "running", born_change.waiting_on)
+        state, waiting_on = status if status is not None else (None, None)
+        n = len(bodies)
+        return cls(key, execution_id, first.sequence, types, stamps,
+                   bodies, state, waiting_on, flow_id, tenant, owner, anchor, clear,
+                   list(timers), list(timers.values()), n if n <= INLINE_EVENTS else 0)
 
     def args(self) -> tuple[Any, ...]:
         """The arguments of ``fleet_place`` from ``p_first`` on (after the key and id).

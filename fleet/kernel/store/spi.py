@@ -526,7 +526,7 @@ def index_change(event: EventEnvelope) -> IndexChange:
     Most events (a step's) move nothing but the head: they share one empty change,
     which callers only read.
     """
-    if event.type not in _MOVES_INDEX:
+    if event.type not in MOVES_INDEX:
         return _NO_CHANGE
     change = IndexChange()
     status = STATUS_AFTER.get(event.type)
@@ -550,7 +550,7 @@ def index_change(event: EventEnvelope) -> IndexChange:
 
 
 # The kinds index_change looks at (status, gate, timers); any other moves only the head.
-_MOVES_INDEX = frozenset({*STATUS_AFTER, EventType.TIMER_SCHEDULED})
+MOVES_INDEX = frozenset({*STATUS_AFTER, EventType.TIMER_SCHEDULED})
 _NO_CHANGE = IndexChange()
 
 
