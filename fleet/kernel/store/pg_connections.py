@@ -266,15 +266,10 @@ class Database:
 _BEHIND = "_con" in getattr(asyncpg.pool.PoolConnectionProxy, "__slots__", ())
 
 
-def behind(proxy: Any) -> Any:
-    """The connection a held proxy stands for (None once the pool took it back)."""
-    return proxy._con if _BEHIND else proxy
-
-
 def _usable(conn: Any) -> bool:
     """Whether a kept connection can still take a query (not closed, nor taken back)."""
     try:
-        raw = behind(conn)
+        raw = conn._con if _BEHIND else conn
         return raw is not None and not raw.is_closed()
     except asyncpg.InterfaceError:
         return False  # the pool took it back when its connection closed
@@ -367,7 +362,11 @@ class Connections:
         with ``args`` on a kept connection; the store's one call per query."""
         conn = self._idle_one() or await self._take()
         try:
-            result = await getattr(behind(conn), method)(query, *args)
+            raw = conn._con if _BEHIND else conn
+            if raw is None:  # taken back by the pool since (its connection closed)
+                raise asyncpg.InterfaceError(f"cannot call Connection.{method}(): connection "
+                                             "has been released back to the pool")
+            result = await getattr(raw, method)(query, *args)
         except asyncpg.PostgresError:
             self._give(conn)  # the server refused the statement; the session is fine
             raise

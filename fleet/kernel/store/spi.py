@@ -643,10 +643,12 @@ def encode_event(event: EventEnvelope, max_bytes: int | None) -> str:
     if type(execution_id) is not str or "\x00" in execution_id \
             or not execution_id.isascii():
         check_id(execution_id)
-    for what, number in (("sequence", event.sequence), ("timestamp", event.timestamp)):
-        if type(number) is not int or not INT64_MIN <= number <= INT64_MAX:
-            check_int64(number, what)
-    if event.id != f"{execution_id}-{event.sequence}":
+    sequence, timestamp = event.sequence, event.timestamp
+    if type(sequence) is not int or not INT64_MIN <= sequence <= INT64_MAX:
+        check_int64(sequence, "sequence")
+    if type(timestamp) is not int or not INT64_MIN <= timestamp <= INT64_MAX:
+        check_int64(timestamp, "timestamp")
+    if event.id != f"{execution_id}-{sequence}":
         raise ValidationError(f"event id {printable(event.id, 80)!r} does not match "
                               f"{printable(execution_id, 80)!r}-{event.sequence}")
     try:
