@@ -652,7 +652,7 @@ def encode_event(event: EventEnvelope, max_bytes: int | None) -> str:
         raise ValidationError(f"event id {printable(event.id, 80)!r} does not match "
                               f"{printable(execution_id, 80)!r}-{event.sequence}")
     try:
-        body = dumps(event.to_dict())
+        body = event.to_json()  # dumps(event.to_dict()), the envelope's fields written around it
     except (TypeError, ValueError, RecursionError) as exc:
         raise NotSerializableError(f"event {printable(event.id, 80)!r} ({event.type}) is not "
                                    f"JSON: {printable(exc, 300)}") from exc
