@@ -92,6 +92,18 @@ class Lease:
         self.grant = grant
         self._done = self._done or released
 
+    async def take_deferred(self) -> bool:
+        """Take a deferred lease now, alone (``acquire_fence_if``): for a run that must
+        hold its fence before code that acts outside a step runs and has nothing to
+        write yet (decision 0032). False when a live lease is held (nothing taken)."""
+        execution_id, holder, lease_ms = self.wanted
+        grant = await self.store.acquire_fence_if(execution_id, holder=holder,
+                                                  lease_ms=lease_ms)
+        if grant is None:
+            return False
+        self.grant = grant
+        return True
+
     def released_by_write(self) -> None:
         """The last write under this lease ended it (``append_releasing``)."""
         self._done = True

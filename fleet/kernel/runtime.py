@@ -259,17 +259,30 @@ class Runtime:
 
     # ------------------------------------------------------------------ drive
     async def drive(self, execution_id: str, *, grant: FenceGrant | None = None,
-                    wait: bool = False) -> ExecutionHandle:
+                    wait: bool = False, if_free: bool = False) -> ExecutionHandle:
         """Drive an execution here, superseding any holder (the fleet uses leases).
 
         Args:
-            grant: A fence the caller already took (the fleet's worker takes it with
-                ``acquire_fence_if``); None takes it here, superseding any holder.
+            grant: A fence the caller already took (with ``acquire_fence_if``); None
+                takes it here, superseding any holder.
             wait: Return only once the run has stopped.
+            if_free: Drive only if no live lease holds the execution, without a round
+                trip for the fence: the log is read, and the run's first write takes
+                the fence (decision 0032; the fleet's worker drives so). A live lease
+                makes the outcome ``stepped_aside``: nothing written, no step run.
+                Not with ``grant``.
 
         Returns:
             A handle whose ``outcome()`` says how this drive's run ended.
         """
+        if if_free:
+            if grant is not None:
+                raise ConfigurationError("drive(if_free=True) takes the fence with the "
+                                         "run's first write; pass no grant with it")
+            run = await self.engine.drive_deferred(execution_id)
+            if wait:
+                await asyncio.shield(run)
+            return ExecutionHandle(self, execution_id, run)
         lease = await self.engine.take(execution_id) if grant is None \
             else self.engine.lease(grant)
         run = await self.engine.drive(execution_id, lease)
