@@ -2,8 +2,10 @@
 
 ``Lease.take`` supersedes any holder (``acquire_fence``: drive, cancel,
 resume_as, the lifecycle's repair); ``Lease.take_if_free`` takes the fence only
-when no live lease is held (start, resume, send, timers, the sweeper, the
-fleet's workers). The block that took it releases it when it leaves, by
+when no live lease is held (start, resume, send, timers, the sweeper);
+``Lease.deferred`` is taken by its first write under the same rule (a start that
+drives, the fleet's workers: decisions 0029, 0032). The block that took it
+releases it when it leaves, by
 return, exception or cancellation, with two exceptions (decision 0004):
 
 - **A write under it failed and its fate is unknown** (the store became
