@@ -271,8 +271,7 @@ class Runtime:
         """
         engine = self.engine
         if if_free and grant is not None:
-            raise ConfigurationError("drive(if_free=True) takes the fence with the run's "
-                                     "first write; pass no grant with it")
+            raise ConfigurationError("drive(if_free=True) takes no grant: its run's writes do")
         if if_free:
             run = await engine.drive_deferred(execution_id)
         else:
