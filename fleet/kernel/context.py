@@ -326,6 +326,9 @@ class Context:
             run.serve_decision(decision_id, recorded)
             return recorded["choice"]
         await run.before_new_work(EventType.DECISION_RECORDED, decision_id)
+        # The decider is the flow's code and may act: it runs only under the run's
+        # fence (a drive whose first write takes it takes it now: decision 0032).
+        await run.journal.hold()
         inner = run.open_decision(decision_id)
         try:
             result = decider(*args)

@@ -213,8 +213,9 @@ class Engine:
             run = Run(self, definition, journal, run_lease)
             if last_type not in WAKE_EVENTS:
                 # The log ends mid-run: an earlier holder stopped (died, was fenced out).
-                journal.commit(EventType.RECOVERED, {"by": self.holder, "reason": "drive"})
-                self.stats.recovered += 1
+                # Counted in stats.recovered once durable (Run.execute).
+                run.recovered_at = journal.commit(
+                    EventType.RECOVERED, {"by": self.holder, "reason": "drive"}).sequence
             return run
 
     def launch(self, run: Run) -> asyncio.Task[RunOutcome]:
@@ -234,9 +235,47 @@ class Engine:
         prepared = await self.prepare(execution_id, lease)
         if isinstance(prepared, Run):
             return self.launch(prepared)
-        done: RunFuture = asyncio.get_running_loop().create_future()
-        done.set_result(prepared)
-        return done
+        return _done(prepared)
+
+    async def drive_deferred(self, execution_id: str) -> RunFuture:
+        """Drive ``execution_id`` if no live lease holds it, in one read and the run's
+        writes: the log is folded without a fence and the run's first write takes it
+        (``append_acquiring``, decision 0032). The outcome is ``stepped_aside`` (nothing
+        written, no step run) when that write finds a live lease, or when another writer
+        took its slot after the read and a second drive (once, never more) met either.
+        A run of it in flight here steps aside at once, with no read."""
+        here = self._in_flight(execution_id)
+        if here is not None:
+            return _done(RunOutcome("stepped_aside", execution_id, here.journal.durable_seq,
+                                    here.state.status))
+        prepared = await self.prepare(execution_id, self.deferred(execution_id))
+        if not isinstance(prepared, Run):
+            return _done(prepared)
+        prepared.redrive = True
+        return self.launch(prepared)
+
+    def _in_flight(self, execution_id: str) -> Run | None:
+        run = self.runs.get(execution_id)
+        return run if run is not None and run.task is not None and not run.task.done() \
+            else None
+
+    async def _drive_again(self, execution_id: str) -> RunOutcome:
+        """The second (and last) deferred drive of a run whose first write found its slot
+        taken: whoever wrote there may not drive it (a message ``send`` wrote to a
+        running execution, the denial audit), so this one reads the log again."""
+        here = self._in_flight(execution_id)
+        if here is not None:
+            return RunOutcome("stepped_aside", execution_id, here.journal.durable_seq,
+                              here.state.status)
+        prepared = await self.prepare(execution_id, self.deferred(execution_id))
+        if not isinstance(prepared, Run):
+            return prepared
+        task = asyncio.current_task()
+        assert task is not None  # called from the run's own task (_drive)
+        prepared.task = task
+        self.runs[execution_id] = prepared
+        self.results.forget_abort(execution_id)
+        return await self._drive(prepared)
 
     async def drive_if_free(self, execution_id: str) -> RunFuture | None:
         """Drive only when no live lease is held; None when someone else holds it."""
@@ -252,6 +291,9 @@ class Engine:
         finally:
             if self.runs.get(execution_id) is run:
                 del self.runs[execution_id]
+        if run.redrive and outcome.kind == "stepped_aside" \
+                and isinstance(outcome.cause, DuplicateSequenceError):
+            return await self._drive_again(execution_id)
         if outcome.last_sequence < 0:
             pass  # a start whose first write failed: its caller hears why (begin)
         elif outcome.kind in _FAILS_WAITERS and outcome.cause is not None:
@@ -413,6 +455,13 @@ class Engine:
         tasks = [t for t in self.background if not t.done()]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _done(outcome: RunOutcome) -> RunFuture:
+    """A future that already holds ``outcome`` (no run was launched)."""
+    done: RunFuture = asyncio.get_running_loop().create_future()
+    done.set_result(outcome)
+    return done
 
 
 __all__ = ["WAKE_EVENTS", "Engine", "RunFuture"]

@@ -25,7 +25,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from fleet.kernel.errors import RunAborted
+from fleet.kernel.errors import ExecutionBusyError, RunAborted
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.fold import ExecutionState, apply
 from fleet.kernel.lease import Lease
@@ -148,6 +148,41 @@ class Journal:
                 await asyncio.shield(self._flushing)
                 continue
             await self._flush_once(last=last)
+
+    async def hold(self) -> None:
+        """Make sure the run holds its fence before code that acts outside a step runs
+        (a decider, a successor's start): a no-op once the lease is taken. A deferred
+        lease not taken yet (decision 0032) is taken by writing what is pending, or,
+        with nothing pending, alone (``acquire_fence_if``). ``RunAborted``
+        (``ExecutionBusyError``) when a live lease is held: nothing is written then."""
+        lease = self.lease
+        while lease is not None and lease.grant is None:
+            if self._error is not None:
+                raise RunAborted(self._error)
+            if self._flushing is not None:
+                await asyncio.shield(self._flushing)
+            elif self.durable_seq < self.state.sequence:
+                await self.barrier()
+            else:
+                await self._take_alone(lease)
+
+    async def _take_alone(self, lease: Lease) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._flushing = done  # a write waits for the fence rather than race it
+        try:
+            if not await lease.take_deferred():
+                raise ExecutionBusyError(f"execution {lease.execution_id!r} is held by a live "
+                                         "lease; nothing was written, retry")
+        except BaseException as exc:
+            self._error = exc
+            self._refused = ()
+            self._pending.clear()
+            if isinstance(exc, Exception):
+                raise RunAborted(exc) from exc
+            raise
+        finally:
+            self._flushing = None
+            done.set_result(None)
 
     async def _flush_once(self, *, last: bool = False) -> None:
         batch, self._pending = self._pending, []

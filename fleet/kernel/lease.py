@@ -2,8 +2,10 @@
 
 ``Lease.take`` supersedes any holder (``acquire_fence``: drive, cancel,
 resume_as, the lifecycle's repair); ``Lease.take_if_free`` takes the fence only
-when no live lease is held (start, resume, send, timers, the sweeper, the
-fleet's workers). The block that took it releases it when it leaves, by
+when no live lease is held (start, resume, send, timers, the sweeper);
+``Lease.deferred`` is taken by its first write under the same rule (a start that
+drives, the fleet's workers: decisions 0029, 0032). The block that took it
+releases it when it leaves, by
 return, exception or cancellation, with two exceptions (decision 0004):
 
 - **A write under it failed and its fate is unknown** (the store became
@@ -91,6 +93,18 @@ class Lease:
         """The first write took the fence (and, with ``released``, ended the lease too)."""
         self.grant = grant
         self._done = self._done or released
+
+    async def take_deferred(self) -> bool:
+        """Take a deferred lease now, alone (``acquire_fence_if``): for a run that must
+        hold its fence before code that acts outside a step runs and has nothing to
+        write yet (decision 0032). False when a live lease is held (nothing taken)."""
+        execution_id, holder, lease_ms = self.wanted
+        grant = await self.store.acquire_fence_if(execution_id, holder=holder,
+                                                  lease_ms=lease_ms)
+        if grant is None:
+            return False
+        self.grant = grant
+        return True
 
     def released_by_write(self) -> None:
         """The last write under this lease ended it (``append_releasing``)."""

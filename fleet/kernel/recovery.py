@@ -55,7 +55,7 @@ class RecoveryReport:
 
 
 # A run that ended here in one of these kinds was not recovered by this pass.
-_NOT_OURS = frozenset({"nothing_to_do", "fenced_out"})   # finished, parked or taken meanwhile
+_NOT_OURS = frozenset({"nothing_to_do", "fenced_out", "stepped_aside"})  # ended, parked, taken
 _REFUSED = frozenset({"diverged_parked", "aborted"})     # the re-drive did not go through
 
 

@@ -35,6 +35,8 @@ from fleet.kernel.divergence import JUDGED, DivergenceDetector, skipped_key
 from fleet.kernel.errors import (
     ConfigurationError,
     ContinueAsNew,
+    DuplicateSequenceError,
+    ExecutionBusyError,
     ExecutionConflictError,
     ExecutionParked,
     FleetError,
@@ -207,6 +209,10 @@ class Run:
         self._past_replay: asyncio.Future[None] | None = None
         # The run-control interrupts the kernel raised for this run (``issue``).
         self._issued: list[RunInterrupt] = []
+        # The sequence of the RECOVERED this drive committed (counted once durable).
+        self.recovered_at: int | None = None
+        # Drive once more if the first write of a deferred lease finds its slot taken.
+        self.redrive = False
 
     def issue(self, interrupt: _I) -> _I:
         """Mark ``interrupt`` as raised by the kernel for this run (``Context``, the hand-back).
@@ -243,6 +249,10 @@ class Run:
                 renewal.stop()
                 if self.journal.failed is not None:
                     lease.write_failed(self.journal.failed)
+                if self.recovered_at is not None \
+                        and self.journal.durable_seq >= self.recovered_at:
+                    # Counted once the log holds it: a drive that stepped aside wrote none.
+                    self.host.stats.recovered += 1
 
     def past_replay(self) -> asyncio.Future[None]:
         """Resolved once the re-run is past the refusal of its replay (ADR 0113).
@@ -306,7 +316,10 @@ class Run:
                 # The successor exists before the CONTINUED that names it: a crash in
                 # between re-drives this run, which finds the successor and only
                 # writes CONTINUED; a reader following the chain never finds a gap.
+                # The successor is started under this run's fence (taken now if it
+                # was deferred and nothing was written yet: decision 0032).
                 await journal.barrier()
+                await journal.hold()
                 try:
                     await host.start_successor(self, cont)
                 except ExecutionConflictError as exc:
@@ -355,7 +368,6 @@ class Run:
                 # The log refused a write for good (or the kernel found a value it
                 # cannot take after an effect): fail on what is durable.
                 return await self._fail_on_durable(failed)
-            stats.aborted += 1
             return self._lost_write(aborted.cause)
         except HandedBack as back:
             if not self._was_issued(back):
@@ -364,7 +376,6 @@ class Run:
             try:
                 await journal.barrier()
             except RunAborted as aborted:
-                stats.aborted += 1
                 return self._lost_write(aborted.cause)
             stats.handed_back += 1
             return self.outcome("handed_back")
@@ -392,8 +403,23 @@ class Run:
                           next_execution_id=next_execution_id)
 
     def _lost_write(self, cause: BaseException) -> RunOutcome:
+        """A write failed with ``cause``: how the run stopped (counted)."""
+        if self.stepped_aside(cause):
+            # Not a run of the execution: its holder drives it (decision 0032).
+            self.host.stats.drives -= 1
+            return self.outcome("stepped_aside", cause=cause)
+        self.host.stats.aborted += 1
         kind: OutcomeKind = "fenced_out" if isinstance(cause, StaleFenceError) else "aborted"
         return self.outcome(kind, cause=cause)
+
+    def stepped_aside(self, cause: BaseException) -> bool:
+        """Whether the write that failed with ``cause`` was the first of a deferred lease,
+        refused before anything was written: a live lease is held elsewhere
+        (``ExecutionBusyError``), or another writer took the slot after this drive read
+        the log (``DuplicateSequenceError``). Decision 0032."""
+        lease = self.lease
+        return lease is not None and lease.grant is None and isinstance(
+            cause, (ExecutionBusyError, DuplicateSequenceError))
 
     async def _fail(self, cause: BaseException, error: dict[str, Any] | None = None, *,
                     rebased: bool = False, refused: bool | None = None) -> RunOutcome:
@@ -413,7 +439,6 @@ class Run:
             failed = self.journal.failed
             if not rebased and isinstance(failed, ValidationError) and aborted.cause is failed:
                 return await self._fail_on_durable(failed)
-            stats.aborted += 1
             return self._lost_write(aborted.cause)
         stats.failed += 1
         if refused or (refused is None and isinstance(cause, ValidationError)):
@@ -478,6 +503,8 @@ class Run:
             error.parked = True
         except RunAborted as aborted:
             lost = aborted.cause
+            if self.stepped_aside(lost):
+                return self._lost_write(lost)  # another holder drives it: not refused here
         self.host.stats.divergence_parked += 1
         if error.parked:
             self.host.warner.warn(f"execution {eid!r} PARKED on {DIVERGED_GATE}: {error}")

@@ -24,6 +24,10 @@ aborted        the run stopped without an end: a write failed (``cause``), or th
                kernel found a programming fault (decision 0003), or a divergence
                refusal could not be parked
 nothing_to_do  the execution was already finished or parked; no run started
+stepped_aside  a drive whose first write takes the fence (``Runtime.drive(if_free=True)``,
+               decision 0032) found a live lease held, or its slot taken by another
+               writer: nothing was written, no step ran (``cause`` says which); not a
+               failure of the execution, whose holder drives it
 ============== =================================================================
 
 ``last_sequence`` is the last sequence the run made durable (for
@@ -36,7 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 OutcomeKind = Literal["completed", "failed", "parked", "diverged_parked", "continued",
-                      "cancelled", "fenced_out", "handed_back", "aborted", "nothing_to_do"]
+                      "cancelled", "fenced_out", "handed_back", "aborted", "nothing_to_do",
+                      "stepped_aside"]
 WaitKind = Literal["gate", "timer", "message", "indoubt", "diverged"]
 WAIT_KINDS: tuple[WaitKind, ...] = ("gate", "timer", "message", "indoubt", "diverged")
 
@@ -70,7 +75,8 @@ class RunOutcome:
     last_sequence: int
     status: str                               # the execution's status as the run left it
     waiting: Waiting | None = None            # parked, diverged_parked, nothing_to_do
-    cause: BaseException | None = None        # fenced_out, aborted, diverged_parked
+    cause: BaseException | None = None        # fenced_out, aborted, diverged_parked,
+                                              # stepped_aside
     error: dict[str, Any] | None = None       # failed: the recorded error
     next_execution_id: str | None = None      # continued
 

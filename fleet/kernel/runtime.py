@@ -259,20 +259,24 @@ class Runtime:
 
     # ------------------------------------------------------------------ drive
     async def drive(self, execution_id: str, *, grant: FenceGrant | None = None,
-                    wait: bool = False) -> ExecutionHandle:
-        """Drive an execution here, superseding any holder (the fleet uses leases).
+                    wait: bool = False, if_free: bool = False) -> ExecutionHandle:
+        """Drive an execution here; the handle's ``outcome()`` says how the run ended.
 
         Args:
-            grant: A fence the caller already took (the fleet's worker takes it with
-                ``acquire_fence_if``); None takes it here, superseding any holder.
+            grant: A fence the caller already took; None takes it, superseding any holder.
             wait: Return only once the run has stopped.
-
-        Returns:
-            A handle whose ``outcome()`` says how this drive's run ended.
+            if_free: Only if no live lease holds it, with no round trip for the fence:
+                the run's first write takes it (decision 0032: the fleet's workers);
+                else the outcome is ``stepped_aside``, nothing written. Not with grant.
         """
-        lease = await self.engine.take(execution_id) if grant is None \
-            else self.engine.lease(grant)
-        run = await self.engine.drive(execution_id, lease)
+        engine = self.engine
+        if if_free and grant is not None:
+            raise ConfigurationError("drive(if_free=True) takes no grant: its run's writes do")
+        if if_free:
+            run = await engine.drive_deferred(execution_id)
+        else:
+            lease = await engine.take(execution_id) if grant is None else engine.lease(grant)
+            run = await engine.drive(execution_id, lease)
         if wait:
             await asyncio.shield(run)
         return ExecutionHandle(self, execution_id, run)

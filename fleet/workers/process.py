@@ -7,10 +7,13 @@ their coroutines to the loop (``EventLoopThread.run_coroutine``), so every
 drive of the process shares one connection pool and runs concurrently on one
 loop.
 
-``drive`` is what the ``fleet.drive`` task does: take the execution's fence
-only if no live lease is held (``acquire_fence_if``); if one is, step aside
-(a duplicate delivery, counted); otherwise drive until the run stops (parks,
-ends, or is aborted) and say how it stopped: the run's own ``RunOutcome``.
+``drive`` is what the ``fleet.drive`` task does: read the log and drive the
+run; its first write takes the execution's fence only if no live lease is held
+(``Runtime.drive(if_free=True)``, decision 0032: no round trip of its own for
+the fence). If one is held, the run steps aside before writing anything or
+running any step (a duplicate delivery, counted); otherwise it is driven until
+it stops (parks, ends, or is aborted). Either way the answer says how it
+stopped: the run's own ``RunOutcome``.
 
 The loop also runs the process's ``Heartbeat`` (``fleet health`` reads it),
 and ``begin_drain`` is the graceful shutdown (``fleet.workers.shutdown``).
@@ -32,6 +35,7 @@ from fleet.assembly.roles import Role, open_worker
 from fleet.config import FleetSettings
 from fleet.host.loop import EventLoopThread
 from fleet.kernel.errors import (
+    DuplicateSequenceError,
     ExecutionNotFoundError,
     FleetError,
     StoreUnavailableError,
@@ -63,7 +67,7 @@ _REPORTED: dict[OutcomeKind, str] = {
     "completed": COMPLETED, "failed": FAILED, "parked": PARKED,
     "diverged_parked": DIVERGENCE_PARKED, "continued": CONTINUED, "cancelled": CANCELLED,
     "fenced_out": FENCED_OUT, "handed_back": HANDED_BACK, "aborted": ABORTED,
-    "nothing_to_do": IDLE}
+    "nothing_to_do": IDLE, "stepped_aside": STEPPED_ASIDE}
 
 
 class DriveResult(str):
@@ -105,6 +109,10 @@ def describe(outcome: RunOutcome) -> str:
         return "handed back (the worker is shutting down; re-enqueued)"
     if outcome.kind == "aborted":
         return f"aborted{why}"
+    if outcome.kind == "stepped_aside":
+        if isinstance(cause, DuplicateSequenceError):
+            return "stepped aside (another writer wrote first; it drives the run)"
+        return "stepped aside (another drive holds its lease)"
     return outcome.kind.replace("_", " ")
 
 
@@ -305,15 +313,9 @@ class WorkerProcess:
             self.counters.handed_back += 1
             return DriveResult(HANDED_BACK, "handed back (the worker is shutting down; "
                                "re-enqueued)")
-        grant = await runtime.store.acquire_fence_if(execution_id, holder=runtime.holder,
-                                                     lease_ms=runtime.lease_ms)
-        if grant is None:
-            # A live lease: another drive (here or elsewhere) holds the run.
-            self.counters.stepped_aside += 1
-            log.info("drive of %s stepped aside: a live lease holds it", execution_id)
-            return DriveResult(STEPPED_ASIDE, "stepped aside (another drive holds its lease)")
         try:
-            handle = await runtime.drive(execution_id, grant=grant, wait=True)
+            # The fence is taken by the run's first write, if no live lease holds it.
+            handle = await runtime.drive(execution_id, if_free=True, wait=True)
             outcome = await handle.outcome()
         except ExecutionNotFoundError:
             self.counters.errors += 1
@@ -323,7 +325,7 @@ class WorkerProcess:
             raise  # not a refusal: the task retries it (and the sweeper finds it)
         except FleetError as exc:
             # The run was refused before it began (flow not registered here,
-            # code mismatch): nothing was written, the fence is released.
+            # code mismatch): nothing was written, no fence was taken.
             self.counters.errors += 1
             log.error("drive of %s refused: %s: %s", execution_id, type(exc).__name__, exc)
             return DriveResult(REFUSED, f"refused: {type(exc).__name__}: {exc}")
@@ -346,6 +348,10 @@ class WorkerProcess:
             log.info("drive of %s handed back (the worker is shutting down)", execution_id)
         elif outcome.kind == "nothing_to_do":
             self.counters.idle += 1  # already parked or ended: nothing to do
+        elif outcome.kind == "stepped_aside":
+            # A live lease: another drive (here or elsewhere) holds the run.
+            self.counters.stepped_aside += 1
+            log.info("drive of %s stepped aside: %s", execution_id, describe(outcome))
         waiting = outcome.waiting
         if outcome.kind in ("diverged_parked", "parked") and waiting is not None and \
                 waiting.on in (DIVERGED_GATE, INDOUBT_GATE):

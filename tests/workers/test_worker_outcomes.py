@@ -55,11 +55,13 @@ def test_every_outcome_kind_has_its_report(process: WorkerProcess) -> None:
     expected = {"completed": "completed", "failed": "failed", "parked": "parked",
                 "diverged_parked": "divergence_parked", "continued": "continued",
                 "cancelled": "cancelled", "fenced_out": "fenced_out",
-                "handed_back": "handed_back", "aborted": "aborted", "nothing_to_do": "idle"}
+                "handed_back": "handed_back", "aborted": "aborted", "nothing_to_do": "idle",
+                "stepped_aside": "stepped_aside"}
     assert set(expected) == set(get_args(OutcomeKind))
     causes: dict[str, Any] = {"fenced_out": StaleFenceError("superseded"),
                               "aborted": KeyError("x")}
     for kind, report in expected.items():
         outcome = RunOutcome(kind, "e", 0, "running", cause=causes.get(kind))  # type: ignore[arg-type]
         assert process._report(outcome) == report, kind
-    assert (process.counters.fenced_out, process.counters.idle) == (1, 1)
+    assert (process.counters.fenced_out, process.counters.idle,
+            process.counters.stepped_aside) == (1, 1, 1)

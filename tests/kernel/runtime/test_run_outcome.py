@@ -22,7 +22,12 @@ from fleet import (
     StoreUnavailableError,
     flow,
 )
-from fleet.kernel.errors import DuplicateStepError, ExecutionFailedError
+from fleet.kernel.errors import (
+    ConfigurationError,
+    DuplicateStepError,
+    ExecutionBusyError,
+    ExecutionFailedError,
+)
 from fleet.kernel.fold import DIVERGED_GATE, MESSAGE_GATE
 from fleet.kernel.run_outcome import RunOutcome, Waiting
 from fleet.kernel.store.spi import EventStore
@@ -262,3 +267,27 @@ async def test_a_call_that_launched_no_run_has_no_outcome(store: EventStore) -> 
     again = await runtime.start("oc-done", 1, execution_id="x1")  # idempotent: exists
     assert await again.outcome() is None
     assert (await outcome_of(await runtime.drive("x1"))).kind == "completed"
+
+
+async def test_outcome_stepped_aside_when_a_drive_if_free_meets_a_live_lease(
+        store: EventStore) -> None:
+    """Decision 0032: the first write of ``drive(if_free=True)`` takes the fence only if
+    it is free; a live lease elsewhere makes the run step aside having written nothing."""
+    runtime = Runtime(store, flows=[done])
+    eid = (await runtime.start("oc-done", 1, execution_id="sa1", drive=False)).execution_id
+    grant = await store.acquire_fence_if(eid, holder="other", lease_ms=60_000)
+    assert grant is not None
+    before = await store.read(eid)
+    aside = await outcome_of(await runtime.drive(eid, if_free=True, wait=True))
+    assert (aside.kind, aside.status, aside.last_sequence) == ("stepped_aside", "running", 0)
+    assert isinstance(aside.cause, ExecutionBusyError)
+    assert await store.read(eid) == before
+    assert (runtime.drives, runtime.aborted) == (0, 0)
+    # A grant with if_free is refused before anything is read or written.
+    with pytest.raises(ConfigurationError, match="takes no grant"):
+        await runtime.drive(eid, grant=grant, if_free=True)
+    assert await store.read(eid) == before
+    await store.release_fence(eid, grant.token)
+    ran = await outcome_of(await runtime.drive(eid, if_free=True, wait=True))
+    assert ran.kind == "completed"
+    assert await runtime.result(eid) == 2
