@@ -151,6 +151,8 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
+# A step's policy when it names none: one frozen instance, not a new one per step.
+_DEFAULT_RETRY = RetryPolicy()
 
 # What a step returns most, never awaitable: no ABC check (inspect.isawaitable) for it.
 _PLAIN = frozenset({type(None), bool, int, float, str, dict, list})
@@ -226,7 +228,7 @@ class Context:
                 delay = (frame.retry_at - run.clock()) / 1000
                 if delay > 0:
                     await asyncio.sleep(delay)
-        return await self._run_live(step_id, fn, args, kwargs, retry or RetryPolicy(),
+        return await self._run_live(step_id, fn, args, kwargs, retry or _DEFAULT_RETRY,
                                     frame.attempts if frame is not None else 0)
 
     async def _in_doubt(self, step_id: str, attempts: int, idempotent: bool) -> Any:

@@ -342,11 +342,34 @@ class EventEnvelope:
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "executionId": self.execution_id, "sequence": self.sequence,
-                "type": self.type.value, "timestamp": self.timestamp, "payload": self.payload,
+                "type": self.type._value_, "timestamp": self.timestamp, "payload": self.payload,
                 "metadata": self.metadata}
 
     def to_json(self) -> str:
-        return dumps(self.to_dict())
+        """``dumps(self.to_dict())``: the stored form (compact, in this key order).
+
+        The envelope's own fields are written here around the C encoder's text of
+        ``payload`` and ``metadata``, not through it: the encoder escapes each of the
+        7 keys and builds a fragment per item on every call, twice the work of the
+        event's payload (decision 0031). The same function escapes the strings
+        (``json.encoder.encode_basestring``, as the encoder does) and ints print
+        alike, so the text is the same; anything but exact ``str`` ids and ``int``
+        numbers takes the encoder's path.
+        """
+        sequence, timestamp, eid, execution_id = (self.sequence, self.timestamp, self.id,
+                                                  self.execution_id)
+        if type(sequence) is not int or type(timestamp) is not int \
+                or type(eid) is not str or type(execution_id) is not str:
+            return dumps(self.to_dict())
+        meta = self.metadata
+        if type(meta) is dict and len(meta) == 1 and meta.get("kernel") is True:
+            meta_json = _KERNEL_META
+        else:
+            meta_json = dumps(meta)
+        return (f'{{"id":{_encode_str(eid)},"executionId":{_encode_str(execution_id)},'
+                f'"sequence":{sequence},"type":{_encode_str(self.type._value_)},'
+                f'"timestamp":{timestamp},"payload":{dumps(self.payload)},'
+                f'"metadata":{meta_json}}}')
 
     @classmethod
     def from_dict(cls, data: Any, *, validate_payload: bool = True) -> EventEnvelope:
@@ -409,6 +432,9 @@ def _c_encoder() -> Any:
 
 
 _C_ENCODE = _c_encoder()
+# What the encoder writes for a string, and for the metadata of nearly every event.
+_encode_str = json.encoder.encode_basestring
+_KERNEL_META = '{"kernel":true}'
 
 
 def dumps(value: Any) -> str:

@@ -31,6 +31,25 @@ Until = Literal["parked", "terminal"]
 UNTIL: tuple[Until, ...] = ("parked", "terminal")
 
 
+async def _first_done(a: asyncio.Future[Any], b: asyncio.Future[Any]) -> None:
+    """Wait until ``a`` or ``b`` is done: ``asyncio.wait((a, b), return_when=FIRST_COMPLETED)``
+    without its set, its coroutine checks (an abstract-class check each) and its
+    second coroutine, once per ``result()`` (decision 0031)."""
+    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def wake(_: Any) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    a.add_done_callback(wake)
+    b.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        a.remove_done_callback(wake)
+        b.remove_done_callback(wake)
+
+
 class Results:
     """The waiters of one runtime.
 
@@ -144,7 +163,7 @@ class Results:
         run = self.runs.get(execution_id)
         task = run.task if run is not None else None
         if task is not None and not task.done():
-            await asyncio.wait((fut, task), return_when=asyncio.FIRST_COMPLETED)
+            await _first_done(fut, task)
         delay = 0.05
         if fut.done():
             return fut.result()

@@ -1,7 +1,7 @@
 """How many round trips a 3-step execution costs on a real Postgres (decision 0029).
 
 Counted at the asyncpg boundary: every query the store sends goes through its
-pool, wrapped here in a counter of ``fetch``/``fetchrow``/``fetchval``/``execute``
+pool, wrapped here in a counter of ``run`` (and ``fetch``/``fetchrow``/``fetchval``/``execute``)
 calls (the pool and the server are real; the counter only forwards). A start
 that drives here takes the fence with its first write and releases it with its
 last: 1 + one per step, 4 for three steps (7 before: acquire, start, four
@@ -45,6 +45,11 @@ class CountingPool:
             return await target(query, *args, **kw)
 
         return call
+
+    async def run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
+        """The store's one call per query (``Connections.run``)."""
+        self.sent.append(" ".join(query.split()[:4]))
+        return await self.pool.run(method, query, args)
 
 
 @pytest.fixture(scope="module")

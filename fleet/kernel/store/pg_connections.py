@@ -259,10 +259,18 @@ class Database:
             await pool.close()
 
 
+# asyncpg's pool lends a proxy whose every method call is one more Python call (it
+# checks that it is still lent, then calls its connection); while the store holds a
+# proxy it calls the connection behind it (decision 0031). Where a later asyncpg has
+# no ``_con`` slot, the proxy itself is called, as before.
+_BEHIND = "_con" in getattr(asyncpg.pool.PoolConnectionProxy, "__slots__", ())
+
+
 def _usable(conn: Any) -> bool:
     """Whether a kept connection can still take a query (not closed, nor taken back)."""
     try:
-        return not conn.is_closed()
+        raw = conn._con if _BEHIND else conn
+        return raw is not None and not raw.is_closed()
     except asyncpg.InterfaceError:
         return False  # the pool took it back when its connection closed
 
@@ -270,8 +278,8 @@ def _usable(conn: Any) -> bool:
 class Connections:
     """The store's connections: kept checked out of the asyncpg pool, one query each at a time.
 
-    ``fetch``/``fetchrow``/``fetchval``/``execute`` take an idle connection (the
-    most recently used), or check a new one out of the pool while fewer than
+    ``run`` (and ``fetch``/``fetchrow``/``fetchval``/``execute``) takes an idle
+    connection (the most recently used), or check a new one out of the pool while fewer than
     ``size`` are held, or wait for one. A connection whose query failed other
     than with a server error (a lost link, a cancellation mid-query: its state is
     unknown) is terminated and handed back to the pool, which replaces it.
@@ -287,13 +295,21 @@ class Connections:
         self._waiters: deque[asyncio.Future[Any]] = deque()
         self._closed = False
 
+    def _idle_one(self) -> Any:
+        """An idle connection that can take a query, or None (no coroutine: the common case)."""
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if _usable(conn):
+                return conn
+            self._drop(conn)  # its link died while idle (a restart): the pool replaces it
+        return None
+
     async def _take(self) -> Any:
         while True:
-            while self._idle:
-                conn = self._idle.pop()
-                if _usable(conn):
-                    return conn
-                self._drop(conn)  # its link died while idle (a restart): the pool replaces it
+            conn = self._idle_one()
+            if conn is not None:
+                return conn
             if self._held < self.size:
                 self._held += 1
                 try:
@@ -341,10 +357,16 @@ class Connections:
         finally:
             self._wake()
 
-    async def _run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
-        conn = await self._take()
+    async def run(self, method: str, query: str, args: tuple[Any, ...]) -> Any:
+        """``method`` (``fetch``, ``fetchrow``, ``fetchval`` or ``execute``) of ``query``
+        with ``args`` on a kept connection; the store's one call per query."""
+        conn = self._idle_one() or await self._take()
         try:
-            result = await getattr(conn, method)(query, *args)
+            raw = conn._con if _BEHIND else conn
+            if raw is None:  # taken back by the pool since (its connection closed)
+                raise asyncpg.InterfaceError(f"cannot call Connection.{method}(): connection "
+                                             "has been released back to the pool")
+            result = await getattr(raw, method)(query, *args)
         except asyncpg.PostgresError:
             self._give(conn)  # the server refused the statement; the session is fine
             raise
@@ -355,16 +377,16 @@ class Connections:
         return result
 
     async def fetch(self, query: str, *args: Any) -> Any:
-        return await self._run("fetch", query, args)
+        return await self.run("fetch", query, args)
 
     async def fetchrow(self, query: str, *args: Any) -> Any:
-        return await self._run("fetchrow", query, args)
+        return await self.run("fetchrow", query, args)
 
     async def fetchval(self, query: str, *args: Any) -> Any:
-        return await self._run("fetchval", query, args)
+        return await self.run("fetchval", query, args)
 
     async def execute(self, query: str, *args: Any) -> Any:
-        return await self._run("execute", query, args)
+        return await self.run("execute", query, args)
 
     def get_min_size(self) -> int:
         return int(self.pool.get_min_size())

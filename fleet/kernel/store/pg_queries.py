@@ -25,17 +25,19 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope, Status
 from fleet.kernel.store.spi import (
+    MOVES_INDEX,
     ExecutionSummary,
+    IndexChange,
     check_id,
     creation_anchor,
     encode_event,
     index_change,
 )
 
-__all__ = ["APPEND_IF_SQL", "APPEND_LEASED_SQL", "APPEND_MANY_LEASED_SQL", "APPEND_MANY_SQL",
-           "APPEND_SQL", "DUE_TIMERS_SQL", "SUMMARY_SQL", "TIP_SQL", "LeaseOp", "Write",
-           "execution_key", "lease_columns", "listing_sql", "many_columns", "parse_event",
-           "refusal", "summary"]
+__all__ = ["APPENDS", "APPENDS_IF", "APPENDS_LEASED", "APPEND_IF_SQL", "APPEND_LEASED_SQL",
+           "APPEND_MANY_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL", "DUE_TIMERS_SQL",
+           "INLINE_EVENTS", "SUMMARY_SQL", "TIP_SQL", "LeaseOp", "Write", "execution_key",
+           "lease_columns", "listing_sql", "many_columns", "parse_event", "refusal", "summary"]
 
 PREFIX = 200  # characters of a text key that listing indexes hold (see pg_migrations)
 
@@ -52,12 +54,41 @@ FROM executions AS e LEFT JOIN fences AS f ON f.ekey = e.ekey
 """
 DUE_TIMERS_SQL = ("SELECT execution_id, timer_id, due_at FROM timers WHERE due_at <= $1 "
                   "ORDER BY due_at, execution_id, timer_id LIMIT $2")
-_WRITE_ARGS = ("$5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16")
-APPEND_SQL = f"SELECT code, detail FROM fleet_append($1, $2, $3, $4, {_WRITE_ARGS})"
-APPEND_IF_SQL = ("SELECT * FROM fleet_append_if($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
-                  "$11, $12, $13, $14, $15, $16, $17, $18)")
-APPEND_LEASED_SQL = ("SELECT code, detail FROM fleet_append_leased($1, $2, $3, $4, $5, $6, $7, "
-                     "$8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)")
+INLINE_EVENTS = 8  # a write of up to this many events sends their fields as scalars
+
+
+def _write_params(start: int, inline: int) -> str:
+    """The SQL of a write's 13 arguments from ``p_first`` on, numbered from ``$start``.
+
+    ``inline`` 0: the events' types, timestamps and bodies as 3 array parameters
+    (``Write.args``); n: as n scalars each, gathered by ``ARRAY[...]`` in the
+    statement (``Write.params``): the function gets the same arrays.
+    """
+    if not inline:
+        return ", ".join(f"${i}" for i in range(start, start + 13))
+    columns = []
+    for k, cast in enumerate(("text", "bigint", "text")):
+        first = start + 1 + k * inline
+        columns.append("ARRAY[" + ", ".join(f"${i}::{cast}" for i in range(
+            first, first + inline)) + "]")
+    rest = start + 1 + 3 * inline
+    return ", ".join([f"${start}", *columns, *(f"${i}" for i in range(rest, rest + 9))])
+
+
+def _write_sql(head: str, leading: int, tail: str = ")") -> tuple[str, ...]:
+    """A write statement's texts by the write's shape (``Write.inline``): index 0 sends
+    arrays, index n inlines n events (decision 0031)."""
+    return tuple(f"{head}{_write_params(leading + 1, n)}{tail}"
+                 for n in range(INLINE_EVENTS + 1))
+
+
+APPENDS = _write_sql("SELECT code, detail FROM fleet_append($1, $2, $3, ", 3)
+APPENDS_IF = _write_sql("SELECT * FROM fleet_append_if($1, $2, $3, $4, $5, ", 5)
+APPENDS_LEASED = _write_sql("SELECT code, detail FROM fleet_append_leased($1, $2, $3, $4, $5, "
+                            "$6, $7, ", 7)
+APPEND_SQL = APPENDS[0]
+APPEND_IF_SQL = APPENDS_IF[0]
+APPEND_LEASED_SQL = APPENDS_LEASED[0]
 APPEND_MANY_SQL = ("SELECT codes, details FROM fleet_append_many("
                     + ", ".join(f"${i}" for i in range(1, 24)) + ")")
 APPEND_MANY_LEASED_SQL = ("SELECT codes, details FROM fleet_append_many_leased("
@@ -93,22 +124,32 @@ class Write:
     clear_timers: bool = False
     timer_ids: list[str] = field(default_factory=list)
     timer_dues: list[int | None] = field(default_factory=list)
+    inline: int = 0  # the events (1..INLINE_EVENTS) ``params`` sends as scalars; 0: arrays
 
     @classmethod
     def of(cls, execution_id: str, events: Sequence[EventEnvelope],
            max_bytes: int | None) -> Write:
-        write = cls(execution_key(execution_id), execution_id, events[0].sequence)
+        key = execution_key(execution_id)  # the id is refused before anything else
+        types: list[str] = []
+        stamps: list[int] = []
+        bodies: list[str] = []
         timers: dict[str, int | None] = {}
         status: tuple[Status, str | None] | None = None
+        clear = False
+        first = events[0]
+        born_change: IndexChange | None = None
         for event in events:
             if event.execution_id != execution_id:
                 raise ValidationError(f"event of {event.execution_id!r} in a write for "
                                       f"{execution_id!r}")
-            body = encode_event(event, max_bytes)
-            write.types.append(str(event.type))
-            write.timestamps.append(event.timestamp)
-            write.bodies.append(body)
+            bodies.append(encode_event(event, max_bytes))
+            types.append(str(event.type))
+            stamps.append(event.timestamp)
+            if event.type not in MOVES_INDEX:
+                continue  # most events (a step's) move only the head: no call
             change = index_change(event)
+            if event is first:
+                born_change = change
             if change.status is not None:
                 status = (change.status, change.waiting_on)
             if change.timer_add is not None:
@@ -116,22 +157,23 @@ class Write:
             if change.timer_remove is not None:
                 timers[change.timer_remove] = None
             if change.clear_timers:
-                write.clear_timers = True
+                clear = True
                 timers.clear()
-        born = events[0]
-        if born.sequence == 0:
-            change = index_change(born)
-            write.flow_id = change.started.get("flow_id") or ""
-            write.tenant = change.started.get("tenant")
-            write.owner = change.started.get("owner")
-            write.anchor = creation_anchor(born)
+        flow_id = tenant = owner = anchor = None
+        if first.sequence == 0:
+            if born_change is None:
+                born_change = index_change(first)
+            flow_id = born_change.started.get("flow_id") or ""
+            tenant = born_change.started.get("tenant")
+            owner = born_change.started.get("owner")
+            anchor = creation_anchor(first)
             if status is None:
-                status = (change.status or "running", change.waiting_on)
-        if status is not None:
-            write.status, write.waiting_on = status
-        write.timer_ids = list(timers)
-        write.timer_dues = list(timers.values())
-        return write
+                status = (born_change.status or "running", born_change.waiting_on)
+        state, waiting_on = status if status is not None else (None, None)
+        n = len(bodies)
+        return cls(key, execution_id, first.sequence, types, stamps,
+                   bodies, state, waiting_on, flow_id, tenant, owner, anchor, clear,
+                   list(timers), list(timers.values()), n if n <= INLINE_EVENTS else 0)
 
     def args(self) -> tuple[Any, ...]:
         """The arguments of ``fleet_place`` from ``p_first`` on (after the key and id).
@@ -142,6 +184,23 @@ class Write:
         """
         timers = bool(self.timer_ids)
         return (self.first, self.types, self.timestamps, self.bodies, self.status,
+                self.waiting_on, self.flow_id, self.tenant, self.owner, self.anchor,
+                self.clear_timers, self.timer_ids if timers else None,
+                self.timer_dues if timers else None)
+
+    def params(self) -> tuple[Any, ...]:
+        """``args`` in the shape of the statement ``APPENDS[self.inline]`` (and its
+        siblings) takes: a small write's types, timestamps and bodies as scalars.
+
+        asyncpg checks an array argument and each of its elements with
+        ``collections.abc`` instance checks (a Python call each, 14 for a 2-event
+        write); a scalar it encodes directly, and ``ARRAY[...]`` in the statement
+        gives the function the same arrays (decision 0031).
+        """
+        if not self.inline:
+            return self.args()
+        timers = bool(self.timer_ids)
+        return (self.first, *self.types, *self.timestamps, *self.bodies, self.status,
                 self.waiting_on, self.flow_id, self.tenant, self.owner, self.anchor,
                 self.clear_timers, self.timer_ids if timers else None,
                 self.timer_dues if timers else None)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 from fleet.kernel.errors import (
     CorruptLogError,
@@ -55,11 +55,11 @@ from fleet.kernel.store.pg_connections import (
 from fleet.kernel.store.pg_feed import PostgresCommitSignal, channel_for, committed, feed_query
 from fleet.kernel.store.pg_migrations import SCHEMA_VERSION
 from fleet.kernel.store.pg_queries import (
-    APPEND_IF_SQL,
-    APPEND_LEASED_SQL,
     APPEND_MANY_LEASED_SQL,
     APPEND_MANY_SQL,
-    APPEND_SQL,
+    APPENDS,
+    APPENDS_IF,
+    APPENDS_LEASED,
     DUE_TIMERS_SQL,
     SUMMARY_SQL,
     TIP_SQL,
@@ -102,7 +102,6 @@ __all__ = ["DEFAULT_MAX_EVENT_BYTES", "SCHEMA_VERSION", "PostgresEventStore",
            "PostgresSnapshotStore", "SchemaStatus",
            "execution_key"]
 
-T = TypeVar("T")
 _RETRY = 4  # fleet_append's code for "an older transaction than the log's last writer"
 _BUSY = 5  # fleet_append_leased's code for "a live lease is held"
 _ORDER_RETRIES = 3  # one is enough (a new transaction is newer); more is a guard
@@ -119,15 +118,20 @@ async def _answer(call: Awaitable[FenceGrant | None]) -> ManyAnswer:
 class _PostgresBase:
     _db: Database
 
-    async def _call(self, op: Callable[[Any], Awaitable[T]], *, idempotent: bool) -> T:
-        """Run ``op(pool)``; typed errors; an idempotent op is retried once on a lost link."""
+    async def _call(self, method: str, query: str, *args: Any, idempotent: bool) -> Any:
+        """``method`` (``fetch``, ``fetchrow``, ``fetchval``, ``execute``) of ``query`` with
+        ``args``; typed errors; an idempotent call is retried once on a lost link.
+
+        No closure nor coroutine of its own per call (decision 0031): the query goes
+        straight to the pool's ``run``.
+        """
         for attempt in (0, 1):
             # The pool once open (no coroutine per call); else open it, or refuse if closed.
             pool = self._db.pool
             if pool is None:
                 pool = await self._db.ready()
             try:
-                return await op(pool)
+                return await pool.run(method, query, args)
             except Exception as exc:
                 error = translate(exc)
                 lost = isinstance(exc, CONNECTION_LOST)
@@ -222,13 +226,11 @@ class PostgresEventStore(_PostgresBase):
         await self._append(self._prepare(events), fence)
 
     async def _append(self, write: Write, fence: int | None) -> None:
-        async def op(pool: Any) -> Any:
-            return await pool.fetchrow(APPEND_SQL, write.key, write.execution_id, fence,
-                                       *write.args())
-
         for _ in range(_ORDER_RETRIES):
             try:
-                row = await self._call(op, idempotent=False)
+                row = await self._call("fetchrow", APPENDS[write.inline], write.key,
+                                       write.execution_id, fence, *write.params(),
+                                       idempotent=False)
             except StoreUnavailableError as lost:
                 await self._settle(write, fence, lost)
                 return
@@ -259,12 +261,9 @@ class PostgresEventStore(_PostgresBase):
             now = self._clock()
             expires = check_int64(now + lease_ms, "lease expiry")
 
-            async def op(pool: Any, now: int = now, expires: int = expires) -> Any:
-                return await pool.fetchrow(APPEND_LEASED_SQL, write.key, write.execution_id,
-                                           None, holder, expires, now, release,
-                                           *write.args())
-
-            row = await self._call(op, idempotent=False)
+            row = await self._call("fetchrow", APPENDS_LEASED[write.inline], write.key,
+                                   write.execution_id, None, holder, expires, now, release,
+                                   *write.params(), idempotent=False)
             if row["code"] != _RETRY:
                 break
             self.order_retries += 1  # see _append
@@ -283,9 +282,9 @@ class PostgresEventStore(_PostgresBase):
     async def _append_releasing(self, write: Write, fence: int) -> None:
         for _ in range(_ORDER_RETRIES):
             try:
-                row = await self._call(lambda pool: pool.fetchrow(
-                    APPEND_LEASED_SQL, write.key, write.execution_id, fence, None, None, None,
-                    True, *write.args()), idempotent=False)
+                row = await self._call("fetchrow", APPENDS_LEASED[write.inline], write.key,
+                                       write.execution_id, fence, None, None, None, True,
+                                       *write.params(), idempotent=False)
             except StoreUnavailableError as lost:
                 # Committed (the same bytes are there) or not: never written twice.
                 if await self._bodies(write) == write.bodies:
@@ -306,9 +305,9 @@ class PostgresEventStore(_PostgresBase):
         if stored:
             raise lost  # the slots hold something else: report what we know, retryably
         try:
-            row = await self._call(lambda pool: pool.fetchrow(
-                APPEND_SQL, write.key, write.execution_id, fence, *write.args()),
-                idempotent=False)
+            row = await self._call("fetchrow", APPENDS[write.inline], write.key,
+                                   write.execution_id, fence, *write.params(),
+                                   idempotent=False)
         except StoreUnavailableError:
             raise lost from None
         if row["code"] == _RETRY:
@@ -320,10 +319,10 @@ class PostgresEventStore(_PostgresBase):
             raise refusal(write, fence, row["code"], row["detail"])
 
     async def _bodies(self, write: Write) -> list[str]:
-        rows = await self._call(lambda pool: pool.fetch(
-            "SELECT body FROM events WHERE ekey = $1 AND sequence >= $2 AND sequence < $3 "
-            "ORDER BY sequence", write.key, write.first, write.first + len(write.bodies)),
-            idempotent=True)
+        rows = await self._call(
+            "fetch", "SELECT body FROM events WHERE ekey = $1 AND sequence >= $2 "
+            "AND sequence < $3 ORDER BY sequence", write.key, write.first,
+            write.first + len(write.bodies), idempotent=True)
         return [row["body"] for row in rows]
 
     async def append_many(self, requests: Sequence[AppendRequest],
@@ -385,8 +384,7 @@ class PostgresEventStore(_PostgresBase):
             columns += lease_columns(prepared, ops, now)
             sql = APPEND_MANY_LEASED_SQL
         try:
-            row = await self._call(lambda pool: pool.fetchrow(sql, *columns),
-                                   idempotent=False)
+            row = await self._call("fetchrow", sql, *columns, idempotent=False)
         except (StoreUnavailableError, ValidationError, DuplicateSequenceError) as failed:
             # A lost link, a deadlock, one bad value: nothing of the flush is known
             # to have committed, so every request gets its own verdict through its
@@ -453,9 +451,9 @@ class PostgresEventStore(_PostgresBase):
                                   f"{execution_id!r}")
         write = self._prepare((event,))
         for _ in range(_ORDER_RETRIES):
-            row = await self._call(lambda pool: pool.fetchrow(
-                APPEND_IF_SQL, key, expect.head, expect.fence, expect.anchor, execution_id,
-                *write.args()), idempotent=False)
+            row = await self._call("fetchrow", APPENDS_IF[write.inline], key, expect.head,
+                                   expect.fence, expect.anchor, execution_id, *write.params(),
+                                   idempotent=False)
             if row["o_reason"] != "retry":
                 break
             self.order_retries += 1  # see _append
@@ -476,14 +474,13 @@ class PostgresEventStore(_PostgresBase):
         key = execution_key(execution_id)
         # Not retried: a retry after a lost answer would report False for a delete
         # that happened.
-        return bool(await self._call(lambda pool: pool.fetchval(
-            "SELECT fleet_delete($1)", key), idempotent=False))
+        return bool(await self._call("fetchval", "SELECT fleet_delete($1)", key, idempotent=False))
 
     async def compact_through(self, execution_id: str, sequence: int) -> int:
         key = execution_key(execution_id)
         check_int64(sequence, "sequence")
-        return int(await self._call(lambda pool: pool.fetchval(
-            "SELECT fleet_compact($1, $2)", key, sequence), idempotent=False))
+        return int(await self._call("fetchval", "SELECT fleet_compact($1, $2)", key, sequence,
+                                    idempotent=False))
 
     # -- fences ------------------------------------------------------------
 
@@ -506,9 +503,8 @@ class PostgresEventStore(_PostgresBase):
         expires = check_int64(now + lease_ms, "lease expiry")
         # Not retried: a lost answer may hide a token bump, and a second bump
         # would fence out the grant the first one made.
-        token = await self._call(lambda pool: pool.fetchval(
-            "SELECT fleet_acquire($1, $2, $3, $4)", key, holder, expires,
-            now if conditional else None), idempotent=False)
+        token = await self._call("fetchval", "SELECT fleet_acquire($1, $2, $3, $4)", key, holder,
+                                 expires, now if conditional else None, idempotent=False)
         if token is None:
             return None
         return FenceGrant(execution_id, int(token), holder, expires)
@@ -518,38 +514,38 @@ class PostgresEventStore(_PostgresBase):
         key = execution_key(execution_id)
         check_int64(token, "token")
         expires = self._clock() + lease_ms
-        status = await self._call(lambda pool: pool.execute(
-            "UPDATE fences SET lease_expires_at = $3 WHERE ekey = $1 AND token = $2 "
-            "AND token > 0", key, token, expires), idempotent=True)
+        status = await self._call(
+            "execute", "UPDATE fences SET lease_expires_at = $3 WHERE ekey = $1 AND token = $2 "
+            "AND token > 0", key, token, expires, idempotent=True)
         return cast(str, status).endswith(" 1")
 
     async def release_fence(self, execution_id: str, token: int) -> bool:
         key = execution_key(execution_id)
         check_int64(token, "token")
-        status = await self._call(lambda pool: pool.execute(
-            "UPDATE fences SET lease_expires_at = NULL, holder = NULL "
-            "WHERE ekey = $1 AND token = $2 AND token > 0", key, token), idempotent=True)
+        status = await self._call(
+            "execute", "UPDATE fences SET lease_expires_at = NULL, holder = NULL "
+            "WHERE ekey = $1 AND token = $2 AND token > 0", key, token, idempotent=True)
         return cast(str, status).endswith(" 1")
 
     # -- reads -------------------------------------------------------------
 
     async def _tip(self, key: bytes) -> TipObservation:
-        row = await self._call(lambda pool: pool.fetchrow(TIP_SQL, key), idempotent=True)
+        row = await self._call("fetchrow", TIP_SQL, key, idempotent=True)
         return TipObservation(head=row["head"], fence=row["token"] or 0, anchor=row["anchor"],
                               holder=row["holder"], lease_expires_at=row["lease_expires_at"])
 
     async def read(self, execution_id: str, *, after: int = -1) -> list[EventEnvelope]:
         key = execution_key(execution_id)
         check_int64(after, "after")
-        rows = await self._call(lambda pool: pool.fetch(
-            "SELECT sequence, body FROM events WHERE ekey = $1 AND sequence > $2 "
-            "ORDER BY sequence", key, after), idempotent=True)
+        rows = await self._call(
+            "fetch", "SELECT sequence, body FROM events WHERE ekey = $1 AND sequence > $2 "
+            "ORDER BY sequence", key, after, idempotent=True)
         return [parse_event(execution_id, row["sequence"], row["body"]) for row in rows]
 
     async def head(self, execution_id: str) -> int | None:
         key = execution_key(execution_id)
-        head = await self._call(lambda pool: pool.fetchval(
-            "SELECT head FROM executions WHERE ekey = $1", key), idempotent=True)
+        head = await self._call("fetchval", "SELECT head FROM executions WHERE ekey = $1", key,
+                                idempotent=True)
         return None if head is None else int(head)
 
     async def list_executions(self, *, status: str | None = None, flow_id: str | None = None,
@@ -569,18 +565,18 @@ class PostgresEventStore(_PostgresBase):
                                    updated_after=updated_after,
                                    lease_expired_at=lease_expired_at, after_id=after_id,
                                    limit=limit)
-        rows = await self._call(lambda pool: pool.fetch(sql, *params), idempotent=True)
+        rows = await self._call("fetch", sql, *params, idempotent=True)
         return [summary(row) for row in rows]
 
     async def count_executions(self) -> dict[str, int]:
-        rows = await self._call(lambda pool: pool.fetch(
-            "SELECT status, count(*) AS n FROM executions GROUP BY status"), idempotent=True)
+        rows = await self._call(
+            "fetch", "SELECT status, count(*) AS n FROM executions GROUP BY status",
+            idempotent=True)
         return {str(row["status"]): int(row["n"]) for row in rows}
 
     async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
         key = execution_key(execution_id)
-        row = await self._call(lambda pool: pool.fetchrow(
-            SUMMARY_SQL + " WHERE e.ekey = $1", key), idempotent=True)
+        row = await self._call("fetchrow", SUMMARY_SQL + " WHERE e.ekey = $1", key, idempotent=True)
         return None if row is None else summary(row)
 
     async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
@@ -588,8 +584,7 @@ class PostgresEventStore(_PostgresBase):
         check_limit(limit)
         if limit == 0:
             return []
-        rows = await self._call(lambda pool: pool.fetch(DUE_TIMERS_SQL, now_ms, limit),
-                                idempotent=True)
+        rows = await self._call("fetch", DUE_TIMERS_SQL, now_ms, limit, idempotent=True)
         return [DueTimer(row["execution_id"], row["timer_id"], row["due_at"]) for row in rows]
 
     async def read_committed(self, *, after: Position = ORIGIN, limit: int = 500,
@@ -598,7 +593,7 @@ class PostgresEventStore(_PostgresBase):
         if limit == 0:
             return []
         sql, args = feed_query(after, limit, max_bytes)
-        rows = await self._call(lambda pool: pool.fetch(sql, *args), idempotent=True)
+        rows = await self._call("fetch", sql, *args, idempotent=True)
         return committed(rows)
 
     def commit_signal(self) -> PostgresCommitSignal:
@@ -653,18 +648,18 @@ class PostgresSnapshotStore(_PostgresBase):
     async def save(self, snapshot: Snapshot) -> None:
         state = encode_state(snapshot)
         key = execution_key(snapshot.execution_id)
-        await self._call(lambda pool: pool.execute(
-            "INSERT INTO snapshots (ekey, execution_id, sequence, state) "
+        await self._call(
+            "execute", "INSERT INTO snapshots (ekey, execution_id, sequence, state) "
             "VALUES ($1, $2, $3, to_jsonb($4::text)) ON CONFLICT (ekey) DO UPDATE SET "
             "sequence = EXCLUDED.sequence, state = EXCLUDED.state",
-            key, snapshot.execution_id, snapshot.sequence, state), idempotent=True)
+            key, snapshot.execution_id, snapshot.sequence, state, idempotent=True)
 
     async def load(self, execution_id: str) -> Snapshot | None:
         key = execution_key(execution_id)
-        row = await self._call(lambda pool: pool.fetchrow(
-            "SELECT sequence, CASE WHEN jsonb_typeof(state) = 'string' THEN state #>> '{}' "
-            "ELSE state::text END AS state FROM snapshots WHERE ekey = $1", key),
-            idempotent=True)
+        row = await self._call(
+            "fetchrow", "SELECT sequence, CASE WHEN jsonb_typeof(state) = 'string' "
+            "THEN state #>> '{}' ELSE state::text END AS state FROM snapshots WHERE ekey = $1",
+            key, idempotent=True)
         if row is None:
             return None
         try:
@@ -679,8 +674,7 @@ class PostgresSnapshotStore(_PostgresBase):
 
     async def delete(self, execution_id: str) -> None:
         key = execution_key(execution_id)
-        await self._call(lambda pool: pool.execute(
-            "DELETE FROM snapshots WHERE ekey = $1", key), idempotent=True)
+        await self._call("execute", "DELETE FROM snapshots WHERE ekey = $1", key, idempotent=True)
 
     async def close(self) -> None:
         if not self._closed:

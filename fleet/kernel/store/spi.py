@@ -526,7 +526,7 @@ def index_change(event: EventEnvelope) -> IndexChange:
     Most events (a step's) move nothing but the head: they share one empty change,
     which callers only read.
     """
-    if event.type not in _MOVES_INDEX:
+    if event.type not in MOVES_INDEX:
         return _NO_CHANGE
     change = IndexChange()
     status = STATUS_AFTER.get(event.type)
@@ -550,7 +550,7 @@ def index_change(event: EventEnvelope) -> IndexChange:
 
 
 # The kinds index_change looks at (status, gate, timers); any other moves only the head.
-_MOVES_INDEX = frozenset({*STATUS_AFTER, EventType.TIMER_SCHEDULED})
+MOVES_INDEX = frozenset({*STATUS_AFTER, EventType.TIMER_SCHEDULED})
 _NO_CHANGE = IndexChange()
 
 
@@ -643,14 +643,16 @@ def encode_event(event: EventEnvelope, max_bytes: int | None) -> str:
     if type(execution_id) is not str or "\x00" in execution_id \
             or not execution_id.isascii():
         check_id(execution_id)
-    for what, number in (("sequence", event.sequence), ("timestamp", event.timestamp)):
-        if type(number) is not int or not INT64_MIN <= number <= INT64_MAX:
-            check_int64(number, what)
-    if event.id != f"{execution_id}-{event.sequence}":
+    sequence, timestamp = event.sequence, event.timestamp
+    if type(sequence) is not int or not INT64_MIN <= sequence <= INT64_MAX:
+        check_int64(sequence, "sequence")
+    if type(timestamp) is not int or not INT64_MIN <= timestamp <= INT64_MAX:
+        check_int64(timestamp, "timestamp")
+    if event.id != f"{execution_id}-{sequence}":
         raise ValidationError(f"event id {printable(event.id, 80)!r} does not match "
                               f"{printable(execution_id, 80)!r}-{event.sequence}")
     try:
-        body = dumps(event.to_dict())
+        body = event.to_json()  # dumps(event.to_dict()), the envelope's fields written around it
     except (TypeError, ValueError, RecursionError) as exc:
         raise NotSerializableError(f"event {printable(event.id, 80)!r} ({event.type}) is not "
                                    f"JSON: {printable(exc, 300)}") from exc
