@@ -94,6 +94,16 @@ def pg_database_url() -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="module")
+def database_url() -> Iterator[str]:
+    """A throwaway database of the module's own (its tests may count its commits, restart
+    its server's connections or drop schemas without touching another module's)."""
+    from postgres_server import throwaway_database
+
+    with throwaway_database() as url:
+        yield url
+
+
 @pytest.fixture(params=["memory", "sqlite", "postgres"])
 async def stores(request: pytest.FixtureRequest,
                  tmp_path: Path) -> AsyncIterator[tuple[EventStore, SnapshotStore]]:

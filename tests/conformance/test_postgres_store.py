@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 from conftest import ManualClock
-from postgres_server import throwaway_database
 
 from fleet.kernel.errors import (
     ConfigurationError,
@@ -64,12 +63,6 @@ pytestmark = pytest.mark.integration
 E = EventType
 # A small max_event_bytes, so the kit's event at the limit is cheap to write.
 SMALL_LIMIT = 64 * 1024
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 def fresh_schema() -> str:

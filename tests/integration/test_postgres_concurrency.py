@@ -33,12 +33,6 @@ E = EventType
 
 
 @pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def repeatable_read_url() -> Iterator[str]:
     # A database whose default isolation is REPEATABLE READ: the store must not care.
     with throwaway_database(settings={"default_transaction_isolation": "repeatable read"}) as url:

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import random
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
-from postgres_server import throwaway_database
 
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.conformance import make_event, started
@@ -25,12 +24,6 @@ from fleet.kernel.store.postgres import PostgresEventStore
 from fleet.kernel.store.spi import ORIGIN, CommittedEvent, Position
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 @pytest.fixture

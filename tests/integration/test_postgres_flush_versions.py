@@ -14,14 +14,13 @@ order.
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from postgres_server import throwaway_database
 
 from fleet.kernel.store.conformance import T0, make_event, started
 from fleet.kernel.store.pg_migrations import MIGRATIONS, VERSION_TABLE
@@ -47,12 +46,6 @@ _ITEM = st.one_of(
               st.sampled_from([1, 2])),
 )
 _FLUSHES = st.lists(st.lists(_ITEM, min_size=1, max_size=5), min_size=1, max_size=6)
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 async def _schema(conn: asyncpg.Connection, migrations: int) -> None:

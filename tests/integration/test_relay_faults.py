@@ -40,12 +40,6 @@ pytestmark = pytest.mark.integration
 FLEET = str(Path(sys.executable).with_name("fleet"))
 
 
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
-
-
 class RelayProcess:
     """``fleet relay`` in a subprocess, with its own settings."""
 

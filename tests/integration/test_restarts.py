@@ -304,12 +304,6 @@ def valkey() -> Iterator[ValkeyServer]:
             server.stop()
 
 
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
-
-
 async def test_a_broker_restart_loses_messages_and_nothing_else(
         valkey: ValkeyServer, database_url: str, tmp_path: Path) -> None:
     port = valkey.port

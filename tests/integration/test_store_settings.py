@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
 import pydantic
 import pytest
-from postgres_server import throwaway_database
 
 from fleet import Context, Runtime, flow
 from fleet.config import FleetSettings
@@ -34,12 +32,6 @@ pytestmark = pytest.mark.integration
 _ENV = ("FLEET_DATABASE_URL", "FLEET_PG_POOL_MIN", "FLEET_PG_POOL_MAX", "FLEET_MAX_EVENT_BYTES",
         "FLEET_GROUP_COMMIT", "FLEET_GROUP_COMMIT_MAX_BATCH", "FLEET_GROUP_COMMIT_MAX_WAIT_MS",
         "FLEET_GROUP_COMMIT_MAX_INFLIGHT")
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 @pytest.fixture

@@ -18,11 +18,10 @@ import base64
 import json
 import secrets
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
-from postgres_server import throwaway_database
 from redis_server import url_with_db
 
 from fleet.assembly.roles import open_recovery
@@ -35,12 +34,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 REDIS_DB = 11
 STARTS = 20
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 @pytest.fixture

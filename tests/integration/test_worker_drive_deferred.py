@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from postgres_server import throwaway_database
 
 from fleet import Context, Runtime, flow
 from fleet.config import FleetSettings
@@ -115,12 +114,6 @@ class Counting(ForwardingEventStore):
                 await hook()
             return answer
         return counted
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 @pytest.fixture

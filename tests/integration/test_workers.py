@@ -32,7 +32,6 @@ from fleet_worker_kit import (
     get_text,
     start_workers,
 )
-from postgres_server import throwaway_database
 from rabbitmq_server import delete_queues
 from rabbitmq_server import server_url as amqp_url
 from redis_server import url_with_db
@@ -64,12 +63,6 @@ class Fleet:
 
     def settings_for(self, **changes: Any) -> FleetSettings:
         return self.settings.model_copy(update=changes)
-
-
-@pytest.fixture(scope="module")
-def database_url() -> Iterator[str]:
-    with throwaway_database() as url:
-        yield url
 
 
 @pytest.fixture(scope="module")
