@@ -182,10 +182,13 @@ class Write:
         them with ``cardinality(p_timer_ids) > 0``, which NULL fails as empty does,
         and asyncpg's encoder inspects every array argument (decision 0031).
         """
+        return (self.first, self.types, self.timestamps, self.bodies, *self._index())
+
+    def _index(self) -> tuple[Any, ...]:
+        """The arguments after the events': the index row and the timers."""
         timers = bool(self.timer_ids)
-        return (self.first, self.types, self.timestamps, self.bodies, self.status,
-                self.waiting_on, self.flow_id, self.tenant, self.owner, self.anchor,
-                self.clear_timers, self.timer_ids if timers else None,
+        return (self.status, self.waiting_on, self.flow_id, self.tenant, self.owner,
+                self.anchor, self.clear_timers, self.timer_ids if timers else None,
                 self.timer_dues if timers else None)
 
     def params(self) -> tuple[Any, ...]:
@@ -199,11 +202,7 @@ class Write:
         """
         if not self.inline:
             return self.args()
-        timers = bool(self.timer_ids)
-        return (self.first, *self.types, *self.timestamps, *self.bodies, self.status,
-                self.waiting_on, self.flow_id, self.tenant, self.owner, self.anchor,
-                self.clear_timers, self.timer_ids if timers else None,
-                self.timer_dues if timers else None)
+        return (self.first, *self.types, *self.timestamps, *self.bodies, *self._index())
 
 
 def refusal(write: Write, fence: int | None, code: int, detail: int | None) -> FleetError:
