@@ -244,30 +244,26 @@ class Engine:
         written, no step run) when that write finds a live lease, or when another writer
         took its slot after the read and a second drive (once, never more) met either.
         A run of it in flight here steps aside at once, with no read."""
-        here = self._in_flight(execution_id)
-        if here is not None:
-            return _done(RunOutcome("stepped_aside", execution_id, here.journal.durable_seq,
-                                    here.state.status))
-        prepared = await self.prepare(execution_id, self.deferred(execution_id))
+        prepared = await self._prepare_deferred(execution_id)
         if not isinstance(prepared, Run):
             return _done(prepared)
         prepared.redrive = True
         return self.launch(prepared)
 
-    def _in_flight(self, execution_id: str) -> Run | None:
-        run = self.runs.get(execution_id)
-        return run if run is not None and run.task is not None and not run.task.done() \
-            else None
+    async def _prepare_deferred(self, execution_id: str) -> Run | RunOutcome:
+        """``prepare`` under a deferred lease; ``stepped_aside`` at once, with no read,
+        when a run of it is in flight here."""
+        here = self.runs.get(execution_id)
+        if here is not None and here.task is not None and not here.task.done():
+            return RunOutcome("stepped_aside", execution_id, here.journal.durable_seq,
+                              here.state.status)
+        return await self.prepare(execution_id, self.deferred(execution_id))
 
     async def _drive_again(self, execution_id: str) -> RunOutcome:
         """The second (and last) deferred drive of a run whose first write found its slot
         taken: whoever wrote there may not drive it (a message ``send`` wrote to a
         running execution, the denial audit), so this one reads the log again."""
-        here = self._in_flight(execution_id)
-        if here is not None:
-            return RunOutcome("stepped_aside", execution_id, here.journal.durable_seq,
-                              here.state.status)
-        prepared = await self.prepare(execution_id, self.deferred(execution_id))
+        prepared = await self._prepare_deferred(execution_id)
         if not isinstance(prepared, Run):
             return prepared
         task = asyncio.current_task()
