@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from fleet.kernel.context import RESERVED_PREFIX
-from fleet.kernel.engine import Engine, RunFuture
+from fleet.kernel.engine import Engine
 from fleet.kernel.errors import (
     ConfigurationError,
     ExecutionBusyError,
@@ -36,6 +36,7 @@ from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE, ExecutionState, fold_log
 from fleet.kernel.gates import check_resumable, indoubt_answer
+from fleet.kernel.handle import ExecutionHandle
 from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
 from fleet.kernel.migration import resume_as
 from fleet.kernel.observers import EventObserver, Warner, WarnSink
@@ -52,6 +53,7 @@ from fleet.kernel.results import Until
 from fleet.kernel.run import ReplayFrontier as ReplayFrontier
 from fleet.kernel.run import Run as Run
 from fleet.kernel.run_outcome import RunOutcome
+from fleet.kernel.runtime_counters import StatsAttributes
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
@@ -65,48 +67,7 @@ DEFAULT_DIVERGENCE: DivergenceMode = "warn"
 _DEFAULTS = {f.name: f.default for f in fields(RuntimeOptions)}
 
 
-class ExecutionHandle:
-    """What ``start``, ``resume``, ``drive`` and ``resume_as`` return."""
-
-    def __init__(self, runtime: Runtime, execution_id: str,
-                 run: RunFuture | None = None) -> None:
-        self.runtime = runtime
-        self.execution_id = execution_id
-        self._run = run
-
-    async def result(self, timeout: float | None = None) -> Any:
-        """The execution's output once it completes (following continuations)."""
-        return await asyncio.wait_for(self.runtime.result(self.execution_id), timeout)
-
-    async def state(self) -> ExecutionState:
-        return await self.runtime.load_state(self.execution_id, system=True)
-
-    async def wait(self, until: Until = "terminal",
-                   timeout: float | None = None) -> ExecutionState:
-        """Wait until the execution is parked (``until="parked"``) or has ended; its state.
-
-        ``"parked"`` returns at the first park or end, so a caller can resume the
-        gate it reached (``state.waiting``); ``"terminal"`` at its end (this
-        execution's: ``result()`` follows continuations). Past ``timeout`` seconds:
-        ``WaitTimeoutError`` (a ``TimeoutError``) saying where it is.
-        """
-        return await self.runtime.engine.results.wait(self.execution_id, until, timeout)
-
-    async def outcome(self) -> RunOutcome | None:
-        """How the run this call drove here ended (waits for it to stop).
-
-        ``drive`` always has one (``nothing_to_do`` when the execution was parked
-        or finished already); ``start``, ``resume``, ``resume_as`` have one when
-        they launched a run here, None otherwise (``drive=False``, an idempotent
-        start of an existing execution, a migration that left it parked).
-        """
-        return None if self._run is None else await asyncio.shield(self._run)
-
-    def __repr__(self) -> str:
-        return f"ExecutionHandle({self.execution_id!r})"
-
-
-class Runtime:
+class Runtime(StatsAttributes):
     """Durable execution in one process, over any ``EventStore``.
 
     Args:
@@ -533,55 +494,6 @@ class Runtime:
     @on_durable_event.setter
     def on_durable_event(self, observer: EventObserver | None) -> None:
         self.engine.observers.on_durable_event = observer
-
-    # -------------------------------------------------------------- counters
-    @property
-    def drives(self) -> int:
-        return self.stats.drives
-
-    @property
-    def completed(self) -> int:
-        return self.stats.completed
-
-    @property
-    def failed(self) -> int:
-        return self.stats.failed
-
-    @property
-    def parked(self) -> int:
-        return self.stats.parked
-
-    @property
-    def aborted(self) -> int:
-        return self.stats.aborted
-
-    @property
-    def recovered(self) -> int:
-        return self.stats.recovered
-
-    @property
-    def denied(self) -> int:
-        return self.stats.denied
-
-    @property
-    def timers_fired(self) -> int:
-        return self.stats.timers_fired
-
-    @property
-    def divergence_warnings(self) -> int:
-        return self.stats.divergence_warnings
-
-    @property
-    def divergence_parked(self) -> int:
-        return self.stats.divergence_parked
-
-    @property
-    def handed_back(self) -> int:
-        return self.stats.handed_back
-
-    @property
-    def refused(self) -> int:
-        return self.stats.refused
 
     # ------------------------------------------------------------- lifecycle
     async def close(self) -> None:
