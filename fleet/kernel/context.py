@@ -24,7 +24,7 @@ import random as _random
 import uuid as _uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from fleet.kernel.errors import (
     ContinueAsNew,
@@ -33,85 +33,14 @@ from fleet.kernel.errors import (
     InvalidPropensityError,
     ReservedNameError,
     RunInterrupt,
-    StepFailedError,
-    StepFailure,
     ValidationError,
 )
 from fleet.kernel.events import EventType, ensure_json
-from fleet.kernel.fold import INDOUBT_GATE, MESSAGE_GATE, ExecutionState
-from fleet.kernel.journal import Journal
+from fleet.kernel.flow_run import RESERVED_PREFIX, FlowRun, check_op_id
+from fleet.kernel.fold import MESSAGE_GATE
 from fleet.kernel.security import OUTCOME_FIELDS, check_outcome_shape, guard_userspace_emit
-from fleet.kernel.values import check_text, due_after, printable
-
-RESERVED_PREFIX = "__fleet_"
-_I = TypeVar("_I", bound=RunInterrupt)
-
-
-class OpenDecision(Protocol):
-    """A decider in progress: the step ids it runs end up on its ``DECISION_RECORDED``."""
-
-    def record(self) -> dict[str, Any]:
-        """The ``innerSteps`` fields to put on the decision."""
-
-    def close(self) -> None:
-        """The decider returned (or raised): stop collecting its steps."""
-
-
-class FlowRun(Protocol):
-    """What a ``Context`` needs from the run it serves (``fleet.kernel.run.Run`` is one).
-
-    ``Context`` depends on this, not on the runtime: the run owns the folded
-    state, the journal that writes it, and the hooks that judge new work.
-    """
-
-    @property
-    def state(self) -> ExecutionState:
-        """The live folded state (the journal folds every commit into it)."""
-
-    @property
-    def journal(self) -> Journal:
-        """The run's serial write chain."""
-
-    @property
-    def asked_steps(self) -> set[str]:
-        """Step ids the body asked for in this drive (each once)."""
-
-    @property
-    def asked_decisions(self) -> set[str]:
-        """Decision ids the body asked for in this drive (each once)."""
-
-    @property
-    def clock(self) -> Callable[[], int]:
-        """Milliseconds since the epoch, as the runtime tells time."""
-
-    @property
-    def inline_sleep_max(self) -> float:
-        """A sleep up to this many seconds waits in the run; a longer one parks."""
-
-    async def before_new_work(self, kind: EventType, ident: str | None,
-                              scope: str | None = None) -> None:
-        """Judge the body before it appends new work (divergence, hand-back)."""
-
-    def note_step(self, step_id: str, scope: str | None = None) -> None:
-        """The body asked for a step (for the detector and an open decider)."""
-
-    def serve_decision(self, decision_id: str, recorded: dict[str, Any]) -> None:
-        """A recorded decision was served from the log."""
-
-    def open_decision(self, decision_id: str) -> OpenDecision:
-        """A decider starts: collect the steps it runs."""
-
-    def open_scope(self, scope: str, branches: Sequence[Any]) -> None:
-        """A parallel scope opens with ``branches``."""
-
-    async def close_scope(self, scope: str) -> None:
-        """Every branch of ``scope`` returned."""
-
-    def successor_id(self) -> str:
-        """The id a ``continue_as_new`` successor gets."""
-
-    def issue(self, interrupt: _I) -> _I:
-        """Mark a park or continuation as the kernel's own; only those are obeyed."""
+from fleet.kernel.steps import RetryPolicy, run_step
+from fleet.kernel.values import check_text, due_after
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,28 +63,6 @@ class Decision:
     policy: Policy | None = None
     alternatives: Sequence[Any] | None = None
     context: Any = None
-
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """How a failing step is retried; every attempt and its ``retryAt`` is logged."""
-
-    max_attempts: int = 3
-    initial_interval: float = 0.1
-    backoff: float = 2.0
-    max_interval: float = 60.0
-    non_retryable: tuple[type[BaseException], ...] = ()
-
-    def delay(self, attempt: int) -> float:
-        return float(min(self.max_interval, self.initial_interval * self.backoff ** (attempt - 1)))
-
-
-NO_RETRY = RetryPolicy(max_attempts=1)
-# A step's policy when it names none: one frozen instance, not a new one per step.
-_DEFAULT_RETRY = RetryPolicy()
-
-# What a step returns most, never awaitable: no ABC check (inspect.isawaitable) for it.
-_PLAIN = frozenset({type(None), bool, int, float, str, dict, list})
 
 
 @dataclass(slots=True)
@@ -202,112 +109,11 @@ class Context:
 
         A step found started but unfinished after a crash is in doubt: it is
         re-run (at least once) unless ``idempotent=False``, in which case the
-        execution parks on the in-doubt gate for an operator.
+        execution parks on the in-doubt gate for an operator. The flow gets a copy
+        of the output it may mutate; the log keeps what the step returned.
         """
-        run = self._run
-        self._check_id(step_id, "step")
-        if step_id in run.asked_steps:
-            raise DuplicateStepError(
-                f"step id {step_id!r} was asked for twice in execution {self.execution_id!r}; "
-                "step ids are unique per execution (mint 'id#n' for a loop)")
-        run.asked_steps.add(step_id)
-        run.note_step(step_id, self._scope)
-        frame = run.state.frames.get(step_id)
-        if frame is not None:
-            if frame.status == "completed":
-                return frame.output
-            if frame.status in ("failed", "cancelled"):
-                raise StepFailedError(
-                    f"step {step_id!r} failed: {(frame.error or {}).get('message', '')}",
-                    step_id=step_id, error=frame.error or {})
-            if frame.status in ("started", "indoubt"):
-                answer = await self._in_doubt(step_id, frame.attempts, idempotent)
-                if answer is not _RETRY:
-                    return answer
-            elif frame.status == "retrying" and frame.retry_at is not None:
-                delay = (frame.retry_at - run.clock()) / 1000
-                if delay > 0:
-                    await asyncio.sleep(delay)
-        return await self._run_live(step_id, fn, args, kwargs, retry or _DEFAULT_RETRY,
-                                    frame.attempts if frame is not None else 0)
-
-    async def _in_doubt(self, step_id: str, attempts: int, idempotent: bool) -> Any:
-        run = self._run
-        frame = run.state.frames[step_id]
-        if frame.status == "started":
-            await run.before_new_work(EventType.EFFECT_INDOUBT, step_id, self._scope)
-            run.journal.commit(EventType.EFFECT_INDOUBT,
-                               {"stepId": step_id, "attempt": max(attempts, 1),
-                                "idempotent": idempotent})
-        if idempotent:
-            return _RETRY
-        for answer in run.state.resume_payloads.get(INDOUBT_GATE, []):
-            if isinstance(answer, dict) and answer.get("stepId") == step_id:
-                if answer.get("action") == "complete":
-                    output = ensure_json(answer.get("output"), f"in-doubt answer for {step_id!r}")
-                    run.journal.commit(EventType.STEP_COMPLETED,
-                                       {"stepId": step_id, "attempt": max(attempts, 1),
-                                        "output": output})
-                    return output
-                return _RETRY
-        raise run.issue(ExecutionParked({"on": INDOUBT_GATE, "kind": "indoubt",
-                                         "correlationKey": step_id}))
-
-    async def _run_live(self, step_id: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                        kwargs: dict[str, Any], retry: RetryPolicy, attempts: int) -> Any:
-        run = self._run
-        journal = run.journal
-        while True:
-            attempt = attempts + 1
-            await run.before_new_work(EventType.STEP_STARTED, step_id, self._scope)
-            if journal.on_event is not None:
-                # on_event never announces a step while an earlier write is in
-                # flight (ADR 0147's first table). Without an on_event consumer
-                # nothing can tell, so the previous step's completion and this
-                # start share one write (decision 0002).
-                await journal.barrier()
-            payload: dict[str, Any] = {"stepId": step_id, "attempt": attempt}
-            if self._scope is not None:
-                payload["scope"] = self._scope
-            journal.commit(EventType.STEP_STARTED, payload)
-            await journal.barrier()
-            try:
-                result = fn(*args, **kwargs)
-                if type(result) not in _PLAIN and inspect.isawaitable(result):
-                    result = await result
-            except (RunInterrupt, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                typed = isinstance(exc, (StepFailure, StepFailedError)) or (
-                    bool(retry.non_retryable) and isinstance(exc, retry.non_retryable))
-                final = typed or attempt >= retry.max_attempts
-                error = {"type": type(exc).__name__, "message": printable(str(exc), 4000),
-                         "retryable": not typed}
-                fail: dict[str, Any] = {"stepId": step_id, "attempt": attempt, "error": error,
-                                        "final": final}
-                delay = 0.0
-                if not final:
-                    delay = retry.delay(attempt)
-                    fail["retryAt"] = due_after(run.clock(), delay, "a retry delay")
-                journal.commit(EventType.STEP_FAILED, fail)
-                if final:
-                    raise StepFailedError(f"step {step_id!r} failed: {exc}", step_id=step_id,
-                                          error=error) from exc
-                await journal.barrier()
-                await asyncio.sleep(delay)
-                attempts = attempt
-                continue
-            try:
-                output = ensure_json(result, f"the output of step {step_id!r}")
-            except ValidationError as refused:
-                # The effect ran and its result can never be recorded: the run
-                # fails (decision 0023) rather than leave the step started for a
-                # re-drive to run again. Not a step failure the flow could catch:
-                # the flow cannot undo an effect it never saw the result of.
-                raise journal.refuse(refused) from refused
-            journal.commit(EventType.STEP_COMPLETED,
-                           {"stepId": step_id, "attempt": attempt, "output": output})
-            return output
+        return await run_step(self._run, self._scope, step_id, fn, args, kwargs,
+                              retry=retry, idempotent=idempotent)
 
     # -- decisions and outcomes ----------------------------------------------
     async def decide(self, decision_id: str, decider: Callable[..., Any], *args: Any) -> Any:
@@ -317,7 +123,7 @@ class Context:
         or a bare value (logged with no policy).
         """
         run = self._run
-        self._check_id(decision_id, "decision")
+        check_op_id(decision_id, "decision")
         if decision_id in run.asked_decisions:
             raise DuplicateStepError(f"decision id {decision_id!r} was asked for twice")
         run.asked_decisions.add(decision_id)
@@ -544,17 +350,6 @@ class Context:
         run.journal.commit(EventType.VALUE_RECORDED, {"name": name, "kind": kind, "value": value})
         return value
 
-    def _check_id(self, ident: Any, what: str) -> None:
-        if not isinstance(ident, str) or not ident or len(ident) > 512:
-            raise ValidationError(f"a {what} id must be a string of 1-512 characters")
-        check_text(ident, f"{what} id")
-        if ident.startswith(RESERVED_PREFIX):
-            raise ReservedNameError(
-                f"{what} id {ident!r} uses the reserved prefix {RESERVED_PREFIX}")
 
-
-class _RetrySentinel:
-    pass
-
-
-_RETRY: Any = _RetrySentinel()
+__all__ = ["RESERVED_PREFIX", "Context", "Decision", "FlowRun",
+           "Policy", "RetryPolicy"]

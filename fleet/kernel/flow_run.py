@@ -1,0 +1,101 @@
+"""What a flow body's ``Context`` needs from the run it serves, and the names it checks.
+
+``Context`` and the modules that carry out its calls (``steps``, ``waits``,
+``cancellation``...) depend on ``FlowRun``, not on the runtime:
+``fleet.kernel.run.Run`` implements it. ``check_op_id`` is the one check of a
+step, decision or child id, made before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from fleet.kernel.errors import ReservedNameError, RunInterrupt, ValidationError
+from fleet.kernel.events import EventType
+from fleet.kernel.fold import ExecutionState
+from fleet.kernel.journal import Journal
+from fleet.kernel.values import check_text
+
+RESERVED_PREFIX = "__fleet_"
+_I = TypeVar("_I", bound=RunInterrupt)
+
+
+def check_op_id(ident: Any, what: str) -> None:
+    """A step, decision or child id: 1-512 characters of storable text, not reserved."""
+    if not isinstance(ident, str) or not ident or len(ident) > 512:
+        raise ValidationError(f"a {what} id must be a string of 1-512 characters")
+    check_text(ident, f"{what} id")
+    if ident.startswith(RESERVED_PREFIX):
+        raise ReservedNameError(
+            f"{what} id {ident!r} uses the reserved prefix {RESERVED_PREFIX}")
+
+
+class OpenDecision(Protocol):
+    """A decider in progress: the step ids it runs end up on its ``DECISION_RECORDED``."""
+
+    def record(self) -> dict[str, Any]:
+        """The ``innerSteps`` fields to put on the decision."""
+
+    def close(self) -> None:
+        """The decider returned (or raised): stop collecting its steps."""
+
+
+class FlowRun(Protocol):
+    """What a ``Context`` needs from the run it serves (``fleet.kernel.run.Run`` is one).
+
+    ``Context`` depends on this, not on the runtime: the run owns the folded
+    state, the journal that writes it, and the hooks that judge new work.
+    """
+
+    @property
+    def state(self) -> ExecutionState:
+        """The live folded state (the journal folds every commit into it)."""
+
+    @property
+    def journal(self) -> Journal:
+        """The run's serial write chain."""
+
+    @property
+    def asked_steps(self) -> set[str]:
+        """Step ids the body asked for in this drive (each once)."""
+
+    @property
+    def asked_decisions(self) -> set[str]:
+        """Decision ids the body asked for in this drive (each once)."""
+
+    @property
+    def clock(self) -> Callable[[], int]:
+        """Milliseconds since the epoch, as the runtime tells time."""
+
+    @property
+    def inline_sleep_max(self) -> float:
+        """A sleep up to this many seconds waits in the run; a longer one parks."""
+
+    async def before_new_work(self, kind: EventType, ident: str | None,
+                              scope: str | None = None) -> None:
+        """Judge the body before it appends new work (divergence, hand-back)."""
+
+    def note_step(self, step_id: str, scope: str | None = None) -> None:
+        """The body asked for a step (for the detector and an open decider)."""
+
+    def serve_decision(self, decision_id: str, recorded: dict[str, Any]) -> None:
+        """A recorded decision was served from the log."""
+
+    def open_decision(self, decision_id: str) -> OpenDecision:
+        """A decider starts: collect the steps it runs."""
+
+    def open_scope(self, scope: str, branches: Sequence[Any]) -> None:
+        """A parallel scope opens with ``branches``."""
+
+    async def close_scope(self, scope: str) -> None:
+        """Every branch of ``scope`` returned."""
+
+    def successor_id(self) -> str:
+        """The id a ``continue_as_new`` successor gets."""
+
+    def issue(self, interrupt: _I) -> _I:
+        """Mark a park or continuation as the kernel's own; only those are obeyed."""
+
+
+__all__ = ["RESERVED_PREFIX", "FlowRun", "OpenDecision", "check_op_id"]

@@ -1,0 +1,197 @@
+"""Steps: the only calls of a flow that act on the world (``ctx.step``).
+
+A step runs its function once, durably: ``STEP_STARTED`` is durable before
+the effect starts (decision 0002), the result is recorded in ``STEP_COMPLETED``
+and a replay returns the recorded output instead of running it again. A
+failing attempt is recorded in ``STEP_FAILED`` with its ``retryAt``; the
+``RetryPolicy`` decides whether another attempt follows. A step found started
+but unfinished after a crash is in doubt: it runs again (at least once) unless
+``idempotent=False``, which parks the execution on the in-doubt gate for an
+operator (decision 0005).
+
+The output is recorded as the step returned it: the log keeps a snapshot taken
+when the step returned, and the flow gets a copy of its own that it may mutate
+freely (issue 26 7a: the journal encodes later, so a flow mutating the object
+it got would otherwise change what the log records).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.kernel.errors import (
+    DuplicateStepError,
+    ExecutionParked,
+    RunInterrupt,
+    StepFailedError,
+    StepFailure,
+    ValidationError,
+)
+from fleet.kernel.events import EventType, dumps, ensure_json
+from fleet.kernel.flow_run import FlowRun, check_op_id
+from fleet.kernel.fold import INDOUBT_GATE
+from fleet.kernel.values import due_after, printable
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How a failing step is retried; every attempt and its ``retryAt`` is logged."""
+
+    max_attempts: int = 3
+    initial_interval: float = 0.1
+    backoff: float = 2.0
+    max_interval: float = 60.0
+    non_retryable: tuple[type[BaseException], ...] = ()
+
+    def delay(self, attempt: int) -> float:
+        return float(min(self.max_interval, self.initial_interval * self.backoff ** (attempt - 1)))
+
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+# A step's policy when it names none: one frozen instance, not a new one per step.
+DEFAULT_RETRY = RetryPolicy()
+
+# What a step returns most, never awaitable: no ABC check (inspect.isawaitable) for it.
+_PLAIN = frozenset({type(None), bool, int, float, str, dict, list})
+# JSON values no caller can mutate: handed to the flow as they are recorded.
+_IMMUTABLE = frozenset({type(None), bool, int, float, str})
+
+
+def recorded_and_handed(value: Any, what: str) -> tuple[Any, Any]:
+    """``value`` as the log records it, and a copy of that for the flow to keep.
+
+    The two are equal and share nothing, so a flow that mutates what it got
+    never changes what the log records (nor what a replay returns).
+    """
+    recorded = ensure_json(value, what)
+    if type(recorded) in _IMMUTABLE:
+        return recorded, recorded
+    return recorded, json.loads(dumps(recorded))
+
+
+class _RetrySentinel:
+    pass
+
+
+_RETRY: Any = _RetrySentinel()
+
+
+async def run_step(run: FlowRun, scope: str | None, step_id: str, fn: Callable[..., Any],
+                   args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                   retry: RetryPolicy | None, idempotent: bool) -> Any:
+    """``ctx.step``: run ``fn(*args, **kwargs)`` once, durably (see the module)."""
+    check_op_id(step_id, "step")
+    if step_id in run.asked_steps:
+        raise DuplicateStepError(
+            f"step id {step_id!r} was asked for twice in execution "
+            f"{run.state.execution_id!r}; step ids are unique per execution (mint 'id#n' "
+            "for a loop)")
+    run.asked_steps.add(step_id)
+    run.note_step(step_id, scope)
+    frame = run.state.frames.get(step_id)
+    if frame is not None:
+        if frame.status == "completed":
+            return frame.output
+        if frame.status in ("failed", "cancelled"):
+            raise StepFailedError(
+                f"step {step_id!r} failed: {(frame.error or {}).get('message', '')}",
+                step_id=step_id, error=frame.error or {})
+        if frame.status in ("started", "indoubt"):
+            answer = await _in_doubt(run, scope, step_id, frame.attempts, idempotent)
+            if answer is not _RETRY:
+                return answer
+        elif frame.status == "retrying" and frame.retry_at is not None:
+            delay = (frame.retry_at - run.clock()) / 1000
+            if delay > 0:
+                await asyncio.sleep(delay)
+    return await _run_live(run, scope, step_id, fn, args, kwargs, retry or DEFAULT_RETRY,
+                           frame.attempts if frame is not None else 0)
+
+
+async def _in_doubt(run: FlowRun, scope: str | None, step_id: str, attempts: int,
+                    idempotent: bool) -> Any:
+    frame = run.state.frames[step_id]
+    if frame.status == "started":
+        await run.before_new_work(EventType.EFFECT_INDOUBT, step_id, scope)
+        run.journal.commit(EventType.EFFECT_INDOUBT,
+                           {"stepId": step_id, "attempt": max(attempts, 1),
+                            "idempotent": idempotent})
+    if idempotent:
+        return _RETRY
+    for answer in run.state.resume_payloads.get(INDOUBT_GATE, []):
+        if isinstance(answer, dict) and answer.get("stepId") == step_id:
+            if answer.get("action") == "complete":
+                output, handed = recorded_and_handed(answer.get("output"),
+                                                     f"in-doubt answer for {step_id!r}")
+                run.journal.commit(EventType.STEP_COMPLETED,
+                                   {"stepId": step_id, "attempt": max(attempts, 1),
+                                    "output": output})
+                return handed
+            return _RETRY
+    raise run.issue(ExecutionParked({"on": INDOUBT_GATE, "kind": "indoubt",
+                                     "correlationKey": step_id}))
+
+
+async def _run_live(run: FlowRun, scope: str | None, step_id: str, fn: Callable[..., Any],
+                    args: tuple[Any, ...], kwargs: dict[str, Any], retry: RetryPolicy,
+                    attempts: int) -> Any:
+    journal = run.journal
+    while True:
+        attempt = attempts + 1
+        await run.before_new_work(EventType.STEP_STARTED, step_id, scope)
+        if journal.on_event is not None:
+            # on_event never announces a step while an earlier write is in
+            # flight (ADR 0147's first table). Without an on_event consumer
+            # nothing can tell, so the previous step's completion and this
+            # start share one write (decision 0002).
+            await journal.barrier()
+        payload: dict[str, Any] = {"stepId": step_id, "attempt": attempt}
+        if scope is not None:
+            payload["scope"] = scope
+        journal.commit(EventType.STEP_STARTED, payload)
+        await journal.barrier()
+        try:
+            result = fn(*args, **kwargs)
+            if type(result) not in _PLAIN and inspect.isawaitable(result):
+                result = await result
+        except (RunInterrupt, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            typed = isinstance(exc, (StepFailure, StepFailedError)) or (
+                bool(retry.non_retryable) and isinstance(exc, retry.non_retryable))
+            final = typed or attempt >= retry.max_attempts
+            error = {"type": type(exc).__name__, "message": printable(str(exc), 4000),
+                     "retryable": not typed}
+            fail: dict[str, Any] = {"stepId": step_id, "attempt": attempt, "error": error,
+                                    "final": final}
+            delay = 0.0
+            if not final:
+                delay = retry.delay(attempt)
+                fail["retryAt"] = due_after(run.clock(), delay, "a retry delay")
+            journal.commit(EventType.STEP_FAILED, fail)
+            if final:
+                raise StepFailedError(f"step {step_id!r} failed: {exc}", step_id=step_id,
+                                      error=error) from exc
+            await journal.barrier()
+            await asyncio.sleep(delay)
+            attempts = attempt
+            continue
+        try:
+            output, handed = recorded_and_handed(result, f"the output of step {step_id!r}")
+        except ValidationError as refused:
+            # The effect ran and its result can never be recorded: the run
+            # fails (decision 0023) rather than leave the step started for a
+            # re-drive to run again. Not a step failure the flow could catch:
+            # the flow cannot undo an effect it never saw the result of.
+            raise journal.refuse(refused) from refused
+        journal.commit(EventType.STEP_COMPLETED,
+                       {"stepId": step_id, "attempt": attempt, "output": output})
+        return handed
+
+
+__all__ = ["DEFAULT_RETRY", "NO_RETRY", "RetryPolicy", "recorded_and_handed", "run_step"]
