@@ -23,24 +23,25 @@ import math
 import random as _random
 import uuid as _uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
+from fleet.kernel.cancel_delivery import cancel_owed, delivered_to
 from fleet.kernel.errors import (
     ContinueAsNew,
     DuplicateStepError,
-    ExecutionParked,
     InvalidPropensityError,
     ReservedNameError,
     RunInterrupt,
     ValidationError,
 )
 from fleet.kernel.events import EventType, ensure_json
-from fleet.kernel.flow_run import RESERVED_PREFIX, FlowRun, check_op_id
-from fleet.kernel.fold import MESSAGE_GATE
+from fleet.kernel.flow_run import RESERVED_PREFIX, FlowRun, Where, check_op_id
 from fleet.kernel.security import OUTCOME_FIELDS, check_outcome_shape, guard_userspace_emit
 from fleet.kernel.steps import RetryPolicy, run_step
-from fleet.kernel.values import check_text, due_after
+from fleet.kernel.values import check_text, due_after, ms_from_datetime
+from fleet.kernel.waits import GateWait, MessageWait, TimerWait, Wait, first, with_timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,28 +66,20 @@ class Decision:
     context: Any = None
 
 
-@dataclass(slots=True)
-class _Counters:
-    """Per-branch call counters: the n-th sleep / wait / value of a branch."""
-
-    calls: dict[str, int] = field(default_factory=dict)
-
-    def next(self, kind: str) -> int:
-        n = self.calls.get(kind, 0)
-        self.calls[kind] = n + 1
-        return n
-
-
 class Context:
-    """The handle a flow body gets. Every method is deterministic under replay."""
+    """The handle a flow body gets. Every method is deterministic under replay.
 
-    __slots__ = ("_branch", "_counters", "_run", "_scope")
+    Every call first checks that its task is not unwinding from a park: code in a
+    ``finally`` that runs while the run parks does nothing and records nothing
+    (decision 0033); a real cancellation (``asyncio.CancelledError``) or failure
+    runs it as usual.
+    """
+
+    __slots__ = ("_run", "_where")
 
     def __init__(self, run: FlowRun, *, scope: str | None = None, branch: str = "") -> None:
         self._run = run
-        self._scope = scope
-        self._branch = branch
-        self._counters = _Counters()
+        self._where = Where(run, scope, branch)
 
     # -- identity -------------------------------------------------------------
     @property
@@ -98,8 +91,7 @@ class Context:
         return self._run.state.input
 
     def _name(self, kind: str) -> str:
-        n = self._counters.next(kind)
-        return f"{self._branch}{kind}#{n}"
+        return self._where.name(kind)
 
     # -- steps ----------------------------------------------------------------
     async def step(self, step_id: str, fn: Callable[..., Any], *args: Any,
@@ -112,8 +104,9 @@ class Context:
         execution parks on the in-doubt gate for an operator. The flow gets a copy
         of the output it may mutate; the log keeps what the step returned.
         """
-        return await run_step(self._run, self._scope, step_id, fn, args, kwargs,
-                              retry=retry, idempotent=idempotent)
+        self._run.check_unwinding()
+        return await run_step(self._where, step_id, fn, args, kwargs, retry=retry,
+                              idempotent=idempotent)
 
     # -- decisions and outcomes ----------------------------------------------
     async def decide(self, decision_id: str, decider: Callable[..., Any], *args: Any) -> Any:
@@ -123,11 +116,16 @@ class Context:
         or a bare value (logged with no policy).
         """
         run = self._run
+        run.check_unwinding()
         check_op_id(decision_id, "decision")
         if decision_id in run.asked_decisions:
             raise DuplicateStepError(f"decision id {decision_id!r} was asked for twice")
         run.asked_decisions.add(decision_id)
         recorded = run.state.decisions.get(decision_id)
+        owed = cancel_owed(run, self._where.branch, f"decision:{decision_id}",
+                           answered=recorded is not None)
+        if owed is not None:
+            raise owed
         if recorded is not None:
             run.serve_decision(decision_id, recorded)
             return recorded["choice"]
@@ -178,6 +176,7 @@ class Context:
         and ``late`` are the runtime's).
         """
         run = self._run
+        run.check_unwinding()
         check_text(type, "an emit type")
         if type.startswith(RESERVED_PREFIX):
             raise ReservedNameError(f"emit type {type!r} uses the reserved prefix "
@@ -218,72 +217,87 @@ class Context:
                            kernel=False)
 
     # -- time, gates, messages -----------------------------------------------
-    async def sleep(self, seconds: float) -> None:
-        """A durable timer: survives restarts; long sleeps park the execution."""
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
-                or not math.isfinite(seconds):
-            raise ValidationError(f"sleep needs a finite number of seconds, got {seconds!r}")
-        run = self._run
-        timer_id = self._name("sleep")
-        timer = run.state.timers.get(timer_id)
-        if timer is not None and timer.get("fired"):
-            return
-        if timer is None:
-            # Refused before anything is written: a due time past 9999 (1e16 s)
-            # would overflow every store's int64.
-            due = due_after(run.clock(), seconds, "ctx.sleep")
-            await run.before_new_work(EventType.TIMER_SCHEDULED, timer_id)
-            run.journal.commit(EventType.TIMER_SCHEDULED, {"timerId": timer_id, "dueAt": due})
+    def sleep(self, duration: float | timedelta) -> Wait:
+        """A durable timer of ``duration`` (seconds or a ``timedelta``): survives restarts;
+        a long sleep parks the execution. Await it, or race it in ``first``."""
+        self._run.check_unwinding()
+        if isinstance(duration, timedelta):
+            seconds = duration.total_seconds()
+        elif isinstance(duration, bool) or not isinstance(duration, (int, float)):
+            raise ValidationError(f"sleep takes seconds (a number) or a timedelta, got "
+                                  f"{type(duration).__name__}")
         else:
-            due = int(timer.get("dueAt") or 0)
-        remaining = (due - run.clock()) / 1000
-        if remaining > run.inline_sleep_max:
-            raise run.issue(ExecutionParked({"on": timer_id, "kind": "timer"}))
-        if remaining > 0:
-            await run.journal.barrier()
-            await asyncio.sleep(remaining)
-        run.journal.commit(EventType.TIMER_FIRED, {"timerId": timer_id})
+            seconds = float(duration)
+        if not math.isfinite(seconds):
+            raise ValidationError(f"sleep needs a finite duration, got {duration!r}")
+        # Refused before anything is written: a due time past 9999 (1e16 s) would
+        # overflow every store's int64.
+        due_after(self._run.clock(), seconds, "ctx.sleep")
+        return TimerWait(self._where, seconds=seconds)
 
-    async def wait(self, gate: str) -> Any:
-        """Park until ``runtime.resume(execution_id, gate, payload)``; return the payload."""
+    def sleep_until(self, when: datetime) -> Wait:
+        """A durable timer due at ``when`` (an aware ``datetime``); at once if it is past."""
+        self._run.check_unwinding()
+        return TimerWait(self._where, due=ms_from_datetime(when, "ctx.sleep_until"))
+
+    def wait(self, gate: str, *, timeout: float | timedelta | None = None) -> Wait | Any:
+        """Park until ``runtime.resume(execution_id, gate, payload)``; return the payload.
+
+        With ``timeout`` (seconds or a ``timedelta``) the builtin ``TimeoutError`` is
+        raised if a durable timer of that length fires first; whichever came first is
+        in the log. Without one the call is a wait ``first`` can race.
+        """
+        self._run.check_unwinding()
         if not isinstance(gate, str) or not gate:
             raise ValidationError("a gate name must be a non-empty string")
         check_text(gate, "gate name")
         if gate.startswith(RESERVED_PREFIX):
             raise ReservedNameError(f"gate {gate!r} is reserved for the runtime")
-        run = self._run
-        n = self._counters.next(f"gate:{gate}")
-        answers = run.state.resume_payloads.get(gate, [])
-        if n < len(answers):
-            return answers[n]
-        raise run.issue(ExecutionParked({"on": gate, "kind": "gate"}))
+        wait = GateWait(self._where, gate)
+        if timeout is None:
+            return wait
+        return with_timeout(self._where, wait, timeout, f"ctx.wait({gate!r})")
 
-    async def receive(self, key: str) -> Any:
-        """The next message sent to this execution under ``key`` (``runtime.send``)."""
+    def receive(self, key: str, *, timeout: float | timedelta | None = None) -> Wait | Any:
+        """The next message sent to this execution under ``key`` (``runtime.send``).
+
+        ``timeout`` as for ``wait``: ``TimeoutError`` when no message came in time.
+        """
+        self._run.check_unwinding()
         if not isinstance(key, str) or not key:
             raise ValidationError("a message key must be a non-empty string")
         check_text(key, "message key")
         if key.startswith(RESERVED_PREFIX):
             raise ReservedNameError(f"message key {key!r} uses the reserved prefix "
                                     f"{RESERVED_PREFIX}")
-        run = self._run
-        n = self._counters.next(f"msg:{key}")
-        messages = run.state.messages.get(key, [])
-        if n < len(messages):
-            return messages[n]
-        raise run.issue(ExecutionParked({"on": MESSAGE_GATE, "kind": "message",
-                                         "correlationKey": key}))
+        wait = MessageWait(self._where, key)
+        if timeout is None:
+            return wait
+        return with_timeout(self._where, wait, timeout, f"ctx.receive({key!r})")
+
+    async def first(self, *waits: Any) -> tuple[int, Any]:
+        """The first of ``waits`` to finish, as ``(index, value)``; the others are withdrawn.
+
+        ``index, value = await ctx.first(ctx.wait("a"), ctx.receive("b"),
+        ctx.sleep(timedelta(hours=1)))``: the winner is recorded, so a replay gives the
+        same answer; a timer that lost is cancelled, a gate or message that lost keeps
+        its answer for the next wait on it.
+        """
+        return await first(self._where, waits)
 
     # -- structure --------------------------------------------------------------
     async def parallel(self, branches: Sequence[Any]) -> list[Any]:
         """Run branches concurrently in one scope; returns their results in order.
 
         A branch is an ``async def (ctx) -> value`` or a ``(step_id, fn, *args)``
-        tuple for a single step.
+        tuple for a single step. A cancellation reaches every branch at its own
+        await and is then raised here.
         """
         run = self._run
-        k = self._counters.next("parallel")
-        scope = f"{self._scope or ''}/{k}"
+        run.check_unwinding()
+        where = self._where
+        k = where.counters.next("parallel")
+        scope = f"{where.scope or ''}/{k}"
         if scope not in run.state.scopes:
             await run.before_new_work(EventType.PARALLEL_STARTED, scope)
             run.journal.commit(EventType.PARALLEL_STARTED,
@@ -308,8 +322,16 @@ class Context:
             raise
         outcomes: list[BaseException | None] = [t.exception() if not t.cancelled() else
                                                 asyncio.CancelledError() for t in tasks]
+        if any(delivered_to(exc) for exc in outcomes):
+            # A cancellation reached the branches: the scope raises it in its parent
+            # (recorded there too, so the parent's branch has received it).
+            owed = cancel_owed(run, where.branch, f"parallel:{scope}", answered=False)
+            raise owed or next(exc for exc in outcomes if delivered_to(exc))  # type: ignore[misc]
         for exc in outcomes:
-            if isinstance(exc, (RunInterrupt, asyncio.CancelledError)):
+            if isinstance(exc, RunInterrupt):
+                run.unwind(exc)
+                raise exc
+            if isinstance(exc, asyncio.CancelledError):
                 raise exc
         for exc in outcomes:
             if exc is not None:
@@ -322,7 +344,8 @@ class Context:
     async def continue_as_new(self, input: Any = None) -> None:
         """End this execution and start its successor with ``input`` (same flow, owner)."""
         run = self._run
-        if self._scope is not None:
+        run.check_unwinding()
+        if self._where.scope is not None:
             raise ValidationError("continue_as_new is not allowed inside a parallel scope")
         data = ensure_json(input, "the continue_as_new input")
         await run.before_new_work(EventType.EXECUTION_CONTINUED, None)
@@ -343,6 +366,7 @@ class Context:
 
     def _value(self, kind: str, make: Callable[[], Any]) -> Any:
         run = self._run
+        run.check_unwinding()
         name = self._name(kind)
         if name in run.state.values:
             return run.state.values[name]

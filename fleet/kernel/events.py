@@ -20,7 +20,9 @@ from pydantic import ValidationError as PydanticValidationError
 from fleet.kernel.errors import CorruptLogError, NotSerializableError, UnstorableValueError
 from fleet.kernel.values import has_lone_surrogate, printable
 
-EVENT_SCHEMA = "1.1.0"  # 1.1.0: EXECUTION_DENIED.count
+EVENT_SCHEMA = "1.2.0"
+# 1.1.0: EXECUTION_DENIED.count. 1.2.0 (decision 0033): CANCEL_REQUESTED, CANCEL_DELIVERED,
+# FIRST_RESOLVED, TIMER_CANCELLED; a "first" park condition (its "waits").
 
 
 class EventType(StrEnum):
@@ -48,6 +50,10 @@ class EventType(StrEnum):
     EXECUTION_CANCELLED = "EXECUTION_CANCELLED"
     EXECUTION_DENIED = "EXECUTION_DENIED"
     RECOVERED = "RECOVERED"
+    CANCEL_REQUESTED = "CANCEL_REQUESTED"
+    CANCEL_DELIVERED = "CANCEL_DELIVERED"
+    FIRST_RESOLVED = "FIRST_RESOLVED"
+    TIMER_CANCELLED = "TIMER_CANCELLED"
 
 
 def wall_clock_ms() -> int:
@@ -65,6 +71,7 @@ STATUS_AFTER: dict[EventType, Status] = {
     EventType.EXECUTION_RESUMED: "running",
     EventType.TIMER_FIRED: "running",
     EventType.RECOVERED: "running",
+    EventType.CANCEL_REQUESTED: "running",
     EventType.EXECUTION_SUSPENDED: "parked",
     EventType.EXECUTION_COMPLETED: "completed",
     EventType.EXECUTION_FAILED: "failed",
@@ -194,8 +201,10 @@ class TimerFired(_Payload):
 
 class Condition(_Payload):
     on: str
-    kind: Literal["gate", "timer", "message", "indoubt", "diverged"] = "gate"
+    kind: Literal["gate", "timer", "message", "indoubt", "diverged", "first"] = "gate"
     correlationKey: str | None = None
+    # kind "first" (ctx.first, a wait with a timeout): what it waits on, any of them.
+    waits: list[dict[str, Any]] | None = None
 
 
 class ExecutionSuspended(_Payload):
@@ -261,6 +270,25 @@ class Recovered(_Payload):
     reason: str = ""
 
 
+class CancelRequested(_Payload):
+    reason: str = ""
+    by: str | None = None
+
+
+class CancelDelivered(_Payload):
+    at: str                 # the call the flow got asyncio.CancelledError at
+    branch: str = ""        # the parallel branch it was in ("": the body itself)
+
+
+class FirstResolved(_Payload):
+    name: str               # the race: "<branch>first#<n>"
+    index: int = Field(ge=0)  # which of its waits won
+
+
+class TimerCancelled(_Payload):
+    timerId: str
+
+
 PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.EXECUTION_STARTED: ExecutionStarted,
     EventType.STEP_STARTED: StepStarted,
@@ -286,6 +314,10 @@ PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.EXECUTION_CANCELLED: ExecutionCancelled,
     EventType.EXECUTION_DENIED: ExecutionDenied,
     EventType.RECOVERED: Recovered,
+    EventType.CANCEL_REQUESTED: CancelRequested,
+    EventType.CANCEL_DELIVERED: CancelDelivered,
+    EventType.FIRST_RESOLVED: FirstResolved,
+    EventType.TIMER_CANCELLED: TimerCancelled,
 }
 
 

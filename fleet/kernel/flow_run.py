@@ -9,6 +9,7 @@ step, decision or child id, made before anything is written.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from fleet.kernel.errors import ReservedNameError, RunInterrupt, ValidationError
@@ -95,7 +96,56 @@ class FlowRun(Protocol):
         """The id a ``continue_as_new`` successor gets."""
 
     def issue(self, interrupt: _I) -> _I:
-        """Mark a park or continuation as the kernel's own; only those are obeyed."""
+        """Mark a park or continuation as the kernel's own; only those are obeyed.
+
+        The task that raises it is unwinding from then on (``check_unwinding``)."""
+
+    def unwind(self, interrupt: RunInterrupt) -> None:
+        """The current task passes on ``interrupt`` (a parallel scope re-raising a
+        branch's park): it is unwinding too."""
+
+    def check_unwinding(self) -> None:
+        """Raise the park (or other stop) the current task is unwinding from, if any.
+
+        Every ``Context`` call makes this check first: code in a ``finally`` or
+        ``except`` that runs while a park unwinds does nothing and records nothing
+        (issue 26 7c; decision 0033). Only a real cancellation or failure runs cleanup.
+        """
+
+    @property
+    def cancel_used(self) -> dict[tuple[str, str], int]:
+        """Recorded cancel deliveries this drive has raised again, by (call, branch)."""
 
 
-__all__ = ["RESERVED_PREFIX", "FlowRun", "OpenDecision", "check_op_id"]
+@dataclass(slots=True)
+class Counters:
+    """Per-branch call counters: the n-th sleep / wait / value of a branch."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def next(self, kind: str) -> int:
+        n = self.calls.get(kind, 0)
+        self.calls[kind] = n + 1
+        return n
+
+    def peek(self, kind: str) -> int:
+        return self.calls.get(kind, 0)
+
+
+@dataclass(slots=True)
+class Where:
+    """Where a ``Context`` call is made: the run, the parallel scope and branch, and the
+    branch's counters. The modules that carry out a call (steps, waits, cancellation)
+    take it instead of the ``Context``."""
+
+    run: FlowRun
+    scope: str | None = None
+    branch: str = ""
+    counters: Counters = field(default_factory=Counters)
+
+    def name(self, kind: str) -> str:
+        """The next name of ``kind`` in this branch: ``<branch><kind>#<n>``."""
+        return f"{self.branch}{kind}#{self.counters.next(kind)}"
+
+
+__all__ = ["RESERVED_PREFIX", "Counters", "FlowRun", "OpenDecision", "Where", "check_op_id"]

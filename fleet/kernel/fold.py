@@ -28,6 +28,27 @@ STATUS_ONLY_GATES = frozenset({DIVERGED_GATE, MESSAGE_GATE})
 INDOUBT_GATE = "__fleet_indoubt__"
 
 
+def condition_waits(condition: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """What a park condition waits on: itself, or each wait of a ``first`` (any of them)."""
+    if not isinstance(condition, dict):
+        return []
+    if condition.get("kind") == "first":
+        waits = condition.get("waits")
+        return [w for w in waits if isinstance(w, dict)] if isinstance(waits, list) else []
+    return [condition]
+
+
+def waits_on(condition: dict[str, Any] | None, kind: str, on: str,
+             correlation_key: str | None = None) -> bool:
+    """Whether a park ``condition`` is woken by an answer of ``kind`` to ``on`` (a gate name,
+    a timer id, the message gate with ``correlation_key``)."""
+    for wait in condition_waits(condition):
+        if wait.get("kind") == kind and wait.get("on") == on and (
+                correlation_key is None or wait.get("correlationKey") == correlation_key):
+            return True
+    return False
+
+
 @dataclass(slots=True)
 class Frame:
     """What the log says about one step id."""
@@ -101,6 +122,17 @@ class ExecutionState:
     error: dict[str, Any] | None = None
     started_at: int | None = None
     updated_at: int | None = None
+    # Cancellation the flow sees (decision 0033): the request, and where it was delivered.
+    cancel: dict[str, Any] | None = None
+    cancel_deliveries: list[dict[str, Any]] = field(default_factory=list)
+    # ctx.first: which wait won each race, by the race's name.
+    races: dict[str, int] = field(default_factory=dict)
+    # Derived, not part of the wire form: the sequence of each answer, so a race
+    # resolved live picks the answer that came first (a snapshot's state has none:
+    # a race then falls back to the order of its waits).
+    resume_seqs: dict[str, list[int]] = field(default_factory=dict)
+    message_seqs: dict[str, list[int]] = field(default_factory=dict)
+    timer_fired_seqs: dict[str, int] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:
@@ -136,7 +168,20 @@ class ExecutionState:
             "denials": self.denials, "recoveries": self.recoveries,
             "output": self.output, "error": self.error,
             "startedAt": self.started_at, "updatedAt": self.updated_at,
+            **self._added_fields(),
         }
+
+    def _added_fields(self) -> dict[str, Any]:
+        """Fields added after the first fold vectors (decision 0033), only when set, so
+        the wire form of a log that uses none of them is unchanged."""
+        out: dict[str, Any] = {}
+        if self.cancel is not None:
+            out["cancel"] = dict(self.cancel)
+        if self.cancel_deliveries:
+            out["_cancelDeliveries"] = copy.deepcopy(self.cancel_deliveries)
+        if self.races:
+            out["_races"] = dict(self.races)
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExecutionState:
@@ -158,10 +203,16 @@ class ExecutionState:
             migrated_at_seq=d.get("migratedAtSeq"), denials=d.get("denials", 0),
             recoveries=d.get("recoveries", 0), output=d.get("output"),
             error=d.get("error"), started_at=d.get("startedAt"),
-            updated_at=d.get("updatedAt"))
+            updated_at=d.get("updatedAt"), cancel=d.get("cancel"),
+            cancel_deliveries=d.get("_cancelDeliveries") or [],
+            races=d.get("_races") or {})
 
     def copy(self) -> ExecutionState:
-        return ExecutionState.from_dict(self.to_dict())
+        out = ExecutionState.from_dict(self.to_dict())
+        out.resume_seqs = {k: list(v) for k, v in self.resume_seqs.items()}
+        out.message_seqs = {k: list(v) for k, v in self.message_seqs.items()}
+        out.timer_fired_seqs = dict(self.timer_fired_seqs)
+        return out
 
 
 def fold(state: ExecutionState, event: EventEnvelope) -> ExecutionState:
@@ -324,9 +375,18 @@ def _timer_fired(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: 
     timer_id = str(p.get("timerId", ""))
     timer = st.timers.setdefault(timer_id, {"dueAt": None, "fired": False})
     timer["fired"] = True
-    if st.status == "parked" and (st.waiting or {}).get("on") == timer_id:
+    st.timer_fired_seqs[timer_id] = seq
+    if st.status == "parked" and ((st.waiting or {}).get("on") == timer_id
+                                  or waits_on(st.waiting, "timer", timer_id)):
         st.status = "running"
         st.waiting = None
+
+
+def _timer_cancelled(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+                     ts: int) -> None:
+    timer = st.timers.get(str(p.get("timerId", "")))
+    if timer is not None and not timer.get("fired"):
+        timer["cancelled"] = True
 
 
 def _suspended(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
@@ -344,6 +404,7 @@ def _resumed(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
     # A status-only gate's answer (divergence retry, message wake) never reaches the flow.
     if gate not in STATUS_ONLY_GATES:
         st.resume_payloads.setdefault(gate, []).append(p.get("payload"))
+        st.resume_seqs.setdefault(gate, []).append(seq)
     if not st.terminal:
         st.status = "running"
         st.waiting = None
@@ -351,7 +412,9 @@ def _resumed(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
 
 def _message(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
              ts: int) -> None:
-    st.messages.setdefault(str(p.get("key", "")), []).append(p.get("payload"))
+    key = str(p.get("key", ""))
+    st.messages.setdefault(key, []).append(p.get("payload"))
+    st.message_seqs.setdefault(key, []).append(seq)
 
 
 def _parallel_started(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
@@ -407,6 +470,30 @@ def _terminal(status: str) -> Any:
     return handler
 
 
+def _cancel_requested(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+                      ts: int) -> None:
+    # The first request stands (a second one changes nothing: decision 0033); it wakes a
+    # parked execution so its run can deliver it.
+    if st.terminal or st.cancel is not None:
+        return
+    st.cancel = {"reason": p.get("reason", ""), "by": p.get("by"), "seq": seq}
+    st.status = "running"
+    st.waiting = None
+
+
+def _cancel_delivered(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+                      ts: int) -> None:
+    st.cancel_deliveries.append({"at": str(p.get("at", "")), "branch": str(p.get("branch", "")),
+                                 "seq": seq})
+
+
+def _first_resolved(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+                    ts: int) -> None:
+    index = p.get("index")
+    if isinstance(index, int) and not isinstance(index, bool):
+        st.races[str(p.get("name", ""))] = index
+
+
 def _denied(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
             ts: int) -> None:
     st.denials += 1
@@ -442,4 +529,8 @@ _HANDLERS: dict[EventType, Any] = {
     EventType.EXECUTION_CANCELLED: _terminal("cancelled"),
     EventType.EXECUTION_DENIED: _denied,
     EventType.RECOVERED: _recovered,
+    EventType.CANCEL_REQUESTED: _cancel_requested,
+    EventType.CANCEL_DELIVERED: _cancel_delivered,
+    EventType.FIRST_RESOLVED: _first_resolved,
+    EventType.TIMER_CANCELLED: _timer_cancelled,
 }

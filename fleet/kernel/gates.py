@@ -16,7 +16,7 @@ from fleet.kernel.errors import (
     GateMismatchError,
     ValidationError,
 )
-from fleet.kernel.fold import ExecutionState
+from fleet.kernel.fold import ExecutionState, condition_waits, waits_on
 from fleet.kernel.values import datetime_from_ms
 
 
@@ -54,6 +54,13 @@ def check_resumable(state: ExecutionState, gate: str, *, running: str = "") -> N
         raise GateMismatchError(
             f"execution {eid!r} waits on a message ({key!r}, ctx.receive), not on gate "
             f"{gate!r}: runtime.send({eid!r}, {key!r}, payload) wakes it")
+    if kind == "first":
+        if waits_on(waiting, "gate", gate):
+            return
+        gates = [w.get("on") for w in condition_waits(waiting) if w.get("kind") == "gate"]
+        raise GateMismatchError(
+            f"execution {eid!r} waits on the first of several things ({on!r}), and gate "
+            f"{gate!r} is not one of them; the gates it waits on: {gates}")
     if on != gate:
         raise GateMismatchError(
             f"execution {eid!r} waits on {on!r}, not {gate!r}; resume that gate")

@@ -153,6 +153,8 @@ class RuntimeStats:
     divergence_parked: int = 0    # re-runs refused as divergent (divergence="fail")
     handed_back: int = 0          # runs let go by hand_back / hand_back_now
     refused: int = 0              # runs failed by a refusal that can never succeed (0023)
+    cancelled: int = 0            # runs that wrote EXECUTION_CANCELLED (the flow let its
+                                  # cancellation out: decision 0033)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -213,16 +213,34 @@ class Run:
         self.recovered_at: int | None = None
         # Drive once more if the first write of a deferred lease finds its slot taken.
         self.redrive = False
+        # The tasks of this run unwinding from a park (or another stop), and what from.
+        self._unwinding: dict[asyncio.Task[Any], RunInterrupt] = {}
+        # Recorded cancel deliveries raised again in this drive (cancel_delivery).
+        self.cancel_used: dict[tuple[str, str], int] = {}
 
     def issue(self, interrupt: _I) -> _I:
         """Mark ``interrupt`` as raised by the kernel for this run (``Context``, the hand-back).
 
         Only an issued park, continuation or hand-back is obeyed: flow code that
         raises ``ExecutionParked`` (say on ``__fleet_diverged__``) or
-        ``ContinueAsNew`` itself fails its run instead (decision 0023).
+        ``ContinueAsNew`` itself fails its run instead (decision 0023). The task that
+        raises it unwinds from then on: a ``Context`` call it makes raises it again.
         """
         self._issued.append(interrupt)
+        self.unwind(interrupt)
         return interrupt
+
+    def unwind(self, interrupt: RunInterrupt) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._unwinding.setdefault(task, interrupt)
+
+    def check_unwinding(self) -> None:
+        task = asyncio.current_task()
+        if task is not None and self._unwinding:
+            stop = self._unwinding.get(task)
+            if stop is not None:
+                raise stop
 
     def _was_issued(self, interrupt: BaseException) -> bool:
         return any(issued is interrupt for issued in self._issued)
@@ -290,7 +308,7 @@ class Run:
                 stats.failed += 1
                 return self.outcome("failed", error=error)
             try:
-                output = await self.definition.body(Context(self), state.input)
+                output = await self._call_body()
                 output = ensure_json(output, f"the output of flow {state.flow_id!r}")
                 await self.before_new_work(EventType.EXECUTION_COMPLETED, None)
                 journal.commit(EventType.EXECUTION_COMPLETED, {"output": output})
@@ -348,7 +366,11 @@ class Run:
                 host.warner.warn(f"run of {state.execution_id!r} stopped, nothing written: "
                                  f"{type(exc).__name__}: {exc}")
                 return self.outcome("aborted", cause=exc)
-            except (RunAborted, HandedBack, asyncio.CancelledError):
+            except asyncio.CancelledError as exc:
+                if self._cancelled_from_outside():
+                    raise
+                return await self._end_cancelled(exc)
+            except (RunAborted, HandedBack):
                 raise
             except RunInterrupt as exc:
                 # Run control the kernel never raises in a live run (ReplayFrontier):
@@ -393,6 +415,52 @@ class Run:
                 return self.outcome("handed_back")
             stats.aborted += 1
             return self.outcome("cancelled" if self.stop == "cancelled" else "fenced_out")
+
+    async def _call_body(self) -> Any:
+        """Run the flow body; a park (or other stop) it swallowed stops it all the same.
+
+        A body that catches its park (``except BaseException``) and returns, or raises
+        something else, is still parked: the park is what stopped it (decision 0033).
+        """
+        task = asyncio.current_task()
+        try:
+            output = await self.definition.body(Context(self), self.state.input)
+        except BaseException as exc:
+            stop = self._unwinding.get(task) if task is not None else None
+            if stop is None or exc is stop or (isinstance(exc, asyncio.CancelledError)
+                                               and self._cancelled_from_outside()):
+                raise
+            raise stop from None
+        stop = self._unwinding.get(task) if task is not None else None
+        if stop is not None:
+            raise stop
+        return output
+
+    def _cancelled_from_outside(self) -> bool:
+        """Whether this run's task is being cancelled by the kernel or the host (a stop,
+        a hand-back cut, a crash drill), not by a cancellation the flow let out."""
+        task = asyncio.current_task()
+        return self.stop is not None or task is None or task.cancelling() > 0
+
+    async def _end_cancelled(self, exc: asyncio.CancelledError) -> RunOutcome:
+        """The body let ``asyncio.CancelledError`` out: it ends ``cancelled`` when a
+        cancellation was requested (decision 0033); a flow that cancels itself with no
+        request fails, naming that."""
+        cancel = self.state.cancel
+        if cancel is None:
+            return await self._fail(exc, {
+                "type": "CancelledError", "retryable": False,
+                "message": "the flow raised asyncio.CancelledError but no cancellation was "
+                           "requested (runtime.cancel); a flow ends itself by returning or "
+                           "raising another exception"})
+        self.journal.commit(EventType.EXECUTION_CANCELLED,
+                            {"reason": str(cancel.get("reason") or "")})
+        try:
+            await self.journal.barrier(last=True)
+        except RunAborted as aborted:
+            return self._lost_write(aborted.cause)
+        self.host.stats.cancelled += 1
+        return self.outcome("cancelled")
 
     def outcome(self, kind: OutcomeKind, *, waiting: Waiting | None = None,
                 cause: BaseException | None = None, error: dict[str, Any] | None = None,

@@ -42,8 +42,8 @@ from typing import Any, Literal
 OutcomeKind = Literal["completed", "failed", "parked", "diverged_parked", "continued",
                       "cancelled", "fenced_out", "handed_back", "aborted", "nothing_to_do",
                       "stepped_aside"]
-WaitKind = Literal["gate", "timer", "message", "indoubt", "diverged"]
-WAIT_KINDS: tuple[WaitKind, ...] = ("gate", "timer", "message", "indoubt", "diverged")
+WaitKind = Literal["gate", "timer", "message", "indoubt", "diverged", "first"]
+WAIT_KINDS: tuple[WaitKind, ...] = ("gate", "timer", "message", "indoubt", "diverged", "first")
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from dataclasses import fields
 from datetime import datetime
 from typing import Any
 
+from fleet.kernel.cancellation import cancel_execution
 from fleet.kernel.context import RESERVED_PREFIX
 from fleet.kernel.engine import Engine
 from fleet.kernel.errors import (
@@ -34,7 +35,7 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
-from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE, ExecutionState, fold_log
+from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE, ExecutionState, waits_on
 from fleet.kernel.gates import check_resumable, indoubt_answer
 from fleet.kernel.handle import ExecutionHandle
 from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
@@ -326,9 +327,7 @@ class Runtime(StatsAttributes):
                 if state.terminal:
                     raise ExecutionFinishedError(
                         f"execution {execution_id!r} already ended ({state.status})")
-                waiting = state.waiting or {}
-                if state.parked and waiting.get("on") == MESSAGE_GATE \
-                        and waiting.get("correlationKey") == key:
+                if state.parked and waits_on(state.waiting, "message", MESSAGE_GATE, key):
                     await engine.answer(state, lease, [
                         message, (EventType.EXECUTION_RESUMED, {"gate": MESSAGE_GATE})],
                         drive=drive)
@@ -339,32 +338,23 @@ class Runtime(StatsAttributes):
         raise ExecutionBusyError(f"execution {execution_id!r} stayed busy; retry")
 
     # ---------------------------------------------------------------- cancel
-    async def cancel(self, execution_id: str, *, principal: Principal | None = None,
-                     reason: str = "") -> None:
-        """Cancel an execution wherever it runs: its holder is fenced out."""
-        engine = self.engine
-        state = await engine.fold(execution_id)
-        if state.sequence < 0:
-            raise ExecutionNotFoundError(f"no execution {execution_id!r}")
-        await engine.access.check(state, "cancel", principal, audit=True)
-        if state.terminal:
-            raise ExecutionFinishedError(
-                f"execution {execution_id!r} already ended ({state.status})")
-        async with await engine.take(execution_id) as lease:
-            await engine.stop_local(execution_id, "cancelled")
-            state = await engine.fold(execution_id)
-            if state.terminal:
-                raise ExecutionFinishedError(
-                    f"execution {execution_id!r} already ended ({state.status})")
-            bodies: list[tuple[EventType, dict[str, Any]]] = [
-                (EventType.STEP_CANCELLED, {"stepId": step_id, "reason": "cancelled"})
-                for step_id, frame in state.frames.items()
-                if frame.status in ("started", "retrying", "indoubt")]
-            bodies.append((EventType.EXECUTION_CANCELLED, {"reason": reason}))
-            made = make_events(execution_id, state.sequence, self.clock(), bodies)
-            await engine.writer.write(lease, made)
+    async def cancel(self, execution_id: str, *, reason: str = "",
+                     principal: Principal | None = None, force: bool = False,
+                     drive: bool = True) -> ExecutionHandle:
+        """Cancel an execution wherever it runs (``fleet.kernel.cancellation``).
+
+        The flow gets ``asyncio.CancelledError`` at the await it is parked or running
+        on; its ``except``/``finally`` may run more steps (compensation), and it ends
+        ``cancelled`` if it lets the error out. Cancelling again changes nothing.
+        ``force=True`` ends it at once with no cleanup (Temporal's terminate). A
+        finished execution: ``ExecutionFinishedError``. With ``drive=False`` the
+        request is made durable and the caller enqueues the drive (the fleet's
+        dispatcher). Authorised as ``cancel``.
+        """
+        _, run = await cancel_execution(self.engine, execution_id, reason=reason,
+                                        principal=principal, force=force, drive=drive)
         self.timers.disarm(execution_id)
-        engine.results.settle(fold_log(made, state))
+        return ExecutionHandle(self, execution_id, run)
 
     # ------------------------------------------------------ outcomes, migration
     async def record_outcome(self, execution_id: str, *, decision_id: str, key: str,

@@ -62,5 +62,9 @@ class StatsAttributes:
     def refused(self) -> int:
         return self.stats.refused
 
+    @property
+    def cancelled(self) -> int:
+        return self.stats.cancelled
+
 
 __all__ = ["StatsAttributes"]

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fleet.kernel.cancel_delivery import cancel_owed
 from fleet.kernel.errors import (
     DuplicateStepError,
     ExecutionParked,
@@ -33,7 +34,7 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventType, dumps, ensure_json
-from fleet.kernel.flow_run import FlowRun, check_op_id
+from fleet.kernel.flow_run import FlowRun, Where, check_op_id
 from fleet.kernel.fold import INDOUBT_GATE
 from fleet.kernel.values import due_after, printable
 
@@ -81,10 +82,17 @@ class _RetrySentinel:
 _RETRY: Any = _RetrySentinel()
 
 
-async def run_step(run: FlowRun, scope: str | None, step_id: str, fn: Callable[..., Any],
+async def run_step(where: Where, step_id: str, fn: Callable[..., Any],
                    args: tuple[Any, ...], kwargs: dict[str, Any], *,
                    retry: RetryPolicy | None, idempotent: bool) -> Any:
-    """``ctx.step``: run ``fn(*args, **kwargs)`` once, durably (see the module)."""
+    """``ctx.step``: run ``fn(*args, **kwargs)`` once, durably (see the module).
+
+    A cancellation owed to the flow is delivered here when the log does not hold
+    the step's end (decision 0033): a step started and not finished is recorded
+    cancelled (``STEP_CANCELLED``: whatever its effect did, its result is not
+    waited for) and the flow gets ``asyncio.CancelledError`` instead of a re-run.
+    """
+    run, scope = where.run, where.scope
     check_op_id(step_id, "step")
     if step_id in run.asked_steps:
         raise DuplicateStepError(
@@ -94,6 +102,13 @@ async def run_step(run: FlowRun, scope: str | None, step_id: str, fn: Callable[.
     run.asked_steps.add(step_id)
     run.note_step(step_id, scope)
     frame = run.state.frames.get(step_id)
+    owed = cancel_owed(run, where.branch, f"step:{step_id}", answered=frame is not None
+                       and frame.status in ("completed", "failed", "cancelled"))
+    if owed is not None:
+        if frame is not None and frame.status in ("started", "indoubt", "retrying"):
+            run.journal.commit(EventType.STEP_CANCELLED, {"stepId": step_id,
+                                                          "reason": "cancelled"})
+        raise owed
     if frame is not None:
         if frame.status == "completed":
             return frame.output

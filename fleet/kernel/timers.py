@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from fleet.kernel.engine import Engine
 from fleet.kernel.events import EventType
-from fleet.kernel.fold import ExecutionState
+from fleet.kernel.fold import ExecutionState, condition_waits, waits_on
 from fleet.kernel.writes import make_events
 
 
@@ -30,6 +30,13 @@ class FiredTimer:
 
     execution_id: str
     timer_id: str
+
+
+def waits_for_timer(state: ExecutionState, timer_id: str) -> bool:
+    """Whether a parked execution waits on ``timer_id`` (alone, or among the waits of a
+    ``first``): only then does firing it wake the run."""
+    return (state.waiting or {}).get("on") == timer_id or waits_on(state.waiting, "timer",
+                                                                     timer_id)
 
 
 class Timers:
@@ -62,9 +69,8 @@ class Timers:
         async with lease:
             state = await engine.fold(execution_id)
             timer = state.timers.get(timer_id)
-            waiting = state.waiting or {}
-            if (timer is None or timer.get("fired") or not state.parked
-                    or waiting.get("on") != timer_id):
+            if (timer is None or timer.get("fired") or timer.get("cancelled")
+                    or not state.parked or not waits_for_timer(state, timer_id)):
                 return False
             fired = [(EventType.TIMER_FIRED, {"timerId": timer_id})]
             if drive:
@@ -77,16 +83,19 @@ class Timers:
         return True
 
     def arm(self, state: ExecutionState) -> None:
-        """Arm a loop timer for an execution that parked on a sleep (``local`` only)."""
-        waiting = state.waiting or {}
-        if not self.local or waiting.get("kind") != "timer":
+        """Arm a loop timer for an execution that parked on a sleep, or on a race with
+        timers among its waits (the earliest: ``local`` only)."""
+        if not self.local:
             return
-        timer = state.timers.get(waiting.get("on", ""))
-        if timer is None:
+        due = [(int(timer.get("dueAt") or 0), str(wait.get("on")))
+               for wait in condition_waits(state.waiting) if wait.get("kind") == "timer"
+               and (timer := state.timers.get(str(wait.get("on")))) is not None]
+        if not due:
             return
         engine = self.engine
-        execution_id, timer_id = state.execution_id, waiting["on"]
-        delay = max(0.0, (int(timer.get("dueAt") or 0) - engine.clock()) / 1000)
+        due_at, timer_id = min(due)
+        execution_id = state.execution_id
+        delay = max(0.0, (due_at - engine.clock()) / 1000)
         loop = asyncio.get_running_loop()
 
         def fire() -> None:

@@ -126,6 +126,23 @@ def datetime_from_ms(ms: int) -> _dt.datetime:
     return _EPOCH + _dt.timedelta(milliseconds=min(max(ms, 0), MAX_TIME_MS))
 
 
+def seconds_of(value: Any, what: str) -> float:
+    """A duration a public call takes (seconds as a number, or a ``timedelta``) in seconds,
+    or a typed refusal: not a number, negative, NaN or infinite."""
+    if isinstance(value, _dt.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValidationError(f"{what} takes seconds (a number) or a timedelta, got "
+                              f"{type(value).__name__} {printable(value, 60)}")
+    else:
+        seconds = float(value)
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        raise ValidationError(f"{what} needs a finite duration, got {value!r}")
+    if seconds < 0:
+        raise ValidationError(f"{what} needs a duration of 0 or more, got {value!r}")
+    return seconds
+
+
 def due_after(now_ms: int, seconds: Any, what: str) -> int:
     """The time ``seconds`` after ``now_ms``, in ms, or a typed refusal past year 9999."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
@@ -142,4 +159,4 @@ def due_after(now_ms: int, seconds: Any, what: str) -> int:
 
 __all__ = ["INT64_MAX", "INT64_MIN", "MAX_TIME_MS", "check_int64", "check_ms", "check_text",
            "datetime_from_ms", "due_after", "has_lone_surrogate", "ms_from_datetime",
-           "printable"]
+           "printable", "seconds_of"]

@@ -380,9 +380,9 @@ async def test_a_write_that_never_resolves_is_never_reported(db: Path) -> None:
         assert seen.live_after_write == ["hung-0"]
         assert seen.durable_before_write == []
 
-        # Cancelling ends such a run: its write is abandoned, never delivered, and
-        # cancel's own events (delivered after their write) reuse the lost sequences.
-        await asyncio.wait_for(runtime.cancel("hung"), LINE_TIMEOUT)
+        # Cancelling with force ends such a run: its write is abandoned, never delivered,
+        # and cancel's own events (delivered after their write) reuse the lost sequences.
+        await asyncio.wait_for(runtime.cancel("hung", force=True), LINE_TIMEOUT)
         log = await store.read("hung")
         assert pairs(log) == [(0, STARTED), (1, STEP_STARTED), (2, "STEP_CANCELLED"),
                               (3, "EXECUTION_CANCELLED")]
@@ -680,7 +680,7 @@ async def test_paths_outside_the_journal_deliver_after_their_write(
     assert len(denials) == 1
 
     mark = len(seen.durable)
-    await runtime.cancel("errand", principal=alice, reason="done testing")
+    await runtime.cancel("errand", principal=alice, reason="done testing", force=True)
     assert delivered_since(mark) == [(mark, "EXECUTION_CANCELLED")]
     with pytest.raises(ExecutionCancelledError):
         await handle.result(timeout=LINE_TIMEOUT)

@@ -184,7 +184,7 @@ async def _ended(rt: Runtime, how: str) -> str:
             if (await rt.load_state(eid, system=True)).parked:
                 break
             await asyncio.sleep(0.01)
-        await rt.cancel(eid, principal=ALICE)
+        await (await rt.cancel(eid, principal=ALICE)).outcome()
     else:
         with contextlib.suppress(Exception):
             await handle.result(timeout=10)

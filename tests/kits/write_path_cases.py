@@ -221,7 +221,7 @@ async def test_write_path_cancel_reports_step_cancelled_and_execution_cancelled(
     await eventually(lambda: len(timeline.entries) > 0 and timeline.entries[-1][0] == "durable"
                      and timeline.entries[-1][1]["type"] == "STEP_FAILED")
     before, mark = len(await store.read(eid)), len(timeline.entries)
-    await runtime.cancel(eid, principal=ALICE, reason="no longer needed")
+    await runtime.cancel(eid, principal=ALICE, reason="no longer needed", force=True)
     await settle(runtime)
     tail = (await store.read(eid))[before:]
     assert kinds(tail) == ["STEP_CANCELLED", "EXECUTION_CANCELLED"]

@@ -31,6 +31,10 @@ _DEFAULT_PAYLOADS: dict[EventType, dict[str, Any]] = {
     E.EXECUTION_CANCELLED: {"reason": "test"},
     E.EXECUTION_CONTINUED: {"nextExecutionId": "next"},
     E.OUTCOME_RECORDED: {"decisionId": "d", "key": "k", "score": 1.0},
+    E.CANCEL_REQUESTED: {"reason": "test"},
+    E.CANCEL_DELIVERED: {"at": "gate:approval#0"},
+    E.FIRST_RESOLVED: {"name": "first#0", "index": 0},
+    E.TIMER_CANCELLED: {"timerId": "t"},
 }
 
 

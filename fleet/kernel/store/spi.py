@@ -542,7 +542,7 @@ def index_change(event: EventEnvelope) -> IndexChange:
         change.waiting_on = (p.get("condition") or {}).get("on")
     elif event.type is EventType.TIMER_SCHEDULED:
         change.timer_add = DueTimer(event.execution_id, p["timerId"], int(p["dueAt"]))
-    elif event.type is EventType.TIMER_FIRED:
+    elif event.type is EventType.TIMER_FIRED or event.type is EventType.TIMER_CANCELLED:
         change.timer_remove = p["timerId"]
     if change.status in TERMINAL_STATUSES:
         change.clear_timers = True
@@ -550,7 +550,7 @@ def index_change(event: EventEnvelope) -> IndexChange:
 
 
 # The kinds index_change looks at (status, gate, timers); any other moves only the head.
-MOVES_INDEX = frozenset({*STATUS_AFTER, EventType.TIMER_SCHEDULED})
+MOVES_INDEX = frozenset({*STATUS_AFTER, EventType.TIMER_SCHEDULED, EventType.TIMER_CANCELLED})
 _NO_CHANGE = IndexChange()
 
 
@@ -627,7 +627,8 @@ def check_listing(*, status: str | None, flow_id: str | None, tenant: str | None
 
 # The kinds whose payload fields the index keeps (see ``index_change``).
 _INDEXED_KINDS = frozenset({EventType.EXECUTION_STARTED, EventType.EXECUTION_SUSPENDED,
-                            EventType.TIMER_SCHEDULED, EventType.TIMER_FIRED})
+                            EventType.TIMER_SCHEDULED, EventType.TIMER_FIRED,
+                            EventType.TIMER_CANCELLED})
 
 
 def encode_event(event: EventEnvelope, max_bytes: int | None) -> str:
@@ -693,7 +694,7 @@ def _check_index_fields(event: EventEnvelope) -> None:
     elif kind is EventType.TIMER_SCHEDULED:
         check_text(p.get("timerId"), "timer id")
         check_int64(p.get("dueAt"), "timer due time (dueAt)")
-    elif kind is EventType.TIMER_FIRED:
+    elif kind is EventType.TIMER_FIRED or kind is EventType.TIMER_CANCELLED:
         check_text(p.get("timerId"), "timer id")
 
 

@@ -40,10 +40,9 @@ async def test_cancel_a_parked_execution(store: EventStore) -> None:
     assert summary.status == "cancelled"
 
 
-async def test_cancel_a_running_execution_cancels_its_step(store: EventStore) -> None:
+async def _running(store: EventStore, swallowed: list[str],
+                   reached_after: list[str]) -> tuple[Runtime, str, asyncio.Event]:
     entered = asyncio.Event()
-    reached_after: list[str] = []
-    swallowed: list[str] = []
 
     async def long_step() -> str:
         entered.set()
@@ -65,18 +64,45 @@ async def test_cancel_a_running_execution_cancels_its_step(store: EventStore) ->
     runtime = Runtime(store, flows=[body])
     handle = await runtime.start("running")
     await asyncio.wait_for(entered.wait(), 2)
-    await runtime.cancel(handle.execution_id)
+    return runtime, handle.execution_id, entered
+
+
+async def test_cancel_a_running_execution_cancels_its_step(store: EventStore) -> None:
+    swallowed: list[str] = []
+    reached_after: list[str] = []
+    runtime, eid, _ = await _running(store, swallowed, reached_after)
+    await runtime.cancel(eid, reason="stop")
     with pytest.raises(ExecutionCancelledError):
-        await handle.result(timeout=2)
+        await runtime.result(eid)
     await settle(runtime)
-    log = await store.read(handle.execution_id)
+    log = await store.read(eid)
+    # The step body was cancelled where it was; the new drive delivered the
+    # cancellation at the step instead of running it again, recorded it cancelled.
+    assert kinds(log) == ["EXECUTION_STARTED", "STEP_STARTED", "CANCEL_REQUESTED",
+                          "CANCEL_DELIVERED", "STEP_CANCELLED", "EXECUTION_CANCELLED"]
+    assert log[3].payload == {"at": "step:long", "branch": ""}
+    assert log[4].payload["stepId"] == "long"
+    assert log[-1].payload == {"reason": "stop"}
+    assert swallowed == []
+    assert reached_after == []
+    state = await runtime.load_state(eid)
+    assert state.frames["long"].status == "cancelled"
+
+
+async def test_force_cancel_ends_a_running_execution_at_once(store: EventStore) -> None:
+    swallowed: list[str] = []
+    reached_after: list[str] = []
+    runtime, eid, _ = await _running(store, swallowed, reached_after)
+    await runtime.cancel(eid, force=True)
+    with pytest.raises(ExecutionCancelledError):
+        await runtime.result(eid)
+    await settle(runtime)
+    log = await store.read(eid)
     assert kinds(log) == ["EXECUTION_STARTED", "STEP_STARTED", "STEP_CANCELLED",
                           "EXECUTION_CANCELLED"]
     assert log[2].payload["stepId"] == "long"
     assert swallowed == []
     assert reached_after == []
-    state = await runtime.load_state(handle.execution_id)
-    assert state.frames["long"].status == "cancelled"
 
 
 async def test_cancel_a_finished_execution_is_refused(store: EventStore) -> None:
@@ -102,7 +128,7 @@ async def test_cancelled_is_final_resume_and_send_are_refused(store: EventStore)
 
     runtime = Runtime(store, flows=[body])
     eid = await started(runtime, "gate")
-    await runtime.cancel(eid)
+    await (await runtime.cancel(eid)).outcome()
     with pytest.raises(ExecutionFinishedError, match="cancelled"):
         await runtime.resume(eid, "g", 1)
     with pytest.raises(ExecutionFinishedError):
@@ -122,11 +148,12 @@ async def test_cancel_a_sleeping_execution_disarms_its_timer(clocked_store: Even
 
     runtime = Runtime(store, flows=[body], clock=clock, local_timers=False)
     eid = await started(runtime, "sleeper")
-    await runtime.cancel(eid)
+    await (await runtime.cancel(eid)).outcome()
     clock.advance(120)
     assert await store.due_timers(clock.now) == []
     assert await runtime.fire_due_timers() == []
-    assert kinds(await store.read(eid))[-1] == "EXECUTION_CANCELLED"
+    assert kinds(await store.read(eid))[-3:] == ["CANCEL_DELIVERED", "TIMER_CANCELLED",
+                                                 "EXECUTION_CANCELLED"]
 
 
 async def test_a_flow_past_its_deadline_fails_on_its_next_drive(clocked_store: EventStore,

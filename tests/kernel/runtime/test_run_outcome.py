@@ -170,7 +170,7 @@ async def test_outcome_cancelled(store: EventStore) -> None:
     runtime = Runtime(store, flows=[_holding_flow("oc-cancel", release, calls)])
     handle = await runtime.start("oc-cancel", None)
     await _until_step_started(store, handle.execution_id)
-    await runtime.cancel(handle.execution_id)
+    await runtime.cancel(handle.execution_id, force=True)
     outcome = await outcome_of(handle)
     assert outcome.kind == "cancelled"
     assert outcome.last_sequence == 1  # the run made STARTED and STEP_STARTED durable

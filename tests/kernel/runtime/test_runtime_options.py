@@ -111,7 +111,7 @@ async def test_counters_are_in_stats_and_readable_but_not_writable_as_attributes
     await runtime.close()
     assert isinstance(runtime.stats, RuntimeStats)
     assert list(runtime.stats.as_dict()) == list(COUNTERS)
-    assert len(COUNTERS) == 12
+    assert len(COUNTERS) == 13
     for name in COUNTERS:
         assert getattr(runtime, name) == getattr(runtime.stats, name), name
     assert (runtime.drives, runtime.completed) == (1, 1)

@@ -85,7 +85,7 @@ async def test_cancel_is_owner_only_by_default(store: EventStore) -> None:
     with pytest.raises(AccessDeniedError):
         await runtime.cancel(eid, principal=BOB)
     assert (await runtime.load_state(eid, principal=ALICE)).status == "parked"
-    await runtime.cancel(eid, principal=ALICE)
+    await (await runtime.cancel(eid, principal=ALICE)).outcome()
     assert (await runtime.load_state(eid, principal=ALICE)).status == "cancelled"
 
 

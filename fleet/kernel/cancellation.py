@@ -1,0 +1,98 @@
+"""``Runtime.cancel``: a cancellation the flow sees, or (``force=True``) an immediate end.
+
+A graceful cancel records ``CANCEL_REQUESTED`` (with the reason and who asked)
+and drives the execution: a parked or sleeping run is woken, a run in flight
+here is stopped and driven again, a holder elsewhere is fenced out (its lease
+taken: a write it tries after that is refused, and its renewal fails, which
+stops it). The new drive replays the body and delivers ``asyncio.CancelledError``
+at the await the run was parked or running on (``fleet.kernel.cancel_delivery``);
+the flow's cleanup then runs as journaled steps, and the execution ends
+``cancelled`` if the flow lets the error out. The first request stands:
+cancelling again changes nothing (``False``), as in Temporal.
+
+``force=True`` is Temporal's terminate: the steps in flight are recorded
+cancelled and ``EXECUTION_CANCELLED`` is written at once, with no cleanup.
+Cancelling a finished execution raises ``ExecutionFinishedError`` either way.
+Decision 0033.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleet.kernel.engine import Engine, RunFuture
+from fleet.kernel.errors import (
+    ExecutionFinishedError,
+    ExecutionNotFoundError,
+    ValidationError,
+)
+from fleet.kernel.events import EventType
+from fleet.kernel.fold import ExecutionState, fold_log
+from fleet.kernel.security import Principal
+from fleet.kernel.values import check_text
+from fleet.kernel.writes import make_events
+
+MAX_REASON = 4000
+
+
+def check_reason(reason: Any) -> str:
+    """A cancel reason the log keeps: text of at most 4,000 characters."""
+    if not isinstance(reason, str):
+        raise ValidationError(f"a cancel reason must be a string, got {type(reason).__name__}")
+    if len(reason) > MAX_REASON:
+        raise ValidationError(f"a cancel reason is at most {MAX_REASON} characters, got "
+                              f"{len(reason)}")
+    return check_text(reason, "cancel reason")
+
+
+def _finished(state: ExecutionState) -> ExecutionFinishedError:
+    return ExecutionFinishedError(
+        f"execution {state.execution_id!r} already ended ({state.status})")
+
+
+async def cancel_execution(engine: Engine, execution_id: str, *, reason: str,
+                           principal: Principal | None, force: bool,
+                           drive: bool) -> tuple[bool, RunFuture | None]:
+    """Cancel ``execution_id`` (see the module): whether this call recorded the request
+    (or, forced, ended it), and the drive it launched here (None with ``drive=False``:
+    the caller enqueues it; or when nothing was recorded)."""
+    reason = check_reason(reason)
+    state = await engine.fold(execution_id)
+    if state.sequence < 0:
+        raise ExecutionNotFoundError(f"no execution {execution_id!r}")
+    await engine.access.check(state, "cancel", principal, audit=True)
+    if state.terminal:
+        raise _finished(state)
+    if not force and state.cancel is not None:
+        return False, None  # requested already: the first request stands
+    lease = await engine.take(execution_id)
+    async with lease:
+        # A run of it here stops at once and is driven again (or, forced, not at all).
+        await engine.stop_local(execution_id, "cancelled" if force else "superseded")
+        state = await engine.fold(execution_id)
+        if state.terminal:
+            raise _finished(state)
+        if force:
+            bodies: list[tuple[EventType, dict[str, Any]]] = [
+                (EventType.STEP_CANCELLED, {"stepId": step_id, "reason": "cancelled"})
+                for step_id, frame in state.frames.items()
+                if frame.status in ("started", "retrying", "indoubt")]
+            bodies.append((EventType.EXECUTION_CANCELLED, {"reason": reason}))
+            made = make_events(execution_id, state.sequence, engine.clock(), bodies)
+            await engine.writer.write(lease, made)
+            engine.results.settle(fold_log(made, state))
+            return True, None
+        if state.cancel is not None:
+            return False, None
+        body: dict[str, Any] = {"reason": reason}
+        if principal is not None:
+            body["by"] = principal.actor
+        requested = make_events(execution_id, state.sequence, engine.clock(),
+                                [(EventType.CANCEL_REQUESTED, body)])
+        await engine.writer.write(lease, requested, last=not drive)
+        if not drive:
+            return True, None
+        return True, await engine.drive(execution_id, lease)
+
+
+__all__ = ["MAX_REASON", "cancel_execution", "check_reason"]
