@@ -160,15 +160,19 @@ def send(execution_id: str, key: str, payload: str | None, actor: str | None,
 @click.command()
 @click.argument("execution_id")
 @click.option("--reason", default="", help="recorded with the cancellation")
+@click.option("--force", is_flag=True,
+              help="end it at once, with no cleanup (the flow never sees it)")
 @with_options(principal_options)
 @json_option
-def cancel(execution_id: str, reason: str, actor: str | None, tenant: str | None,
-           as_json: bool) -> None:
-    """Cancel an execution wherever it runs (its holder is fenced out)."""
+def cancel(execution_id: str, reason: str, force: bool, actor: str | None,
+           tenant: str | None, as_json: bool) -> None:
+    """Cancel an execution wherever it runs: the flow gets asyncio.CancelledError where it
+    waits and may clean up (--force: ends it at once)."""
     who = principal_from(actor, tenant)
-    dispatch(lambda d: d.cancel_sync(execution_id, principal=who, reason=reason))
-    click.echo(json.dumps({"executionId": execution_id, "cancelled": True}) if as_json
-               else f"cancelled {execution_id}")
+    dispatch(lambda d: d.cancel_sync(execution_id, principal=who, reason=reason,
+                                     force=force))
+    click.echo(json.dumps({"executionId": execution_id, "cancelled": True, "force": force})
+               if as_json else f"cancel {'ended' if force else 'requested for'} {execution_id}")
 
 
 __all__ = ["NOT_ENQUEUED", "NotEnqueuedError", "cancel", "dispatch", "enqueue_or_explain",

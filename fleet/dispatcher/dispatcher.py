@@ -448,11 +448,27 @@ class Dispatcher:
             return [r is not None for r in results]
 
     async def cancel(self, execution_id: str, *, principal: Principal | None = None,
-                     reason: str = "") -> None:
-        """Cancel an execution wherever it runs (its holder is fenced out)."""
+                     reason: str = "", force: bool = False) -> None:
+        """Cancel an execution wherever it runs (``Runtime.cancel``): the request is
+        written (its holder fenced out) and a worker drives it, delivering
+        ``asyncio.CancelledError`` to the flow; ``force=True`` ends it at once."""
         with self._call("cancel"):
-            runtime = await self.runtime()
-            await runtime.cancel(execution_id, principal=principal, reason=reason)
+            order = await self.write_cancel(execution_id, principal=principal, reason=reason,
+                                            force=force)
+            if order is not None:
+                await self._publish_after_write([order])
+
+    async def write_cancel(self, execution_id: str, *, principal: Principal | None = None,
+                           reason: str = "", force: bool = False) -> DriveOrder | None:
+        """The durable half of ``cancel``: the drive that delivers it (None when forced).
+
+        The drive is enqueued even when the request was recorded before: a drive that
+        finds nothing to do (or a live holder) costs nothing, and one whose earlier drive
+        was lost delivers it now."""
+        runtime = await self.runtime()
+        await runtime.cancel(execution_id, principal=principal, reason=reason, force=force,
+                             drive=False)
+        return None if force else await self._order(runtime, execution_id)
 
     async def wait(self, execution_id: str, *, until: Literal["parked", "terminal"] = "terminal",
                    timeout: float | None = None, principal: Principal | None = None,
@@ -618,10 +634,10 @@ class Dispatcher:
         return self._sync("send_many_sync", lambda: self.send_many(items))
 
     def cancel_sync(self, execution_id: str, *, principal: Principal | None = None,
-                    reason: str = "") -> None:
+                    reason: str = "", force: bool = False) -> None:
         """``cancel`` for code without an event loop (refused inside one)."""
         self._sync("cancel_sync", lambda: self.cancel(execution_id, principal=principal,
-                                                      reason=reason))
+                                                      reason=reason, force=force))
 
     def wait_sync(self, execution_id: str, *, until: Literal["parked", "terminal"] = "terminal",
                   timeout: float | None = None, principal: Principal | None = None,

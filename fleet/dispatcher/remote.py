@@ -64,6 +64,7 @@ class DispatchRequest(BaseModel):
     payload: Any = None
     key: str | None = Field(None, min_length=1)
     reason: str = ""
+    force: bool = False
 
     @model_validator(mode="after")
     def _fields_for_op(self) -> DispatchRequest:
@@ -181,8 +182,9 @@ async def _write(dispatcher: Dispatcher,
         order = await dispatcher.write_send(request.execution_id, request.key, request.payload,
                                             principal=who)
         return order, order is not None
-    await dispatcher.cancel(request.execution_id, principal=who, reason=request.reason)
-    return None, None
+    order = await dispatcher.write_cancel(request.execution_id, principal=who,
+                                          reason=request.reason, force=request.force)
+    return order, None
 
 
 def _refusal(request: DispatchRequest | None, type_: str, code: str, message: str, *,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from fleet.kernel.cancel_delivery import cancel_owed, delivered_to
+from fleet.kernel.cancel_delivery import FlowCancelled, cancel_owed
 from fleet.kernel.errors import (
     ContinueAsNew,
     DuplicateStepError,
@@ -64,6 +64,13 @@ class Decision:
     policy: Policy | None = None
     alternatives: Sequence[Any] | None = None
     context: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class _BranchCancelled:
+    """What a parallel branch that let its cancellation out returns to its scope."""
+
+    cancelled: FlowCancelled
 
 
 class Context:
@@ -306,12 +313,18 @@ class Context:
 
         async def one(i: int, branch: Any) -> Any:
             child = Context(run, scope=scope, branch=f"{scope}.{i}:")
-            if isinstance(branch, tuple):
-                step_id, fn, *args = branch
-                return await child.step(step_id, fn, *args)
-            if not callable(branch):
-                raise ValidationError(f"parallel branch {i} is neither a callable nor a tuple")
-            return await branch(child)
+            try:
+                if isinstance(branch, tuple):
+                    step_id, fn, *args = branch
+                    return await child.step(step_id, fn, *args)
+                if not callable(branch):
+                    raise ValidationError(
+                        f"parallel branch {i} is neither a callable nor a tuple")
+                return await branch(child)
+            except FlowCancelled as cancelled:
+                # Returned, not raised: a task that raises CancelledError counts as
+                # cancelled from outside, and the scope must tell the two apart.
+                return _BranchCancelled(cancelled)
 
         tasks = [asyncio.ensure_future(one(i, b)) for i, b in enumerate(branches)]
         try:
@@ -322,11 +335,13 @@ class Context:
             raise
         outcomes: list[BaseException | None] = [t.exception() if not t.cancelled() else
                                                 asyncio.CancelledError() for t in tasks]
-        if any(delivered_to(exc) for exc in outcomes):
+        reached = [t.result() for t, exc in zip(tasks, outcomes, strict=True)
+                   if exc is None and isinstance(t.result(), _BranchCancelled)]
+        if reached:
             # A cancellation reached the branches: the scope raises it in its parent
             # (recorded there too, so the parent's branch has received it).
             owed = cancel_owed(run, where.branch, f"parallel:{scope}", answered=False)
-            raise owed or next(exc for exc in outcomes if delivered_to(exc))  # type: ignore[misc]
+            raise owed or reached[0].cancelled
         for exc in outcomes:
             if isinstance(exc, RunInterrupt):
                 run.unwind(exc)

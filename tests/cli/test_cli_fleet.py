@@ -133,7 +133,17 @@ def test_start_resume_send_and_cancel_write_first_then_enqueue(env: Env) -> None
     assert _types(_events(env, "fixed-id")) == ["EXECUTION_STARTED"]
     code, out = run("cancel", "fixed-id", "--reason", "unit test")
     assert code == 0, out
-    assert _types(_events(env, "fixed-id"))[-1] == "EXECUTION_CANCELLED"
+    # The request is written and its drive enqueued: the flow sees the cancellation
+    # when a worker drives it.
+    assert _types(_events(env, "fixed-id"))[-1] == "CANCEL_REQUESTED"
+    assert _drive(env, "fixed-id") == "cancelled"
+    assert _types(_events(env, "fixed-id"))[-2:] == ["CANCEL_DELIVERED", "EXECUTION_CANCELLED"]
+
+    code, out = run("start", "cli-gate", "--input", "2", "--execution-id", "forced-id")
+    code, out = run("cancel", "forced-id", "--force", "--json")
+    assert code == 0, out
+    assert json.loads(out) == {"executionId": "forced-id", "cancelled": True, "force": True}
+    assert _types(_events(env, "forced-id")) == ["EXECUTION_STARTED", "EXECUTION_CANCELLED"]
 
 
 def test_dispatch_commands_refuse_bad_arguments_in_one_line(env: Env) -> None:

@@ -6,13 +6,13 @@ synchronous step, so each operation is atomic, yet concurrent callers
 interleave at call boundaries the way they do against a real store; a store
 that never suspended would hide races the runtime has to survive elsewhere.
 
-Envelopes are kept by reference: they are frozen dataclasses and the runtime
-hands over JSON-clean payloads (``ensure_json``), so copying them would only
-cost time. A caller must not mutate a payload dict after appending it. Each
-event is still serialised once on the way in (``spi.encode_event``), so this
-store refuses exactly what SQLite and Postgres refuse: a value that is not JSON,
-a lone surrogate, a NUL in a key, an integer outside int64, an event over
-``max_event_bytes`` (decision 0023).
+It keeps its own copy of what it is given and hands out copies of what it
+keeps, as a store that serialises does: a caller that mutates a payload after
+appending it, or an event (a state, an output) it read, changes nothing stored
+(issue 26 7b). Each event is serialised once on the way in
+(``spi.encode_event``), so this store refuses exactly what SQLite and Postgres
+refuse: a value that is not JSON, a lone surrogate, a NUL in a key, an integer
+outside int64, an event over ``max_event_bytes`` (decision 0023).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import asyncio
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from fleet.kernel.errors import (
     DuplicateSequenceError,
@@ -61,6 +61,22 @@ from fleet.kernel.store.spi import (
 from fleet.kernel.values import check_int64, check_ms, check_text
 
 __all__ = ["MemoryEventStore", "MemorySnapshotStore"]
+
+
+def _json_copy(value: Any) -> Any:
+    """A copy of a JSON value (dicts, lists and scalars) that shares nothing mutable."""
+    kind = type(value)
+    if kind is dict:
+        return {k: _json_copy(v) for k, v in value.items()}
+    if kind is list:
+        return [_json_copy(v) for v in value]
+    return value
+
+
+def _copied(event: EventEnvelope) -> EventEnvelope:
+    """``event`` with payload and metadata of its own."""
+    return EventEnvelope(event.id, event.execution_id, event.sequence, event.type,
+                         event.timestamp, _json_copy(event.payload), _json_copy(event.metadata))
 
 
 async def _tick() -> None:
@@ -284,8 +300,9 @@ class MemoryEventStore:
                                    f"got {first.sequence}")
         if log is None:
             log = self._logs[execution_id] = []
-        log.extend(events)
-        self._feed.extend(events)
+        kept = [_copied(event) for event in events]
+        log.extend(kept)
+        self._feed.extend(kept)
         self._move_index(execution_id, events)
 
     def _move_index(self, execution_id: str, events: Iterable[EventEnvelope]) -> None:
@@ -393,9 +410,7 @@ class MemoryEventStore:
         # The log is contiguous from 0, so a sequence is its list index; a
         # compacted slot holds None.
         tail = log[max(after + 1, 0):]
-        if execution_id in self._compacted:
-            return [e for e in tail if e is not None]
-        return tail  # type: ignore[return-value]
+        return [_copied(e) for e in tail if e is not None]
 
     async def head(self, execution_id: str) -> int | None:
         check_id(execution_id)
@@ -437,7 +452,7 @@ class MemoryEventStore:
             if max_bytes is not None:
                 size += len(event.to_json().encode("utf-8", "surrogatepass"))
             row = self._index.get(event.execution_id)
-            out.append(CommittedEvent(Position(number), event,
+            out.append(CommittedEvent(Position(number), _copied(event),
                                       row.tenant if row is not None else None))
         return out
 
