@@ -5,13 +5,16 @@ written to an append-only log per execution, so it survives crashes, deploys
 and weeks-long waits, and every decision can later be joined to its reward.
 """
 
+from fleet.kernel.children import ChildHandle
 from fleet.kernel.context import Context, Decision, Policy, RetryPolicy
 from fleet.kernel.errors import (
     AccessDeniedError,
     BrokerUnavailableError,
+    ChildFailedError,
     ConfigurationError,
     CorruptLogError,
     DispatcherClosedError,
+    DuplicateReplyError,
     DuplicateSequenceError,
     DuplicateStepError,
     EvaluationError,
@@ -49,6 +52,7 @@ from fleet.kernel.errors import (
     StoreError,
     StoreUnavailableError,
     UnstorableValueError,
+    UpdateFailedError,
     ValidationError,
     WaitTimeoutError,
 )
@@ -65,17 +69,21 @@ from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.sqlite import SqliteEventStore
 from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 from fleet.kernel.timers import FiredTimer
+from fleet.kernel.waits import Update, Wait
 
 __all__ = [
     "EVENT_SCHEMA",
     "AccessDeniedError",
     "AccessPolicy",
     "BrokerUnavailableError",
+    "ChildFailedError",
+    "ChildHandle",
     "ConfigurationError",
     "Context",
     "CorruptLogError",
     "Decision",
     "DispatcherClosedError",
+    "DuplicateReplyError",
     "DuplicateSequenceError",
     "DuplicateStepError",
     "EvaluationError",
@@ -134,7 +142,10 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "UnstorableValueError",
+    "Update",
+    "UpdateFailedError",
     "ValidationError",
+    "Wait",
     "WaitTimeoutError",
     "flow",
     "fold",

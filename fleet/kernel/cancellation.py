@@ -51,16 +51,17 @@ def _finished(state: ExecutionState) -> ExecutionFinishedError:
 
 
 async def cancel_execution(engine: Engine, execution_id: str, *, reason: str,
-                           principal: Principal | None, force: bool,
-                           drive: bool) -> tuple[bool, RunFuture | None]:
+                           principal: Principal | None, force: bool, drive: bool,
+                           system: bool = False) -> tuple[bool, RunFuture | None]:
     """Cancel ``execution_id`` (see the module): whether this call recorded the request
     (or, forced, ended it), and the drive it launched here (None with ``drive=False``:
-    the caller enqueues it; or when nothing was recorded)."""
+    the caller enqueues it; or when nothing was recorded). ``system``: the kernel's own
+    (a parent's children), not judged by the access policy."""
     reason = check_reason(reason)
     state = await engine.fold(execution_id)
     if state.sequence < 0:
         raise ExecutionNotFoundError(f"no execution {execution_id!r}")
-    await engine.access.check(state, "cancel", principal, audit=True)
+    await engine.access.check(state, "cancel", principal, audit=True, system=system)
     if state.terminal:
         raise _finished(state)
     if not force and state.cancel is not None:
@@ -80,16 +81,20 @@ async def cancel_execution(engine: Engine, execution_id: str, *, reason: str,
             bodies.append((EventType.EXECUTION_CANCELLED, {"reason": reason}))
             made = make_events(execution_id, state.sequence, engine.clock(), bodies)
             await engine.writer.write(lease, made)
-            engine.results.settle(fold_log(made, state))
+            engine.ended(fold_log(made, state))
             return True, None
         if state.cancel is not None:
-            return False, None
+            # Another canceller got there first; this one took the fence (and stopped a
+            # run of it here): drive it, or its delivery would wait for the sweeper.
+            return False, (await engine.drive(execution_id, lease) if drive else None)
         body: dict[str, Any] = {"reason": reason}
         if principal is not None:
             body["by"] = principal.actor
         requested = make_events(execution_id, state.sequence, engine.clock(),
                                 [(EventType.CANCEL_REQUESTED, body)])
         await engine.writer.write(lease, requested, last=not drive)
+        if engine.on_cancel_requested is not None:
+            engine.on_cancel_requested(fold_log(requested, state))
         if not drive:
             return True, None
         return True, await engine.drive(execution_id, lease)

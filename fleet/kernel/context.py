@@ -28,6 +28,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from fleet.kernel.cancel_delivery import FlowCancelled, cancel_owed
+from fleet.kernel.children import ChildHandle, start_child
 from fleet.kernel.errors import (
     ContinueAsNew,
     DuplicateStepError,
@@ -38,10 +39,20 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.flow_run import RESERVED_PREFIX, FlowRun, Where, check_op_id
+from fleet.kernel.flows import FlowDefinition
+from fleet.kernel.messaging import deliver, reply, set_value
 from fleet.kernel.security import OUTCOME_FIELDS, check_outcome_shape, guard_userspace_emit
 from fleet.kernel.steps import RetryPolicy, run_step
 from fleet.kernel.values import check_text, due_after, ms_from_datetime
-from fleet.kernel.waits import GateWait, MessageWait, TimerWait, Wait, first, with_timeout
+from fleet.kernel.waits import (
+    GateWait,
+    MessageWait,
+    TimerWait,
+    Update,
+    Wait,
+    first,
+    with_timeout,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +302,47 @@ class Context:
         its answer for the next wait on it.
         """
         return await first(self._where, waits)
+
+    # -- other executions -----------------------------------------------------------
+    async def start_child(self, flow: FlowDefinition | str, input: Any = None, *,
+                          id: str | None = None,
+                          on_parent_close: str = "cancel") -> ChildHandle:
+        """Start a child flow (exactly once) as this flow's principal; its handle at once.
+
+        ``await handle.result()`` is its output (``ChildFailedError`` if it failed or was
+        cancelled) and can be raced in ``first``. Its default id derives from this
+        execution's and the call. When this flow is cancelled or ends, the child is
+        cancelled too unless ``on_parent_close="abandon"`` (``fleet.kernel.children``).
+        """
+        return await start_child(self._where, flow, input, id=id,
+                                 on_parent_close=on_parent_close)
+
+    async def child(self, flow: FlowDefinition | str, input: Any = None, *,
+                    id: str | None = None, on_parent_close: str = "cancel") -> Any:
+        """``await (await ctx.start_child(...)).result()``: run a child flow, its output."""
+        handle = await self.start_child(flow, input, id=id, on_parent_close=on_parent_close)
+        return await handle.result()
+
+    async def send(self, execution_id: str, key: str, payload: Any = None) -> None:
+        """Send a message to another execution's ``ctx.receive(key)``, exactly once, as this
+        flow's principal (``AccessDeniedError`` here if the rules refuse it)."""
+        await deliver(self._where, execution_id, key=key, payload=payload)
+
+    async def resume(self, execution_id: str, gate: str, payload: Any = None) -> None:
+        """Answer the gate another execution waits on, exactly once, as this flow's
+        principal."""
+        await deliver(self._where, execution_id, gate=gate, payload=payload)
+
+    async def set_value(self, key: str, value: Any) -> None:
+        """Publish ``value`` under ``key`` for ``runtime.get_value`` (durable, last write
+        wins): progress or state a caller reads while the flow runs."""
+        await set_value(self._where, key, value)
+
+    async def reply(self, update: Update, value: Any = None, *,
+                    error: BaseException | str | None = None) -> None:
+        """Answer an update (what ``receive`` returned for ``runtime.update``) with
+        ``value``, or with ``error`` (the caller gets ``UpdateFailedError``)."""
+        await reply(self._where, update, value, error=error)
 
     # -- structure --------------------------------------------------------------
     async def parallel(self, branches: Sequence[Any]) -> list[Any]:

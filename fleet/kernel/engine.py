@@ -28,6 +28,7 @@ from fleet.kernel.errors import (
     RunAborted,
 )
 from fleet.kernel.events import EventEnvelope, EventType, wall_clock_ms
+from fleet.kernel.flow_run import RunServices
 from fleet.kernel.flows import FlowDefinition, FlowRegistry
 from fleet.kernel.fold import ExecutionState, apply, fold_log
 from fleet.kernel.handback import HandBack
@@ -92,6 +93,14 @@ class Engine:
         self.hand_back = HandBack()
         # Called with the state of a run that parked (the local timers arm here).
         self.on_parked: Callable[[ExecutionState], None] | None = None
+        # Called with the durable state of an execution that ended, however it ended (a
+        # child's parent is told, its own children are closed: fleet.kernel.children).
+        self.on_ended: Callable[[ExecutionState], None] | None = None
+        # Called with the state of an execution whose cancellation was just requested
+        # (its children are cancelled too).
+        self.on_cancel_requested: Callable[[ExecutionState], None] | None = None
+        # Child flows and messages between executions (the runtime sets a Family).
+        self.services: RunServices | None = None
 
     # -- what a run reads from its host (RunHost) ------------------------------------
     @property
@@ -294,13 +303,19 @@ class Engine:
             pass  # a start whose first write failed: its caller hears why (begin)
         elif outcome.kind in _FAILS_WAITERS and outcome.cause is not None:
             self.results.fail(execution_id, outcome.cause)
-        elif outcome.ended:
+        elif run.state.terminal and run.journal.durable_seq == run.state.sequence:
             # Only an end the log holds wakes result() waiters: the live state
             # of a run whose last write failed may claim an end that never was.
-            self.results.settle(run.state)
+            self.ended(run.state)
         elif outcome.kind == "parked" and self.on_parked is not None:
             self.on_parked(run.state)
         return outcome
+
+    def ended(self, state: ExecutionState) -> None:
+        """``state`` is an end the log holds: wake its waiters, tell ``on_ended``."""
+        self.results.settle(state)
+        if self.on_ended is not None:
+            self.on_ended(state)
 
     async def stop_local(self, execution_id: str, reason: StopReason) -> None:
         """Stop the run of ``execution_id`` in flight here (if any) and wait for it."""
@@ -421,6 +436,11 @@ class Engine:
                 "continuedFrom": run.state.execution_id}
             if definition.code_fingerprint:
                 payload["codeHash"] = definition.code_fingerprint
+            if run.state.parent is not None:
+                payload["parent"] = run.state.parent  # a child's chain ends as the child
+            carried = unreceived(run)
+            if carried:
+                payload["messages"] = carried
             await self.begin(cont.next_execution_id, definition, lease, payload)
 
     async def answer(self, state: ExecutionState, lease: Lease,
@@ -451,6 +471,25 @@ class Engine:
         tasks = [t for t in self.background if not t.done()]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def unreceived(run: Run) -> dict[str, list[dict[str, Any]]]:
+    """The messages a run's body has not taken, by key (each with its ``updateId``): what
+    a continue_as_new successor receives instead (issue 26 7d)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    state = run.state
+    for key, messages in state.messages.items():
+        taken = run.received.get(key, 0)
+        ids = state.message_ids.get(key, [])
+        rest = []
+        for n in range(taken, len(messages)):
+            entry: dict[str, Any] = {"payload": messages[n]}
+            if n < len(ids) and ids[n] is not None:
+                entry["updateId"] = ids[n]
+            rest.append(entry)
+        if rest:
+            out[key] = rest
+    return out
 
 
 def _done(outcome: RunOutcome) -> RunFuture:

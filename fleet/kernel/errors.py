@@ -11,6 +11,7 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     ├── ValidationError               bad input refused before anything was written
     │   ├── NotSerializableError      a value that is not JSON
     │   ├── DuplicateStepError        a step id asked for twice in one execution
+    │   ├── DuplicateReplyError       a second ctx.reply to one update
     │   ├── InvalidPropensityError    a propensity outside (0, 1]
     │   ├── ReservedNameError         a gate / step / emit name the kernel keeps
     │   ├── KernelEventForgeryError   userspace tried to write a kernel-only kind or field
@@ -36,6 +37,8 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     ├── StepFailedError               a step failed for good; the flow may catch it
     ├── ExecutionFailedError          handle.result() of a failed execution
     ├── ExecutionCancelledError       handle.result() of a cancelled execution
+    ├── ChildFailedError              a child flow failed or was cancelled (in the parent)
+    ├── UpdateFailedError             runtime.update: the flow's error, a validator's, no reply
     ├── BrokerUnavailableError        a drive could not be enqueued (retryable)
     ├── DispatcherClosedError         a call on a Dispatcher that is closed or closing
     ├── WaitTimeoutError              an execution did not reach the state waited for in time
@@ -55,7 +58,9 @@ Run control (parking, continuing as new, handing a run back, a run that lost
 the right to write) is not an error and
 deliberately not a ``FleetError``: it derives from ``BaseException`` (like
 ``asyncio.CancelledError``) so a flow's ``except Exception`` cannot swallow it by
-accident.
+accident. The cancellation a flow sees (``runtime.cancel``) is an
+``asyncio.CancelledError`` (``fleet.kernel.cancel_delivery.FlowCancelled``) for the
+same reason.
 """
 
 from __future__ import annotations
@@ -98,6 +103,12 @@ class NotSerializableError(ValidationError):
 
 class DuplicateStepError(ValidationError):
     code = "duplicate_step"
+
+
+class DuplicateReplyError(ValidationError):
+    """``ctx.reply`` to an update that already has its reply (or to what is not one)."""
+
+    code = "duplicate_reply"
 
 
 class InvalidPropensityError(ValidationError):
@@ -247,6 +258,30 @@ class ExecutionFailedError(FleetError):
 
 class ExecutionCancelledError(FleetError):
     code = "execution_cancelled"
+
+
+class ChildFailedError(FleetError):
+    """A child flow failed or was cancelled: raised in the parent at ``handle.result()``
+    (``ctx.child``). ``child_id`` and its recorded ``error`` say which and why."""
+
+    code = "child_failed"
+
+    def __init__(self, message: str, *, child_id: str, error: dict[str, Any]) -> None:
+        super().__init__(message, child_id=child_id)
+        self.child_id = child_id
+        self.error = error
+
+
+class UpdateFailedError(FleetError):
+    """``runtime.update`` got an error: the flow replied with one (``ctx.reply(...,
+    error=)``), its validator refused the update (nothing was written), or the execution
+    ended without replying (its own error, if it failed). ``error`` says which."""
+
+    code = "update_failed"
+
+    def __init__(self, message: str, *, error: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.error = error or {}
 
 
 class BrokerUnavailableError(FleetError):

@@ -22,7 +22,9 @@ from fleet.kernel.values import has_lone_surrogate, printable
 
 EVENT_SCHEMA = "1.2.0"
 # 1.1.0: EXECUTION_DENIED.count. 1.2.0 (decision 0033): CANCEL_REQUESTED, CANCEL_DELIVERED,
-# FIRST_RESOLVED, TIMER_CANCELLED; a "first" park condition (its "waits").
+# FIRST_RESOLVED, TIMER_CANCELLED; a "first" park condition (its "waits"); CHILD_STARTED,
+# CHILD_ENDED, MESSAGE_SENT, VALUE_SET, UPDATE_REPLIED; EXECUTION_STARTED.parent and
+# .messages; MESSAGE_RECEIVED.sendId and .updateId; EXECUTION_RESUMED.sendId.
 
 
 class EventType(StrEnum):
@@ -54,6 +56,11 @@ class EventType(StrEnum):
     CANCEL_DELIVERED = "CANCEL_DELIVERED"
     FIRST_RESOLVED = "FIRST_RESOLVED"
     TIMER_CANCELLED = "TIMER_CANCELLED"
+    CHILD_STARTED = "CHILD_STARTED"
+    CHILD_ENDED = "CHILD_ENDED"
+    MESSAGE_SENT = "MESSAGE_SENT"
+    VALUE_SET = "VALUE_SET"
+    UPDATE_REPLIED = "UPDATE_REPLIED"
 
 
 def wall_clock_ms() -> int:
@@ -125,6 +132,11 @@ class ExecutionStarted(_Payload):
     owner: Owner | None = None
     deadlineAt: int | None = None
     continuedFrom: str | None = None
+    # A child flow's parent: {"executionId", "name", "onParentClose"} (ctx.start_child).
+    parent: dict[str, Any] | None = None
+    # Messages a continue_as_new predecessor received and the body had not taken:
+    # {key: [{"payload", "updateId"?}...]}.
+    messages: dict[str, list[dict[str, Any]]] | None = None
 
 
 class StepStarted(_Payload):
@@ -201,7 +213,7 @@ class TimerFired(_Payload):
 
 class Condition(_Payload):
     on: str
-    kind: Literal["gate", "timer", "message", "indoubt", "diverged", "first"] = "gate"
+    kind: Literal["gate", "timer", "message", "indoubt", "diverged", "first", "child"] = "gate"
     correlationKey: str | None = None
     # kind "first" (ctx.first, a wait with a timeout): what it waits on, any of them.
     waits: list[dict[str, Any]] | None = None
@@ -215,11 +227,14 @@ class ExecutionResumed(_Payload):
     gate: str
     payload: Json = None
     by: str | None = None
+    sendId: str | None = None  # a flow's ctx.resume: "<sender>:<call>"
 
 
 class MessageReceived(_Payload):
     key: str
     payload: Json = None
+    sendId: str | None = None    # a flow's ctx.send: "<sender>:<call>" (a repeat is dropped)
+    updateId: str | None = None  # runtime.update: the caller waits for its reply
 
 
 class ParallelStarted(_Payload):
@@ -289,6 +304,41 @@ class TimerCancelled(_Payload):
     timerId: str
 
 
+class ChildStarted(_Payload):
+    name: str               # the parent's call: "<branch>child#<n>"
+    childId: str
+    flowId: str
+    onParentClose: Literal["cancel", "abandon"] = "cancel"
+
+
+class ChildEnded(_Payload):
+    name: str
+    childId: str            # the execution that ended (the last of a continued chain)
+    status: Literal["completed", "failed", "cancelled"]
+    output: Json = None
+    error: ErrorInfo | None = None
+
+
+class MessageSent(_Payload):
+    name: str               # the sender's call: "<branch>send#<n>" / "<branch>resume#<n>"
+    target: str
+    key: str | None = None  # a message's key, or
+    gate: str | None = None  # the gate a resume answered
+    error: ErrorInfo | None = None  # refused (access, not found): the flow got this error
+
+
+class ValueSet(_Payload):
+    name: str               # "<branch>set#<n>"
+    key: str
+    value: Json = None
+
+
+class UpdateReplied(_Payload):
+    updateId: str
+    value: Json = None
+    error: ErrorInfo | None = None
+
+
 PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.EXECUTION_STARTED: ExecutionStarted,
     EventType.STEP_STARTED: StepStarted,
@@ -318,6 +368,11 @@ PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.CANCEL_DELIVERED: CancelDelivered,
     EventType.FIRST_RESOLVED: FirstResolved,
     EventType.TIMER_CANCELLED: TimerCancelled,
+    EventType.CHILD_STARTED: ChildStarted,
+    EventType.CHILD_ENDED: ChildEnded,
+    EventType.MESSAGE_SENT: MessageSent,
+    EventType.VALUE_SET: ValueSet,
+    EventType.UPDATE_REPLIED: UpdateReplied,
 }
 
 

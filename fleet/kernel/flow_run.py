@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 from fleet.kernel.errors import ReservedNameError, RunInterrupt, ValidationError
 from fleet.kernel.events import EventType
+from fleet.kernel.flows import FlowDefinition
 from fleet.kernel.fold import ExecutionState
 from fleet.kernel.journal import Journal
 from fleet.kernel.values import check_text
@@ -40,6 +41,27 @@ class OpenDecision(Protocol):
 
     def close(self) -> None:
         """The decider returned (or raised): stop collecting its steps."""
+
+
+class RunServices(Protocol):
+    """What a flow's calls that reach other executions need from the runtime
+    (``fleet.kernel.family.Family`` is one): child flows, messages and resumes."""
+
+    def flow(self, flow: FlowDefinition | str) -> FlowDefinition:
+        """The registered definition of ``flow`` (``FlowNotFoundError`` otherwise)."""
+
+    async def start_child(self, parent: ExecutionState, definition: FlowDefinition,
+                          child_id: str, data: Any, name: str, on_parent_close: str) -> None:
+        """Make the child exist (once: a repeat finds it, and refuses one that is not
+        this parent's child with ``ExecutionConflictError``) and see that it is driven."""
+
+    async def final_state(self, execution_id: str) -> ExecutionState:
+        """The state of ``execution_id``, following its continue_as_new chain to the end."""
+
+    async def deliver(self, sender: ExecutionState, target: str, *, key: str | None,
+                      gate: str | None, payload: Any, send_id: str) -> None:
+        """A flow's ``ctx.send`` (``key``) or ``ctx.resume`` (``gate``) to ``target``, as
+        the sender's principal, at most once for ``send_id``."""
 
 
 class FlowRun(Protocol):
@@ -116,6 +138,19 @@ class FlowRun(Protocol):
     def cancel_used(self) -> dict[tuple[str, str], int]:
         """Recorded cancel deliveries this drive has raised again, by (call, branch)."""
 
+    @property
+    def services(self) -> RunServices:
+        """Calls that reach other executions (children, messages)."""
+
+    @property
+    def replied(self) -> set[str]:
+        """The updates this drive has replied to (a second reply is refused)."""
+
+    @property
+    def received(self) -> dict[str, int]:
+        """How many messages of each key the body has taken in this drive (the rest move
+        to a continue_as_new successor)."""
+
 
 @dataclass(slots=True)
 class Counters:
@@ -148,4 +183,5 @@ class Where:
         return f"{self.branch}{kind}#{self.counters.next(kind)}"
 
 
-__all__ = ["RESERVED_PREFIX", "Counters", "FlowRun", "OpenDecision", "Where", "check_op_id"]
+__all__ = ["RESERVED_PREFIX", "Counters", "FlowRun", "OpenDecision", "RunServices", "Where",
+           "check_op_id"]

@@ -52,6 +52,9 @@ class FlowDefinition:
     compatible_with: tuple[str, ...] = ()
     step_families: tuple[str | re.Pattern[str], ...] = ()
     _hashes: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # runtime.update's validators by message key (``@my_flow.validator("key")``).
+    validators: dict[str, Callable[[Any], Any]] = field(default_factory=dict, compare=False,
+                                                        repr=False)
 
     def canonical(self) -> str:
         """The canonical structure both hashes are computed over."""
@@ -94,6 +97,16 @@ class FlowDefinition:
 
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return await self.body(*args, **kwargs)
+
+    def validator(self, key: str) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
+        """Register a validator for ``runtime.update(execution_id, key, payload)``: it is
+        called with the payload before anything is written, and refuses the update by
+        raising (the caller gets ``UpdateFailedError``); it may be ``async``. Not part of
+        the flow's hash: it runs in the caller's process, never in a replay."""
+        def register(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            self.validators[key] = fn
+            return fn
+        return register
 
 
 def sha256_hex(data: bytes) -> str:

@@ -127,6 +127,22 @@ class ExecutionState:
     cancel_deliveries: list[dict[str, Any]] = field(default_factory=list)
     # ctx.first: which wait won each race, by the race's name.
     races: dict[str, int] = field(default_factory=dict)
+    # Child flows: this one's parent ({"executionId", "name", "onParentClose"}), and the
+    # children it started by call name ({"childId", "flowId", "onParentClose", and once
+    # ended "status", "output", "error", "endSeq"}).
+    parent: dict[str, Any] | None = None
+    children: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Messages and resumes this flow sent, by call name (ctx.send / ctx.resume).
+    sent: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The sendIds of messages and resumes received (a repeat is dropped), and each
+    # message's updateId (None: a plain message), in step with ``messages``.
+    send_ids: set[str] = field(default_factory=set)
+    message_ids: dict[str, list[str | None]] = field(default_factory=dict)
+    # ctx.set_value: the values by key (last write wins) and the calls recorded.
+    published: dict[str, Any] = field(default_factory=dict)
+    published_names: set[str] = field(default_factory=set)
+    # ctx.reply: the answer to each update, by updateId ({"value"} or {"error"}).
+    replies: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Derived, not part of the wire form: the sequence of each answer, so a race
     # resolved live picks the answer that came first (a snapshot's state has none:
     # a race then falls back to the order of its waits).
@@ -181,6 +197,21 @@ class ExecutionState:
             out["_cancelDeliveries"] = copy.deepcopy(self.cancel_deliveries)
         if self.races:
             out["_races"] = dict(self.races)
+        if self.parent is not None:
+            out["parent"] = dict(self.parent)
+        if self.children:
+            out["_children"] = copy.deepcopy(self.children)
+        if self.sent:
+            out["_sent"] = copy.deepcopy(self.sent)
+        if self.send_ids:
+            out["_sendIds"] = sorted(self.send_ids)
+        if any(i is not None for ids in self.message_ids.values() for i in ids):
+            out["_messageIds"] = copy.deepcopy(self.message_ids)
+        if self.published_names:
+            out["_published"] = copy.deepcopy(self.published)
+            out["_publishedNames"] = sorted(self.published_names)
+        if self.replies:
+            out["_replies"] = copy.deepcopy(self.replies)
         return out
 
     @classmethod
@@ -205,7 +236,12 @@ class ExecutionState:
             error=d.get("error"), started_at=d.get("startedAt"),
             updated_at=d.get("updatedAt"), cancel=d.get("cancel"),
             cancel_deliveries=d.get("_cancelDeliveries") or [],
-            races=d.get("_races") or {})
+            races=d.get("_races") or {}, parent=d.get("parent"),
+            children=d.get("_children") or {}, sent=d.get("_sent") or {},
+            send_ids=set(d.get("_sendIds") or ()), message_ids=d.get("_messageIds") or {},
+            published=d.get("_published") or {},
+            published_names=set(d.get("_publishedNames") or ()),
+            replies=d.get("_replies") or {})
 
     def copy(self) -> ExecutionState:
         out = ExecutionState.from_dict(self.to_dict())
@@ -258,6 +294,17 @@ def _started(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
     st.deadline_at = p.get("deadlineAt")
     st.continued_from = p.get("continuedFrom")
     st.started_at = ts
+    parent = p.get("parent")
+    if isinstance(parent, dict) and ev.kernel:
+        st.parent = dict(parent)
+    carried = p.get("messages")
+    if isinstance(carried, dict) and ev.kernel:
+        # Messages a continue_as_new predecessor had not taken (decision 0033).
+        for key, entries in carried.items():
+            for entry in entries if isinstance(entries, list) else ():
+                if isinstance(entry, dict):
+                    _add_message(st, str(key), entry.get("payload"), entry.get("updateId"),
+                                 seq)
 
 
 def _attempt(value: Any, default: int) -> int:
@@ -401,6 +448,11 @@ def _suspended(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: in
 def _resumed(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
              ts: int) -> None:
     gate = str(p.get("gate", ""))
+    send_id = p.get("sendId")
+    if isinstance(send_id, str):
+        if send_id in st.send_ids:
+            return  # a flow's resume repeated after a crash: answered once
+        st.send_ids.add(send_id)
     # A status-only gate's answer (divergence retry, message wake) never reaches the flow.
     if gate not in STATUS_ONLY_GATES:
         st.resume_payloads.setdefault(gate, []).append(p.get("payload"))
@@ -412,8 +464,23 @@ def _resumed(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
 
 def _message(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
              ts: int) -> None:
-    key = str(p.get("key", ""))
-    st.messages.setdefault(key, []).append(p.get("payload"))
+    send_id = p.get("sendId")
+    if isinstance(send_id, str):
+        if send_id in st.send_ids:
+            return  # a flow's send repeated after a crash: delivered once
+        st.send_ids.add(send_id)
+    update_id = p.get("updateId")
+    _add_message(st, str(p.get("key", "")), p.get("payload"),
+                 update_id if isinstance(update_id, str) else None, seq)
+
+
+def _add_message(st: ExecutionState, key: str, payload: Any, update_id: str | None,
+                 seq: int) -> None:
+    messages = st.messages.setdefault(key, [])
+    ids = st.message_ids.setdefault(key, [])
+    ids.extend([None] * (len(messages) - len(ids)))  # a state from before message ids
+    messages.append(payload)
+    ids.append(update_id)
     st.message_seqs.setdefault(key, []).append(seq)
 
 
@@ -494,6 +561,47 @@ def _first_resolved(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], se
         st.races[str(p.get("name", ""))] = index
 
 
+def _child_started(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+                   ts: int) -> None:
+    name = str(p.get("name", ""))
+    if name not in st.children:
+        st.children[name] = {"childId": p.get("childId"), "flowId": p.get("flowId"),
+                             "onParentClose": p.get("onParentClose", "cancel")}
+
+
+def _child_ended(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+                 ts: int) -> None:
+    name = str(p.get("name", ""))
+    child = st.children.setdefault(name, {"childId": p.get("childId")})
+    if "status" in child:
+        return  # told twice (a notice and the parent's own look): the first stands
+    child.update({"status": p.get("status"), "output": p.get("output"),
+                  "error": p.get("error"), "endSeq": seq, "endedId": p.get("childId")})
+    if st.status == "parked" and waits_on(st.waiting, "child", str(child.get("childId"))):
+        st.status = "running"
+        st.waiting = None
+
+
+def _message_sent(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+                  ts: int) -> None:
+    st.sent[str(p.get("name", ""))] = {k: p.get(k) for k in ("target", "key", "gate", "error")
+                                       if p.get(k) is not None}
+
+
+def _value_set(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+               ts: int) -> None:
+    st.published_names.add(str(p.get("name", "")))
+    st.published[str(p.get("key", ""))] = p.get("value")
+
+
+def _update_replied(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+                    ts: int) -> None:
+    update_id = str(p.get("updateId", ""))
+    if update_id not in st.replies:
+        st.replies[update_id] = ({"error": p.get("error")} if p.get("error") is not None
+                                 else {"value": p.get("value")})
+
+
 def _denied(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
             ts: int) -> None:
     st.denials += 1
@@ -533,4 +641,9 @@ _HANDLERS: dict[EventType, Any] = {
     EventType.CANCEL_DELIVERED: _cancel_delivered,
     EventType.FIRST_RESOLVED: _first_resolved,
     EventType.TIMER_CANCELLED: _timer_cancelled,
+    EventType.CHILD_STARTED: _child_started,
+    EventType.CHILD_ENDED: _child_ended,
+    EventType.MESSAGE_SENT: _message_sent,
+    EventType.VALUE_SET: _value_set,
+    EventType.UPDATE_REPLIED: _update_replied,
 }

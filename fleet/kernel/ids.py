@@ -6,7 +6,8 @@ same successor):
 
 - **idempotency ids**: ``idem-`` + 40 hex of sha256 over ``[tenant, flow, key]``
   (``Runtime.start(idempotency_key=...)``; the dispatcher starts through it);
-- **successor ids**: ``<id>~<n>`` for the n-th ``continue_as_new`` of ``<id>``.
+- **successor ids**: ``<id>~<n>`` for the n-th ``continue_as_new`` of ``<id>``;
+- **child ids**: ``<parent>/<branch>child#<n>`` for a child flow started with no id.
 
 A predictable id can be squatted: created first, with an explicit id, by
 someone who then receives the victim's later start or continuation. So these
@@ -29,6 +30,8 @@ from fleet.kernel.values import check_text
 IDEMPOTENT_PREFIX = "idem-"
 RESERVED_ID_PREFIX = "__fleet_"
 _SUCCESSOR = re.compile(r"~[0-9]+\Z")
+# A child flow's default id: "<parent>/<branch>child#<n>" (fleet.kernel.children).
+_CHILD = re.compile(r"/[0-9./:]*child#[0-9]+\Z")
 
 
 def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
@@ -51,7 +54,8 @@ def successor_id(execution_id: str) -> str:
 def is_derived(execution_id: str) -> bool:
     """Whether ``execution_id`` has a form only the kernel derives."""
     return (execution_id.startswith((IDEMPOTENT_PREFIX, RESERVED_ID_PREFIX))
-            or _SUCCESSOR.search(execution_id) is not None)
+            or _SUCCESSOR.search(execution_id) is not None
+            or _CHILD.search(execution_id) is not None)
 
 
 def check_explicit_id(execution_id: object) -> str:
@@ -66,6 +70,10 @@ def check_explicit_id(execution_id: object) -> str:
     if execution_id.startswith(RESERVED_ID_PREFIX):
         raise ReservedNameError(f"execution ids starting {RESERVED_ID_PREFIX!r} are the "
                                 "runtime's")
+    if _CHILD.search(execution_id) is not None:
+        raise ReservedNameError(
+            f"execution id {execution_id[-40:]!r} ends in '/child#<n>', the form of a child "
+            "flow's default id; pick another id")
     if _SUCCESSOR.search(execution_id) is not None:
         raise ReservedNameError(
             f"execution id {execution_id[-40:]!r} ends in '~<n>', the form of a "

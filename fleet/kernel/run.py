@@ -50,6 +50,7 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventType, ensure_json
+from fleet.kernel.flow_run import RunServices
 from fleet.kernel.flows import FlowDefinition
 from fleet.kernel.fold import DIVERGED_GATE, ExecutionState
 from fleet.kernel.ids import successor_id
@@ -118,6 +119,10 @@ class RunHost(Protocol):
 
     async def load(self, execution_id: str) -> tuple[ExecutionState, EventType | None]:
         """The durable state of ``execution_id`` (snapshot + tail) and its last event's type."""
+
+    @property
+    def services(self) -> RunServices | None:
+        """Child flows and messages (``fleet.kernel.family``); None: not offered."""
 
 
 class _InnerSteps:
@@ -217,6 +222,11 @@ class Run:
         self._unwinding: dict[asyncio.Task[Any], RunInterrupt] = {}
         # Recorded cancel deliveries raised again in this drive (cancel_delivery).
         self.cancel_used: dict[tuple[str, str], int] = {}
+        # Whether the body asked to continue as new (its unreceived messages move on).
+        self.continuing = False
+        # The updates replied to, and the messages taken per key, in this drive.
+        self.replied: set[str] = set()
+        self.received: dict[str, int] = {}
 
     def issue(self, interrupt: _I) -> _I:
         """Mark ``interrupt`` as raised by the kernel for this run (``Context``, the hand-back).
@@ -228,7 +238,17 @@ class Run:
         """
         self._issued.append(interrupt)
         self.unwind(interrupt)
+        if isinstance(interrupt, ContinueAsNew):
+            self.continuing = True  # a message now waits for the successor (delivery)
         return interrupt
+
+    @property
+    def services(self) -> RunServices:
+        services = self.host.services
+        if services is None:
+            raise ConfigurationError("this runtime offers no child flows or messages to other "
+                                     "executions (a dry replay)")
+        return services
 
     def unwind(self, interrupt: RunInterrupt) -> None:
         task = asyncio.current_task()

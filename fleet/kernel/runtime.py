@@ -18,25 +18,24 @@ import socket
 import uuid
 from collections.abc import Sequence
 from dataclasses import fields
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from fleet.kernel.cancellation import cancel_execution
 from fleet.kernel.context import RESERVED_PREFIX
+from fleet.kernel.delivery import resume_gate, send_message
 from fleet.kernel.engine import Engine
 from fleet.kernel.errors import (
     ConfigurationError,
     ExecutionBusyError,
-    ExecutionFinishedError,
     ExecutionNotFoundError,
     FlowNotFoundError,
-    ReservedNameError,
     ValidationError,
 )
-from fleet.kernel.events import EventType, ensure_json
+from fleet.kernel.events import ensure_json
+from fleet.kernel.family import Family
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
-from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE, ExecutionState, waits_on
-from fleet.kernel.gates import check_resumable, indoubt_answer
+from fleet.kernel.fold import DIVERGED_GATE, ExecutionState
 from fleet.kernel.handle import ExecutionHandle
 from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
 from fleet.kernel.migration import resume_as
@@ -49,6 +48,7 @@ from fleet.kernel.options import (
     RuntimeStats,
 )
 from fleet.kernel.outcomes import OutcomeResult, record_outcome
+from fleet.kernel.queries import get_value, update
 from fleet.kernel.recovery import RecoveryReport, recover_abandoned
 from fleet.kernel.results import Until
 from fleet.kernel.run import ReplayFrontier as ReplayFrontier
@@ -59,8 +59,7 @@ from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.timers import FiredTimer, Timers
-from fleet.kernel.values import check_text, ms_from_datetime
-from fleet.kernel.writes import make_events
+from fleet.kernel.values import ms_from_datetime
 
 # The divergence mode of a runtime built without ``divergence=`` and not strict
 # (ADR 0113 D3: warn first). Tests can force it (FLEET_TEST_DIVERGENCE=fail).
@@ -128,6 +127,8 @@ class Runtime(StatsAttributes):
                              divergence=options.divergence_mode(DEFAULT_DIVERGENCE),
                              holder=self.holder, warner=self.warner)
         self.timers = Timers(self.engine, local=options.local_timers)
+        # Child flows and messages between executions (fleet.kernel.family).
+        self.family = Family(self.engine)
         self.stats: RuntimeStats = self.engine.stats
         self.clock = self.engine.clock
         # The settings in force, as attributes (as before RuntimeOptions): set once
@@ -251,31 +252,14 @@ class Runtime(StatsAttributes):
     async def resume(self, execution_id: str, gate: str, payload: Any = None, *,
                      principal: Principal | None = None,
                      drive: bool = True) -> ExecutionHandle:
-        """Answer the gate a parked execution waits on, then drive it."""
-        engine = self.engine
-        state = await engine.fold(execution_id)
-        if state.sequence < 0:
-            raise ExecutionNotFoundError(f"no execution {execution_id!r}")
-        await engine.access.check(state, "resume", principal, audit=True)
-        data = ensure_json(payload, f"the payload for gate {gate!r}")
-        check_resumable(state, gate, running=await engine.why_running(state))
-        lease = await engine.take_if_free(execution_id)
-        if lease is None:
-            raise ExecutionBusyError(
-                f"execution {execution_id!r} is held by a live lease; retry shortly")
-        async with lease:
-            state = await engine.fold(execution_id)  # re-judge under the fence
-            check_resumable(state, gate)
-            if gate == INDOUBT_GATE:
-                data = indoubt_answer(state, data)
-            elif gate == DIVERGED_GATE:
-                data = None  # status-only: the answer never reaches the flow
-            body: dict[str, Any] = {"gate": gate, "payload": data}
-            if principal is not None:
-                body["by"] = principal.actor
-            run = await engine.answer(state, lease, [(EventType.EXECUTION_RESUMED, body)],
-                                      drive=drive)
-        return ExecutionHandle(self, execution_id, run)
+        """Answer the gate a parked execution waits on, then drive it.
+
+        An execution that continued as new is answered in the newest run of its chain
+        (the handle names that one).
+        """
+        answered, run = await resume_gate(self.engine, execution_id, gate, payload,
+                                          principal=principal, drive=drive)
+        return ExecutionHandle(self, answered, run)
 
     async def retry_diverged(self, execution_id: str, *, principal: Principal | None = None,
                              drive: bool = True) -> ExecutionHandle:
@@ -291,51 +275,13 @@ class Runtime(StatsAttributes):
                    principal: Principal | None = None, drive: bool = True) -> bool:
         """Deliver a message to ``ctx.receive(key)``; wakes the execution if it waits.
 
-        Returns True when the message woke a parked execution (with
-        ``drive=False`` the caller then enqueues its drive).
+        Returns True when the message woke a parked execution (with ``drive=False``
+        the caller then enqueues its drive). An execution that continued as new gets
+        it in the newest run of its chain.
         """
-        if not isinstance(key, str) or not key:
-            raise ValidationError("a message key must be a non-empty string")
-        check_text(key, "message key")  # what ctx.receive would refuse is refused here too
-        if key.startswith(RESERVED_PREFIX):
-            raise ReservedNameError(f"message key {key!r} uses the reserved prefix "
-                                    f"{RESERVED_PREFIX}")
-        engine = self.engine
-        state = await engine.fold(execution_id)
-        if state.sequence < 0:
-            raise ExecutionNotFoundError(f"no execution {execution_id!r}")
-        await engine.access.check(state, "send", principal, audit=False)
-        data = ensure_json(payload, f"the message {key!r}")
-        message = (EventType.MESSAGE_RECEIVED, {"key": key, "payload": data})
-        for _ in range(50):
-            run = engine.runs.get(execution_id)
-            if run is not None and run.journal.failed is None and not run.state.parked \
-                    and not run.state.terminal:
-                # Held by a run here: the message joins that run's journal.
-                run.journal.commit(*message)
-                await run.journal.barrier()
-                return False
-            if run is not None and run.task is not None and not run.task.done():
-                await asyncio.wait({run.task})
-                continue
-            lease = await engine.take_if_free(execution_id)
-            if lease is None:
-                raise ExecutionBusyError(
-                    f"execution {execution_id!r} is held by a live lease elsewhere; retry")
-            async with lease:
-                state = await engine.fold(execution_id)
-                if state.terminal:
-                    raise ExecutionFinishedError(
-                        f"execution {execution_id!r} already ended ({state.status})")
-                if state.parked and waits_on(state.waiting, "message", MESSAGE_GATE, key):
-                    await engine.answer(state, lease, [
-                        message, (EventType.EXECUTION_RESUMED, {"gate": MESSAGE_GATE})],
-                        drive=drive)
-                    return True
-                await engine.writer.write(lease, make_events(execution_id, state.sequence,
-                                                             self.clock(), [message]))
-                return False
-        raise ExecutionBusyError(f"execution {execution_id!r} stayed busy; retry")
+        _, woke = await send_message(self.engine, execution_id, key, payload,
+                                     principal=principal, drive=drive)
+        return woke
 
     # ---------------------------------------------------------------- cancel
     async def cancel(self, execution_id: str, *, reason: str = "",
@@ -394,6 +340,25 @@ class Runtime(StatsAttributes):
         if not system:
             await self.engine.access.check(state, "read", principal, audit=False)
         return state
+
+    async def get_value(self, execution_id: str, key: str, *,
+                        timeout: float | timedelta | None = None,
+                        principal: Principal | None = None, system: bool = False) -> Any:
+        """A value the flow published with ``ctx.set_value`` (the latest); with
+        ``timeout`` it waits that long for it (``WaitTimeoutError`` after). Writes
+        nothing; answers after the execution ended too. Authorised as ``read``."""
+        return await get_value(self.engine, execution_id, key, timeout=timeout,
+                               principal=principal, system=system)
+
+    async def update(self, execution_id: str, key: str, payload: Any = None, *,
+                     timeout: float | timedelta | None = None, update_id: str | None = None,
+                     principal: Principal | None = None) -> Any:
+        """Send an update the flow takes with ``ctx.receive(key)`` and answers with
+        ``ctx.reply``; its reply (``UpdateFailedError`` for the flow's error or its
+        validator's refusal). A retry with the same ``update_id`` gets the first answer
+        and delivers nothing new (``fleet.kernel.queries``). Authorised as ``send``."""
+        return await update(self.engine, execution_id, key, payload, timeout=timeout,
+                            update_id=update_id, principal=principal)
 
     async def result(self, execution_id: str) -> Any:
         """Wait for an execution (and its continuations) to finish; its output."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fleet.kernel.cancel_delivery import cancel_owed
@@ -65,6 +66,10 @@ class Wait:
     def condition(self) -> dict[str, Any]:
         """What the execution parks on for this wait."""
         raise NotImplementedError
+
+    def conditions(self) -> list[dict[str, Any]]:
+        """What a race that includes this wait parks on for it (any of them wakes it)."""
+        return [self.condition()]
 
     async def prepare(self) -> None:
         """Record what must exist before the wait (a timer's due time)."""
@@ -172,11 +177,25 @@ class MessageWait(Wait):
         return ((seqs[n] if n < len(seqs) else _UNKNOWN, 0.0), messages[n])
 
     def take(self, value: Any) -> Any:
-        self.where.counters.next(self._counter)
-        return value
+        n = self.where.counters.next(self._counter)
+        run = self.where.run
+        run.received[self.key] = max(run.received.get(self.key, 0), n + 1)
+        ids = run.state.message_ids.get(self.key, [])
+        update_id = ids[n] if n < len(ids) else None
+        return value if update_id is None else Update(self.key, value, update_id)
 
     def condition(self) -> dict[str, Any]:
         return {"on": MESSAGE_GATE, "kind": "message", "correlationKey": self.key}
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """A message ``runtime.update`` sent: ``ctx.receive`` hands it over instead of the bare
+    payload, and the flow answers it with ``ctx.reply(update, value)`` (or ``error=``)."""
+
+    key: str
+    payload: Any
+    update_id: str
 
 
 class TimerWait(Wait):
@@ -189,9 +208,9 @@ class TimerWait(Wait):
     __slots__ = ("due", "elapsed", "seconds", "timer_id")
 
     def __init__(self, where: Where, *, kind: str = "sleep", seconds: float | None = None,
-                 due: int | None = None) -> None:
+                 due: int | None = None, timer_id: str | None = None) -> None:
         super().__init__(where)
-        self.timer_id = where.name(kind)
+        self.timer_id = timer_id if timer_id is not None else where.name(kind)
         self.seconds = seconds
         self.due = due
         self.elapsed = False
@@ -302,8 +321,8 @@ async def first(where: Where, waits: Sequence[Any]) -> tuple[int, Any]:
             await _wait_inline(where, seconds)
             waits[nearest].elapse()
             continue
-        raise run.issue(ExecutionParked({"on": name, "kind": "first",
-                                         "waits": [wait.condition() for wait in waits]}))
+        raise run.issue(ExecutionParked({"on": name, "kind": "first", "waits": [
+            condition for wait in waits for condition in wait.conditions()]}))
 
 
 def _replayed(name: str, index: int, waits: Sequence[Wait]) -> tuple[int, Any]:
@@ -328,4 +347,4 @@ async def with_timeout(where: Where, wait: Wait, timeout: Any, what: str) -> Any
     return value
 
 
-__all__ = ["GateWait", "MessageWait", "TimerWait", "Wait", "first", "with_timeout"]
+__all__ = ["GateWait", "MessageWait", "TimerWait", "Update", "Wait", "first", "with_timeout"]

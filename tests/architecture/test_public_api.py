@@ -32,6 +32,9 @@ EXPECTED = {
     "SqliteSnapshotStore", "StaleFenceError", "StepFailedError", "StepFailure", "StoreError",
     "StoreUnavailableError", "UnstorableValueError", "ValidationError", "WaitTimeoutError",
     "flow", "fold", "fold_log",
+    # Issue 26 (decision 0033): child flows, updates, durable waits.
+    "ChildFailedError", "ChildHandle", "DuplicateReplyError", "Update", "UpdateFailedError",
+    "Wait",
 }
 
 

@@ -35,6 +35,11 @@ _DEFAULT_PAYLOADS: dict[EventType, dict[str, Any]] = {
     E.CANCEL_DELIVERED: {"at": "gate:approval#0"},
     E.FIRST_RESOLVED: {"name": "first#0", "index": 0},
     E.TIMER_CANCELLED: {"timerId": "t"},
+    E.CHILD_STARTED: {"name": "child#0", "childId": "c", "flowId": "flow"},
+    E.CHILD_ENDED: {"name": "child#0", "childId": "c", "status": "completed"},
+    E.MESSAGE_SENT: {"name": "send#0", "target": "t", "key": "k"},
+    E.VALUE_SET: {"name": "set#0", "key": "k", "value": 1},
+    E.UPDATE_REPLIED: {"updateId": "u", "value": 1},
 }
 
 
