@@ -31,12 +31,10 @@ from contextvars import ContextVar
 from typing import Any, Literal, Protocol, TypeVar
 
 from fleet.kernel.context import Context
-from fleet.kernel.divergence import JUDGED, DivergenceDetector, skipped_key
+from fleet.kernel.divergence import JUDGED, DivergenceDetector
 from fleet.kernel.errors import (
     ConfigurationError,
     ContinueAsNew,
-    DuplicateSequenceError,
-    ExecutionBusyError,
     ExecutionConflictError,
     ExecutionParked,
     FleetError,
@@ -46,20 +44,19 @@ from fleet.kernel.errors import (
     ReplayError,
     RunAborted,
     RunInterrupt,
-    StaleFenceError,
     ValidationError,
 )
 from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.flow_run import RunServices
 from fleet.kernel.flows import FlowDefinition
-from fleet.kernel.fold import DIVERGED_GATE, ExecutionState
+from fleet.kernel.fold import ExecutionState
 from fleet.kernel.ids import successor_id
 from fleet.kernel.journal import Journal
 from fleet.kernel.lease import Lease
 from fleet.kernel.observers import Warner
 from fleet.kernel.options import DivergenceMode, RuntimeStats
-from fleet.kernel.run_outcome import OutcomeKind, RunOutcome, Waiting
-from fleet.kernel.values import printable
+from fleet.kernel.run_endings import RunEndings
+from fleet.kernel.run_outcome import RunOutcome, Waiting
 
 _INNER_MAX_IDS = 4096
 _INNER_MAX_BYTES = 64 * 1024
@@ -72,16 +69,6 @@ _ENDS_RUN = frozenset({EventType.EXECUTION_COMPLETED, EventType.EXECUTION_SUSPEN
 ABORTS_RUN = (ReplayError,)
 _I = TypeVar("_I", bound=RunInterrupt)
 
-
-def error_of(exc: BaseException) -> dict[str, Any]:
-    """The recorded form of ``exc`` (``EXECUTION_FAILED`` / ``STEP_FAILED``), always storable:
-    its message is cut to 4,000 characters and made valid Unicode."""
-    if isinstance(exc, FleetError):
-        error = exc.to_dict()
-        error["message"] = printable(error["message"], 4000)
-        return error
-    return {"type": type(exc).__name__, "message": printable(str(exc), 4000),
-            "retryable": False}
 
 # Why a run's task was cancelled by the kernel (None: from outside, e.g. a crash drill).
 StopReason = Literal["cut", "cancelled", "superseded"]
@@ -177,7 +164,7 @@ class ReplayFrontier(RunInterrupt):
         self.ident = ident
 
 
-class Run:
+class Run(RunEndings):
     """One drive of one execution: the journal, the lease, the body's bookkeeping.
 
     Args:
@@ -187,6 +174,8 @@ class Run:
         lease: The execution's fence, released when ``execute`` returns; None for a
             dry replay (``replay_check``), which never calls ``execute``.
     """
+
+    host: RunHost
 
     def __init__(self, host: RunHost, definition: FlowDefinition, journal: Journal,
                  lease: Lease | None = None) -> None:
@@ -461,148 +450,6 @@ class Run:
         a hand-back cut, a crash drill), not by a cancellation the flow let out."""
         task = asyncio.current_task()
         return self.stop is not None or task is None or task.cancelling() > 0
-
-    async def _end_cancelled(self, exc: asyncio.CancelledError) -> RunOutcome:
-        """The body let ``asyncio.CancelledError`` out: it ends ``cancelled`` when a
-        cancellation was requested (decision 0033); a flow that cancels itself with no
-        request fails, naming that."""
-        cancel = self.state.cancel
-        if cancel is None:
-            return await self._fail(exc, {
-                "type": "CancelledError", "retryable": False,
-                "message": "the flow raised asyncio.CancelledError but no cancellation was "
-                           "requested (runtime.cancel); a flow ends itself by returning or "
-                           "raising another exception"})
-        self.journal.commit(EventType.EXECUTION_CANCELLED,
-                            {"reason": str(cancel.get("reason") or "")})
-        try:
-            await self.journal.barrier(last=True)
-        except RunAborted as aborted:
-            return self._lost_write(aborted.cause)
-        self.host.stats.cancelled += 1
-        return self.outcome("cancelled")
-
-    def outcome(self, kind: OutcomeKind, *, waiting: Waiting | None = None,
-                cause: BaseException | None = None, error: dict[str, Any] | None = None,
-                next_execution_id: str | None = None) -> RunOutcome:
-        """This run's outcome of ``kind``, with the last sequence it made durable."""
-        return RunOutcome(kind, self.state.execution_id, self.journal.durable_seq,
-                          self.state.status, waiting=waiting, cause=cause, error=error,
-                          next_execution_id=next_execution_id)
-
-    def _lost_write(self, cause: BaseException) -> RunOutcome:
-        """A write failed with ``cause``: how the run stopped (counted)."""
-        if self.stepped_aside(cause):
-            # Not a run of the execution: its holder drives it (decision 0032).
-            self.host.stats.drives -= 1
-            return self.outcome("stepped_aside", cause=cause)
-        self.host.stats.aborted += 1
-        kind: OutcomeKind = "fenced_out" if isinstance(cause, StaleFenceError) else "aborted"
-        return self.outcome(kind, cause=cause)
-
-    def stepped_aside(self, cause: BaseException) -> bool:
-        """Whether the write that failed with ``cause`` was the first of a deferred lease,
-        refused before anything was written: a live lease is held elsewhere
-        (``ExecutionBusyError``), or another writer took the slot after this drive read
-        the log (``DuplicateSequenceError``). Decision 0032."""
-        lease = self.lease
-        return lease is not None and lease.grant is None and isinstance(
-            cause, (ExecutionBusyError, DuplicateSequenceError))
-
-    async def _fail(self, cause: BaseException, error: dict[str, Any] | None = None, *,
-                    rebased: bool = False, refused: bool | None = None) -> RunOutcome:
-        """Write ``EXECUTION_FAILED`` with ``cause`` (or ``error``); how the run ended.
-
-        A ``ValidationError`` cause (or ``refused=True``) is a refusal that can
-        never succeed: counted in ``refused`` and warned. If the write itself is
-        refused for good (an event committed before it cannot be stored), the
-        failure is written alone on the durable state instead.
-        """
-        stats = self.host.stats
-        error = error if error is not None else error_of(cause)
-        try:
-            self.journal.commit(EventType.EXECUTION_FAILED, {"error": error})
-            await self.journal.barrier(last=True)
-        except RunAborted as aborted:
-            failed = self.journal.failed
-            if not rebased and isinstance(failed, ValidationError) and aborted.cause is failed:
-                return await self._fail_on_durable(failed)
-            return self._lost_write(aborted.cause)
-        stats.failed += 1
-        if refused or (refused is None and isinstance(cause, ValidationError)):
-            stats.refused += 1
-            self.host.warner.warn(
-                f"execution {self.state.execution_id!r} FAILED: {error['type']}: "
-                f"{error['message']} (a refusal that can never succeed ends the run; "
-                "decision 0023)", key=f"refused:{self.state.execution_id}")
-        return self.outcome("failed", error=error, cause=cause)
-
-    async def _fail_on_durable(self, cause: ValidationError) -> RunOutcome:
-        """The log refused a write for good: fail the execution on its durable state.
-
-        The refused events (and what the run committed after them) are dropped;
-        a step whose result they held stays started in the log, its effect done
-        once, and the execution fails naming it. Re-read from the store, so the
-        failure lands right after what the log holds.
-        """
-        refused = self.journal.refused
-        eid = self.state.execution_id
-        if self.journal.durable_seq < 0:
-            # The refused write carried the start (decision 0029): there is no log to
-            # fail; the caller of start hears the refusal.
-            self.host.stats.aborted += 1
-            return self.outcome("aborted", cause=cause)
-        try:
-            state, _ = await self.host.load(eid)
-        except Exception as exc:  # noqa: BLE001 - the refusal stands; the run stops
-            self.host.stats.aborted += 1
-            self.host.warner.warn(f"run of {eid!r} stopped after a refused write "
-                                  f"({cause.message}); re-reading the log failed: "
-                                  f"{type(exc).__name__}: {exc}")
-            return self.outcome("aborted", cause=cause)
-        if state.terminal or state.sequence != self.journal.durable_seq:
-            self.host.stats.aborted += 1
-            return self.outcome("aborted", cause=cause)
-        self.journal.rebase(state)
-        self.state = state
-        error = error_of(cause)
-        steps = [str(e.payload.get("stepId")) for e in refused
-                 if e.type in (EventType.STEP_COMPLETED, EventType.STEP_FAILED)]
-        if steps:
-            error["message"] = printable(
-                f"the result of step {steps[0]!r} could not be recorded (its effect ran): "
-                f"{error['message']}", 4000)
-        return await self._fail(cause, error, rebased=True)
-
-    async def _park_diverged(self, error: FlowReplayDivergenceError) -> RunOutcome:
-        """Park a refused re-run on the reserved gate; nothing else is appended.
-
-        The execution is left as a crash would leave it, but parked, so neither
-        recovery nor timers re-drive it; ``retry_diverged`` resumes it once the
-        code is fixed, pinned, listed in ``compatible_with`` or migrated.
-        """
-        eid = self.state.execution_id
-        condition = {"on": DIVERGED_GATE, "kind": "diverged",
-                     "correlationKey": skipped_key(error.skipped)}
-        lost: BaseException | None = None
-        try:
-            self.journal.commit(EventType.EXECUTION_SUSPENDED, {"condition": condition})
-            await self.journal.barrier(last=True)
-            error.parked = True
-        except RunAborted as aborted:
-            lost = aborted.cause
-            if self.stepped_aside(lost):
-                return self._lost_write(lost)  # another holder drives it: not refused here
-        self.host.stats.divergence_parked += 1
-        if error.parked:
-            self.host.warner.warn(f"execution {eid!r} PARKED on {DIVERGED_GATE}: {error}")
-            return self.outcome("diverged_parked", waiting=Waiting.from_condition(condition),
-                                cause=error)
-        assert lost is not None
-        self.host.warner.warn(f"execution {eid!r} REFUSED and NOT parked "
-                              f"({type(lost).__name__}: {lost}): {error}")
-        kind: OutcomeKind = "fenced_out" if isinstance(lost, StaleFenceError) else "aborted"
-        return self.outcome(kind, cause=error)
 
     # -- the divergence detector's hooks ------------------------------------------
     async def before_new_work(self, kind: EventType, ident: str | None,
