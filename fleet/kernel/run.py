@@ -71,7 +71,7 @@ _I = TypeVar("_I", bound=RunInterrupt)
 
 
 # Why a run's task was cancelled by the kernel (None: from outside, e.g. a crash drill).
-StopReason = Literal["cut", "cancelled", "superseded"]
+StopReason = Literal["cut", "cancelled", "superseded", "deadline"]
 
 
 class RunHost(Protocol):
@@ -269,11 +269,14 @@ class Run(RunEndings):
         self.host.stats.drives += 1
         renewal = lease.keep_alive(lease_ms=self.host.lease_ms, alive=self._alive,
                                    tasks=self.host.background)
+        deadline = self._arm_deadline()
         async with lease:
             try:
                 return await self._run_body()
             finally:
                 renewal.stop()
+                if deadline is not None:
+                    deadline.cancel()
                 if self.journal.failed is not None:
                     lease.write_failed(self.journal.failed)
                 if self.recovered_at is not None \
@@ -303,6 +306,21 @@ class Run(RunEndings):
         if self._past_replay is not None and not self._past_replay.done():
             self._past_replay.set_result(None)
 
+    def _arm_deadline(self) -> asyncio.TimerHandle | None:
+        """Stop this run where it is when the flow's deadline passes (it then fails)."""
+        due = self.state.deadline_at
+        if due is None or self.task is None:
+            return None
+        task = self.task
+
+        def expire() -> None:
+            if not task.done() and self.stop is None:
+                self.stop = "deadline"
+                task.cancel()
+
+        delay = max(0.0, (due - self.clock()) / 1000)
+        return asyncio.get_running_loop().call_later(delay, expire)
+
     def _alive(self) -> bool:
         return self.journal.failed is None and (self.task is None or not self.task.done())
 
@@ -310,12 +328,7 @@ class Run(RunEndings):
         host, state, journal, stats = self.host, self.state, self.journal, self.host.stats
         try:
             if state.deadline_at is not None and host.clock() > state.deadline_at:
-                error = {"type": "DeadlineExceeded", "message": "the flow's deadline passed",
-                         "retryable": False}
-                journal.commit(EventType.EXECUTION_FAILED, {"error": error})
-                await journal.barrier(last=True)
-                stats.failed += 1
-                return self.outcome("failed", error=error)
+                return await self._end_deadline()
             try:
                 output = await self._call_body()
                 output = ensure_json(output, f"the output of flow {state.flow_id!r}")
@@ -417,6 +430,8 @@ class Run(RunEndings):
                 stats.aborted += 1
                 raise  # cancelled from outside the kernel: not an outcome
             task.uncancel()
+            if self.stop == "deadline":
+                return await self._end_deadline()
             if self.stop == "cut":
                 # hand_back_now: stopped where it was (a step running is left in
                 # doubt for the next holder); the lease is released on the way out.

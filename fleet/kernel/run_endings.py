@@ -43,6 +43,20 @@ def error_of(exc: BaseException) -> dict[str, Any]:
             "retryable": False}
 
 
+DEADLINE_ERROR: dict[str, Any] = {"type": "DeadlineExceeded",
+                                  "message": "the flow's deadline passed", "retryable": False}
+
+
+def deadline_bodies(state: ExecutionState) -> list[tuple[EventType, dict[str, Any]]]:
+    """What a deadline writes: the steps in flight cancelled, then the failure."""
+    bodies: list[tuple[EventType, dict[str, Any]]] = [
+        (EventType.STEP_CANCELLED, {"stepId": step_id, "reason": "deadline"})
+        for step_id, frame in state.frames.items()
+        if frame.status in ("started", "retrying", "indoubt")]
+    bodies.append((EventType.EXECUTION_FAILED, {"error": dict(DEADLINE_ERROR)}))
+    return bodies
+
+
 class EndingHost(Protocol):
     """What the endings use of the engine that drives the run."""
 
@@ -175,6 +189,19 @@ class RunEndings:
                 f"{error['message']}", 4000)
         return await self._fail(cause, error, rebased=True)
 
+    async def _end_deadline(self) -> RunOutcome:
+        """The flow's deadline passed (at the drive's start, or while it ran): the steps
+        in flight are recorded cancelled and the execution fails with
+        ``DeadlineExceeded`` (``fleet.kernel.deadlines``)."""
+        for type_, body in deadline_bodies(self.state):
+            self.journal.commit(type_, body)
+        try:
+            await self.journal.barrier(last=True)
+        except RunAborted as aborted:
+            return self._lost_write(aborted.cause)
+        self.host.stats.failed += 1
+        return self.outcome("failed", error=dict(DEADLINE_ERROR))
+
     async def _park_diverged(self, error: FlowReplayDivergenceError) -> RunOutcome:
         """Park a refused re-run on the reserved gate; nothing else is appended.
 
@@ -206,4 +233,4 @@ class RunEndings:
         return self.outcome(kind, cause=error)
 
 
-__all__ = ["EndingHost", "RunEndings", "error_of"]
+__all__ = ["DEADLINE_ERROR", "EndingHost", "RunEndings", "deadline_bodies", "error_of"]

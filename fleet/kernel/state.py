@@ -21,6 +21,8 @@ MESSAGE_GATE = "__fleet_message__"
 # Gates whose answer only changes status: it never reaches the flow.
 STATUS_ONLY_GATES = frozenset({DIVERGED_GATE, MESSAGE_GATE})
 INDOUBT_GATE = "__fleet_indoubt__"
+# The timer of a flow's deadline, kept in the timer index from the start on.
+DEADLINE_TIMER = "__fleet_deadline__"
 
 
 def condition_waits(condition: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -251,5 +253,6 @@ class ExecutionState:
         return out
 
 
-__all__ = ["DIVERGED_GATE", "INDOUBT_GATE", "MESSAGE_GATE", "STATUS_ONLY_GATES", "TERMINAL",
-           "ExecutionState", "Frame", "condition_waits", "waits_on"]
+__all__ = ["DEADLINE_TIMER", "DIVERGED_GATE", "INDOUBT_GATE", "MESSAGE_GATE",
+           "STATUS_ONLY_GATES", "TERMINAL", "ExecutionState", "Frame", "condition_waits",
+           "waits_on"]

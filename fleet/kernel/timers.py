@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from fleet.kernel.deadlines import expire
 from fleet.kernel.engine import Engine
 from fleet.kernel.events import EventType
 from fleet.kernel.fold import ExecutionState, condition_waits, waits_on
+from fleet.kernel.state import DEADLINE_TIMER
 from fleet.kernel.writes import make_events
 
 
@@ -61,8 +63,13 @@ class Timers:
         return fired
 
     async def fire(self, execution_id: str, timer_id: str, *, drive: bool = True) -> bool:
-        """Fire one timer if it is still due and waited on; True when this call fired it."""
+        """Fire one timer if it is still due and waited on; True when this call fired it.
+
+        A flow's deadline timer fails the execution instead (``fleet.kernel.deadlines``).
+        """
         engine = self.engine
+        if timer_id == DEADLINE_TIMER:
+            return await expire(engine, execution_id)
         lease = await engine.take_if_free(execution_id)
         if lease is None:
             return False

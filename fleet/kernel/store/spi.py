@@ -56,6 +56,7 @@ from fleet.kernel.events import (
     Status,
     dumps,
 )
+from fleet.kernel.state import DEADLINE_TIMER
 from fleet.kernel.store.committed import ORIGIN as ORIGIN
 from fleet.kernel.store.committed import CommittedEvent as CommittedEvent
 from fleet.kernel.store.committed import Position as Position
@@ -538,6 +539,10 @@ def index_change(event: EventEnvelope) -> IndexChange:
         owner = p.get("owner") or {}
         change.started = {"flow_id": p.get("flowId", ""), "tenant": owner.get("tenant"),
                           "owner": owner.get("actor")}
+        deadline = p.get("deadlineAt")
+        if type(deadline) is int:
+            # The flow's deadline is a timer the timer service fires (fleet.kernel.deadlines).
+            change.timer_add = DueTimer(event.execution_id, DEADLINE_TIMER, deadline)
     elif event.type is EventType.EXECUTION_SUSPENDED:
         change.waiting_on = (p.get("condition") or {}).get("on")
     elif event.type is EventType.TIMER_SCHEDULED:
@@ -551,6 +556,7 @@ def index_change(event: EventEnvelope) -> IndexChange:
 
 # The kinds index_change looks at (status, gate, timers); any other moves only the head.
 MOVES_INDEX = frozenset({*STATUS_AFTER, EventType.TIMER_SCHEDULED, EventType.TIMER_CANCELLED})
+# (EXECUTION_STARTED is in STATUS_AFTER: its deadline timer moves with it.)
 _NO_CHANGE = IndexChange()
 
 

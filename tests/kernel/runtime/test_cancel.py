@@ -188,3 +188,64 @@ async def test_a_flow_within_its_deadline_completes(clocked_store: EventStore,
     clock.advance(59)
     await runtime.resume(eid, "gate", "in time")
     assert await runtime.result(eid) == "in time"
+
+
+async def test_a_parked_flow_is_ended_by_its_deadline_timer(clocked_store: EventStore,
+                                                            clock: ManualClock) -> None:
+    store = clocked_store
+
+    @flow("deadline-parked", deadline=60)
+    async def body(ctx: Context, _: Any) -> Any:
+        return await ctx.wait("never")
+
+    runtime = Runtime(store, flows=[body], clock=clock, local_timers=False)
+    eid = await started(runtime, "deadline-parked")
+    due = await store.due_timers(clock.now + 60_000)
+    assert [(d.execution_id, d.timer_id, d.due_at) for d in due] == [
+        (eid, "__fleet_deadline__", clock.now + 60_000)]
+    clock.advance(30)
+    assert await runtime.fire_due_timers() == []  # not due yet: nothing happens
+    assert (await runtime.load_state(eid)).parked
+    clock.advance(31)
+    fired = await runtime.fire_due_timers()
+    assert [(f.execution_id, f.timer_id) for f in fired] == [(eid, "__fleet_deadline__")]
+    with pytest.raises(ExecutionFailedError, match="DeadlineExceeded"):
+        await runtime.result(eid)
+    assert kinds(await store.read(eid))[-1] == "EXECUTION_FAILED"
+    assert await store.due_timers(clock.now + 10**9) == []
+    await runtime.close()
+
+
+async def test_a_run_in_flight_is_stopped_at_its_deadline(store: EventStore) -> None:
+    entered = asyncio.Event()
+
+    async def forever() -> None:
+        entered.set()
+        await asyncio.sleep(60)
+
+    @flow("deadline-running", deadline=0.3)
+    async def body(ctx: Context, _: Any) -> Any:
+        return await ctx.step("forever", forever)
+
+    runtime = Runtime(store, flows=[body])
+    handle = await runtime.start("deadline-running")
+    await asyncio.wait_for(entered.wait(), 5)
+    with pytest.raises(ExecutionFailedError, match="DeadlineExceeded"):
+        await handle.result(timeout=10)
+    log = await store.read(handle.execution_id)
+    assert kinds(log)[-2:] == ["STEP_CANCELLED", "EXECUTION_FAILED"]
+    assert log[-2].payload == {"stepId": "forever", "reason": "deadline"}
+    await runtime.close()
+
+
+async def test_a_flow_that_ends_in_time_leaves_no_deadline_timer(clocked_store: EventStore,
+                                                                 clock: ManualClock) -> None:
+    @flow("deadline-quick", deadline=60)
+    async def body(ctx: Context, _: Any) -> str:
+        return "quick"
+
+    runtime = Runtime(clocked_store, flows=[body], clock=clock)
+    handle = await runtime.start("deadline-quick")
+    assert await handle.result(timeout=5) == "quick"
+    assert await clocked_store.due_timers(clock.now + 10**9) == []
+    await runtime.close()

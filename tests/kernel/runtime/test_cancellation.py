@@ -10,7 +10,7 @@ effect while it unwinds (item 7c).
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -379,4 +379,27 @@ async def test_a_park_in_one_branch_lets_the_other_branch_finish_its_work(
     assert await runtime.result(eid) == ["x", 3]
     assert ran == ["work-0", "work-1", "work-2"]
     await settle(runtime)
+    await runtime.close()
+
+
+async def test_a_deadline_is_a_timer_every_store_keeps_and_fires(stores: Stores) -> None:
+    store = stores[0]
+
+    @flow("deadline-anywhere", deadline=3600)
+    async def body(ctx: Context, _: Any) -> Any:
+        return await ctx.wait("never")
+
+    runtime = Runtime(store, flows=[body], local_timers=False)
+    eid = await started(runtime, "deadline-anywhere")
+    due = [(d.execution_id, d.timer_id) for d in await store.due_timers(2**62)]
+    assert due == [(eid, "__fleet_deadline__")]
+    # Early, the timer is refused by the execution's own deadline; late, it ends it.
+    assert await runtime.fire_due_timers() == []
+    late = datetime.now(UTC) + timedelta(hours=2)
+    runtime.engine.clock = lambda: int(late.timestamp() * 1000)  # the runtime's clock moves
+    fired = await runtime.fire_due_timers(late)
+    assert [(f.execution_id, f.timer_id) for f in fired] == [(eid, "__fleet_deadline__")]
+    with pytest.raises(ExecutionFailedError, match="DeadlineExceeded"):
+        await runtime.result(eid)
+    assert await store.due_timers(2**62) == []
     await runtime.close()
