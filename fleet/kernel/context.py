@@ -38,6 +38,7 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventType, ensure_json
+from fleet.kernel.flow_log import FlowLogger
 from fleet.kernel.flow_run import RESERVED_PREFIX, FlowRun, Where, check_op_id
 from fleet.kernel.flows import FlowDefinition
 from fleet.kernel.messaging import deliver, reply, set_value
@@ -107,6 +108,12 @@ class Context:
     @property
     def input(self) -> Any:
         return self._run.state.input
+
+    @property
+    def log(self) -> FlowLogger:
+        """A ``logging`` logger that writes each line once per live run: silent while the
+        body replays what an earlier drive did (``fleet.kernel.flow_log``)."""
+        return FlowLogger(self._run)
 
     def _name(self, kind: str) -> str:
         return self._where.name(kind)

@@ -139,6 +139,15 @@ class FlowRun(Protocol):
         """Recorded cancel deliveries this drive has raised again, by (call, branch)."""
 
     @property
+    def replaying(self) -> bool:
+        """Whether the body is still re-running what an earlier drive already did (ctx.log
+        is silent then): until its first new work, or an answer that came since the park
+        this drive woke from."""
+
+    def saw_answer(self, seq: float) -> None:
+        """A wait took an answer recorded at ``seq`` (a later one than the park: live)."""
+
+    @property
     def services(self) -> RunServices:
         """Calls that reach other executions (children, messages)."""
 

@@ -54,9 +54,18 @@ def apply(st: ExecutionState, ev: EventEnvelope) -> None:
         st.execution_id = ev.execution_id
     st.sequence = max(st.sequence, seq)
     st.updated_at = ts
+    if t not in _ANSWERS:
+        st.run_seq = seq
     handler = _HANDLERS.get(t)
     if handler is not None:
         handler(st, ev, p, seq, ts)
+
+
+# What reaches a run from outside (an answer, a wake): the rest the runs wrote.
+_ANSWERS = frozenset({EventType.EXECUTION_RESUMED, EventType.MESSAGE_RECEIVED,
+                      EventType.TIMER_FIRED, EventType.CHILD_ENDED, EventType.CANCEL_REQUESTED,
+                      EventType.RECOVERED, EventType.EXECUTION_DENIED,
+                      EventType.OUTCOME_RECORDED})
 
 
 def _started(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,

@@ -213,6 +213,9 @@ class Run(RunEndings):
         self.cancel_used: dict[tuple[str, str], int] = {}
         # Whether the body asked to continue as new (its unreceived messages move on).
         self.continuing = False
+        # Whether the body re-runs what an earlier drive did (ctx.log is silent then).
+        self.replaying = journal.state.sequence > 0
+        self._woke_after = journal.state.run_seq
         # The updates replied to, and the messages taken per key, in this drive.
         self.replied: set[str] = set()
         self.received: dict[str, int] = {}
@@ -238,6 +241,10 @@ class Run(RunEndings):
             raise ConfigurationError("this runtime offers no child flows or messages to other "
                                      "executions (a dry replay)")
         return services
+
+    def saw_answer(self, seq: float) -> None:
+        if seq > self._woke_after:
+            self.replaying = False
 
     def unwind(self, interrupt: RunInterrupt) -> None:
         task = asyncio.current_task()
@@ -477,6 +484,7 @@ class Run(RunEndings):
         """
         if self.host.handing_back and kind not in _ENDS_RUN:
             raise self.issue(HandedBack(f"{kind} {ident or ''}".strip()))
+        self.replaying = False
         d = self.detector
         if d is None:
             if self.stop_at_frontier:

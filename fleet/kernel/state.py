@@ -146,6 +146,9 @@ class ExecutionState:
     resume_seqs: dict[str, list[int]] = field(default_factory=dict)
     message_seqs: dict[str, list[int]] = field(default_factory=dict)
     timer_fired_seqs: dict[str, int] = field(default_factory=dict)
+    # Derived too: the sequence of the last event a run wrote (not an answer from
+    # outside): ctx.log is silent for what a drive replays up to it.
+    run_seq: int = -1
 
     @property
     def terminal(self) -> bool:
@@ -250,6 +253,7 @@ class ExecutionState:
         out.resume_seqs = {k: list(v) for k, v in self.resume_seqs.items()}
         out.message_seqs = {k: list(v) for k, v in self.message_seqs.items()}
         out.timer_fired_seqs = dict(self.timer_fired_seqs)
+        out.run_seq = self.run_seq
         return out
 
 

@@ -100,6 +100,7 @@ class Wait:
                 self.withdraw()
                 raise owed
             if found is not None:
+                run.saw_answer(found[0][0])
                 return self.take(found[1])
             remaining = self.remaining()
             if remaining is not None and remaining <= run.inline_sleep_max:
@@ -307,7 +308,8 @@ async def first(where: Where, waits: Sequence[Any]) -> tuple[int, Any]:
                 wait.withdraw()
             raise owed
         if found:
-            _, index, value = min(found, key=lambda item: (item[0], item[1]))
+            order, index, value = min(found, key=lambda item: (item[0], item[1]))
+            run.saw_answer(order[0])
             run.journal.commit(EventType.FIRST_RESOLVED, {"name": name, "index": index})
             result = waits[index].take(value)
             for i, wait in enumerate(waits):
