@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fleet.kernel.cancel_delivery import cancel_owed
-from fleet.kernel.errors import ChildFailedError, ValidationError
-from fleet.kernel.events import EventType, ensure_json
+from fleet.kernel.errors import ChildFailedError, FleetError, ValidationError
+from fleet.kernel.events import EventType
 from fleet.kernel.flow_run import Where
 from fleet.kernel.flows import FlowDefinition
 from fleet.kernel.ids import check_explicit_id
+from fleet.kernel.typed import encode_input, from_log, return_adapter
 from fleet.kernel.waits import Order, TimerWait, Wait
 
 ParentClose = Literal["cancel", "abandon"]
@@ -128,7 +129,13 @@ class ChildWait(Wait):
         if backstop is not None:
             backstop.withdraw()
         if value.get("status") == "completed":
-            return value.get("output")
+            flow = self.where.run.state.children.get(self.name, {}).get("flowId")
+            try:
+                definition = self.where.run.services.flow(str(flow))
+            except FleetError:
+                return value.get("output")
+            return from_log(value.get("output"), return_adapter(definition.body),
+                            f"the output of child {self.child_id!r}")
         error = value.get("error") or {}
         raise ChildFailedError(
             f"child {value.get('endedId') or self.child_id!r} {value.get('status')}: "
@@ -162,7 +169,8 @@ async def start_child(where: Where, flow: FlowDefinition | str, input: Any, *,
     if id is not None:
         check_explicit_id(id)
     definition = run.services.flow(flow)
-    data = ensure_json(input, f"the input of child flow {definition.flow_id!r}")
+    data = encode_input(definition.body, input,
+                        f"the input of child flow {definition.flow_id!r}")
     name = where.name("child")
     recorded = run.state.children.get(name)
     if recorded is not None:

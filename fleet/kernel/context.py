@@ -44,6 +44,7 @@ from fleet.kernel.flows import FlowDefinition
 from fleet.kernel.messaging import deliver, reply, set_value
 from fleet.kernel.security import OUTCOME_FIELDS, check_outcome_shape, guard_userspace_emit
 from fleet.kernel.steps import RetryPolicy, run_step
+from fleet.kernel.typed import encode_input, reader
 from fleet.kernel.values import check_text, due_after, ms_from_datetime
 from fleet.kernel.waits import (
     GateWait,
@@ -265,12 +266,14 @@ class Context:
         self._run.check_unwinding()
         return TimerWait(self._where, due=ms_from_datetime(when, "ctx.sleep_until"))
 
-    def wait(self, gate: str, *, timeout: float | timedelta | None = None) -> Wait | Any:
+    def wait(self, gate: str, *, timeout: float | timedelta | None = None,
+             type: Any = None) -> Wait | Any:
         """Park until ``runtime.resume(execution_id, gate, payload)``; return the payload.
 
         With ``timeout`` (seconds or a ``timedelta``) the builtin ``TimeoutError`` is
         raised if a durable timer of that length fires first; whichever came first is
-        in the log. Without one the call is a wait ``first`` can race.
+        in the log. Without one the call is a wait ``first`` can race. ``type`` (a
+        pydantic model, a dataclass...) converts the answer, live and on replay.
         """
         self._run.check_unwinding()
         if not isinstance(gate, str) or not gate:
@@ -278,15 +281,17 @@ class Context:
         check_text(gate, "gate name")
         if gate.startswith(RESERVED_PREFIX):
             raise ReservedNameError(f"gate {gate!r} is reserved for the runtime")
-        wait = GateWait(self._where, gate)
+        wait = GateWait(self._where, gate, reader(type))
         if timeout is None:
             return wait
         return with_timeout(self._where, wait, timeout, f"ctx.wait({gate!r})")
 
-    def receive(self, key: str, *, timeout: float | timedelta | None = None) -> Wait | Any:
+    def receive(self, key: str, *, timeout: float | timedelta | None = None,
+                type: Any = None) -> Wait | Any:
         """The next message sent to this execution under ``key`` (``runtime.send``).
 
-        ``timeout`` as for ``wait``: ``TimeoutError`` when no message came in time.
+        ``timeout`` as for ``wait``: ``TimeoutError`` when no message came in time;
+        ``type`` converts the message (an update's payload), as for ``wait``.
         """
         self._run.check_unwinding()
         if not isinstance(key, str) or not key:
@@ -295,7 +300,7 @@ class Context:
         if key.startswith(RESERVED_PREFIX):
             raise ReservedNameError(f"message key {key!r} uses the reserved prefix "
                                     f"{RESERVED_PREFIX}")
-        wait = MessageWait(self._where, key)
+        wait = MessageWait(self._where, key, reader(type))
         if timeout is None:
             return wait
         return with_timeout(self._where, wait, timeout, f"ctx.receive({key!r})")
@@ -421,7 +426,7 @@ class Context:
         run.check_unwinding()
         if self._where.scope is not None:
             raise ValidationError("continue_as_new is not allowed inside a parallel scope")
-        data = ensure_json(input, "the continue_as_new input")
+        data = encode_input(self._run.state_body(), input, "the continue_as_new input")
         await run.before_new_work(EventType.EXECUTION_CONTINUED, None)
         raise run.issue(ContinueAsNew(run.successor_id(), data))
 

@@ -26,11 +26,12 @@ from fleet.kernel.errors import (
     ReservedNameError,
     ValidationError,
 )
-from fleet.kernel.events import EventType, ensure_json
+from fleet.kernel.events import EventType
 from fleet.kernel.flow_run import RESERVED_PREFIX
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE, ExecutionState, waits_on
 from fleet.kernel.gates import check_resumable, indoubt_answer
 from fleet.kernel.security import Principal
+from fleet.kernel.typed import to_log
 from fleet.kernel.values import check_text
 from fleet.kernel.writes import make_events
 
@@ -73,7 +74,7 @@ async def resume_gate(engine: Engine, execution_id: str, gate: str, payload: Any
     state = await newest(engine, execution_id)
     execution_id = state.execution_id
     await engine.access.check(state, "resume", principal, audit=True, system=system)
-    data = ensure_json(payload, f"the payload for gate {gate!r}")
+    data = to_log(payload, f"the payload for gate {gate!r}")
     if send_id is not None and send_id in state.send_ids:
         return execution_id, None
     check_resumable(state, gate, running=await engine.why_running(state))
@@ -111,7 +112,7 @@ async def send_message(engine: Engine, execution_id: str, key: str, payload: Any
     state = await newest(engine, execution_id)
     execution_id = state.execution_id
     await engine.access.check(state, "send", principal, audit=False, system=system)
-    data = ensure_json(payload, f"the message {key!r}")
+    data = to_log(payload, f"the message {key!r}")
     body: dict[str, Any] = {"key": key, "payload": data}
     if send_id is not None:
         body["sendId"] = send_id

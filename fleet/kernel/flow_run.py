@@ -144,6 +144,9 @@ class FlowRun(Protocol):
         is silent then): until its first new work, or an answer that came since the park
         this drive woke from."""
 
+    def state_body(self) -> Callable[..., Any]:
+        """The body of the flow version this drive runs (its annotations type the input)."""
+
     def saw_answer(self, seq: float) -> None:
         """A wait took an answer recorded at ``seq`` (a later one than the park: live)."""
 

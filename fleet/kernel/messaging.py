@@ -30,8 +30,9 @@ from fleet.kernel.errors import (
     GateMismatchError,
     ValidationError,
 )
-from fleet.kernel.events import EventType, ensure_json
+from fleet.kernel.events import EventType
 from fleet.kernel.flow_run import RESERVED_PREFIX, Where
+from fleet.kernel.typed import to_log
 from fleet.kernel.values import check_text, printable
 from fleet.kernel.waits import Update
 
@@ -63,8 +64,8 @@ async def deliver(where: Where, target: Any, *, key: str | None = None,
         _check_name(key, "message key")
     else:
         _check_name(gate, "gate name")
-    data = ensure_json(payload, "the payload of ctx.send" if key is not None
-                       else "the payload of ctx.resume")
+    data = to_log(payload, "the payload of ctx.send" if key is not None
+                  else "the payload of ctx.resume")
     name = where.name("send" if key is not None else "resume")
     recorded = run.state.sent.get(name)
     if recorded is not None:
@@ -100,7 +101,7 @@ async def set_value(where: Where, key: Any, value: Any) -> None:
     run = where.run
     run.check_unwinding()
     _check_name(key, "value key")
-    data = ensure_json(value, f"the value {key!r}")
+    data = to_log(value, f"the value {key!r}")
     name = where.name("set")
     if name in run.state.published_names:
         return
@@ -130,7 +131,7 @@ async def reply(where: Where, update: Any, value: Any = None, *,
             body["error"] = {"type": "UpdateRejected", "message": printable(str(error), 4000),
                              "retryable": False}
     else:
-        body["value"] = ensure_json(value, f"the reply to update {update.update_id!r}")
+        body["value"] = to_log(value, f"the reply to update {update.update_id!r}")
     run.journal.commit(EventType.UPDATE_REPLIED, body)
 
 

@@ -34,9 +34,9 @@ from fleet.kernel.errors import (
     ValidationError,
     WaitTimeoutError,
 )
-from fleet.kernel.events import ensure_json
 from fleet.kernel.fold import ExecutionState
 from fleet.kernel.security import Principal
+from fleet.kernel.typed import from_log, reader, to_log
 from fleet.kernel.values import check_text, printable, seconds_of
 
 
@@ -70,9 +70,11 @@ async def _poll(read: Callable[[], Awaitable[Any]], timeout: float | None,
 
 
 async def get_value(engine: Engine, execution_id: str, key: str, *, timeout: Any,
-                    principal: Principal | None, system: bool = False) -> Any:
+                    principal: Principal | None, system: bool = False,
+                    type: Any = None) -> Any:
     """``Runtime.get_value`` (see the module)."""
     check_text(key, "value key")
+    adapter = reader(type)
     wait = None if timeout is None else seconds_of(timeout, "get_value timeout")
     chain = await _chain(engine, execution_id)
     await engine.access.check(chain[0], "read", principal, audit=False, system=system)
@@ -92,23 +94,24 @@ async def get_value(engine: Engine, execution_id: str, key: str, *, timeout: Any
     found = await _poll(read, wait, lambda: (
         f"execution {execution_id!r} has set no value {key!r} "
         f"{'yet' if wait is None else f'within {wait:g} s'}"))
-    return found[0]
+    return from_log(found[0], adapter, f"value {key!r}")
 
 
 async def update(engine: Engine, execution_id: str, key: str, payload: Any, *,
                  timeout: Any, update_id: str | None, principal: Principal | None,
-                 drive: bool = True,
+                 drive: bool = True, type: Any = None,
                  after_delivery: Callable[[str, bool], Awaitable[None]] | None = None) -> Any:
     """``Runtime.update`` (see the module). ``after_delivery(target, woke)`` runs once the
     message is durable (the fleet's dispatcher enqueues the drive there)."""
     check_key(key)
+    adapter = reader(type)
     wait = None if timeout is None else seconds_of(timeout, "update timeout")
     if update_id is None:
         update_id = uuid.uuid4().hex
     elif not isinstance(update_id, str) or not update_id or len(update_id) > 200:
         raise ValidationError("update_id must be a string of 1-200 characters")
     check_text(update_id, "update_id")
-    data = ensure_json(payload, f"the update {key!r}")
+    data = to_log(payload, f"the update {key!r}")
     chain = await _chain(engine, execution_id)
     answered = _reply(chain, update_id)
     if answered is None:
@@ -137,7 +140,7 @@ async def update(engine: Engine, execution_id: str, key: str, payload: Any, *,
         f"execution {execution_id!r} has not replied to update {update_id!r} "
         f"{'yet' if wait is None else f'within {wait:g} s'}; wait again with the same "
         "update_id to get its answer"))
-    return found[0]
+    return from_log(found[0], adapter, f"the reply to update {update_id!r}")
 
 
 def _reply(chain: list[ExecutionState], update_id: str) -> tuple[Any] | None:

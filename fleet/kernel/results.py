@@ -66,8 +66,10 @@ class Results:
         # Why this runtime's last run of an execution stopped without an end.
         self.aborts: dict[str, BaseException] = {}
 
-    async def result(self, execution_id: str) -> Any:
-        """Wait for an execution (and its continuations) to finish; its output."""
+    async def result(self, execution_id: str,
+                     convert: Callable[[ExecutionState], Any] | None = None) -> Any:
+        """Wait for an execution (and its continuations) to finish; its output (what
+        ``convert`` makes of the final state, when given)."""
         while True:
             # Wait first, read second: a run that ends while the read is in
             # flight settles this future instead of being missed.
@@ -96,7 +98,7 @@ class Results:
                     if not waiters:
                         del self.waiters[execution_id]
             if state.status == "completed":
-                return state.output
+                return state.output if convert is None else convert(state)
             if state.status == "continued" and state.next_execution_id:
                 execution_id = state.next_execution_id
                 continue

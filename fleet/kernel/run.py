@@ -46,7 +46,7 @@ from fleet.kernel.errors import (
     RunInterrupt,
     ValidationError,
 )
-from fleet.kernel.events import EventType, ensure_json
+from fleet.kernel.events import EventType
 from fleet.kernel.flow_run import RunServices
 from fleet.kernel.flows import FlowDefinition
 from fleet.kernel.fold import ExecutionState
@@ -57,6 +57,7 @@ from fleet.kernel.observers import Warner
 from fleet.kernel.options import DivergenceMode, RuntimeStats
 from fleet.kernel.run_endings import RunEndings
 from fleet.kernel.run_outcome import RunOutcome, Waiting
+from fleet.kernel.typed import from_log, input_adapter, return_adapter, to_log
 
 _INNER_MAX_IDS = 4096
 _INNER_MAX_BYTES = 64 * 1024
@@ -242,6 +243,10 @@ class Run(RunEndings):
                                      "executions (a dry replay)")
         return services
 
+    def state_body(self) -> Callable[..., Any]:
+        """The body of the flow version this drive runs (its annotations type the input)."""
+        return self.definition.body
+
     def saw_answer(self, seq: float) -> None:
         if seq > self._woke_after:
             self.replaying = False
@@ -338,7 +343,8 @@ class Run(RunEndings):
                 return await self._end_deadline()
             try:
                 output = await self._call_body()
-                output = ensure_json(output, f"the output of flow {state.flow_id!r}")
+                output = to_log(output, f"the output of flow {state.flow_id!r}",
+                                return_adapter(self.definition.body))
                 await self.before_new_work(EventType.EXECUTION_COMPLETED, None)
                 journal.commit(EventType.EXECUTION_COMPLETED, {"output": output})
                 await journal.barrier(last=True)
@@ -455,7 +461,10 @@ class Run(RunEndings):
         """
         task = asyncio.current_task()
         try:
-            output = await self.definition.body(Context(self), self.state.input)
+            body = self.definition.body
+            given = from_log(self.state.input, input_adapter(body),
+                             f"the input of flow {self.state.flow_id!r}")
+            output = await body(Context(self), given)
         except BaseException as exc:
             stop = self._unwinding.get(task) if task is not None else None
             if stop is None or exc is stop or (isinstance(exc, asyncio.CancelledError)

@@ -32,7 +32,6 @@ from fleet.kernel.errors import (
     FlowNotFoundError,
     ValidationError,
 )
-from fleet.kernel.events import ensure_json
 from fleet.kernel.family import Family
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import DIVERGED_GATE, ExecutionState
@@ -59,6 +58,7 @@ from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.timers import FiredTimer, Timers
+from fleet.kernel.typed import encode_input, from_log, return_adapter
 from fleet.kernel.values import ms_from_datetime
 
 # The divergence mode of a runtime built without ``divergence=`` and not strict
@@ -172,7 +172,7 @@ class Runtime(StatsAttributes):
             known = sorted({d.flow_id for d in self.flows})
             raise FlowNotFoundError(f"no flow {flow_id!r} is registered; known flows: {known}")
         await self.engine.access.check(None, "start", principal, audit=False)
-        data = ensure_json(input, f"the input of flow {flow_id!r}")
+        data = encode_input(definition.body, input, f"the input of flow {flow_id!r}")
         if execution_id is not None and idempotency_key is not None:
             raise ValidationError("give execution_id or idempotency_key, not both")
         # A fresh random id cannot exist yet: no need to ask the store.
@@ -342,27 +342,36 @@ class Runtime(StatsAttributes):
         return state
 
     async def get_value(self, execution_id: str, key: str, *,
-                        timeout: float | timedelta | None = None,
+                        timeout: float | timedelta | None = None, type: Any = None,
                         principal: Principal | None = None, system: bool = False) -> Any:
-        """A value the flow published with ``ctx.set_value`` (the latest); with
-        ``timeout`` it waits that long for it (``WaitTimeoutError`` after). Writes
-        nothing; answers after the execution ended too. Authorised as ``read``."""
+        """A value the flow published with ``ctx.set_value`` (the latest; as ``type`` when
+        given: a pydantic model, a dataclass...); with ``timeout`` it waits that long for
+        it (``WaitTimeoutError`` after). Writes nothing; answers after the execution ended
+        too. Authorised as ``read``."""
         return await get_value(self.engine, execution_id, key, timeout=timeout,
-                               principal=principal, system=system)
+                               principal=principal, system=system, type=type)
 
     async def update(self, execution_id: str, key: str, payload: Any = None, *,
                      timeout: float | timedelta | None = None, update_id: str | None = None,
-                     principal: Principal | None = None) -> Any:
+                     type: Any = None, principal: Principal | None = None) -> Any:
         """Send an update the flow takes with ``ctx.receive(key)`` and answers with
         ``ctx.reply``; its reply (``UpdateFailedError`` for the flow's error or its
         validator's refusal). A retry with the same ``update_id`` gets the first answer
         and delivers nothing new (``fleet.kernel.queries``). Authorised as ``send``."""
         return await update(self.engine, execution_id, key, payload, timeout=timeout,
-                            update_id=update_id, principal=principal)
+                            update_id=update_id, principal=principal, type=type)
 
     async def result(self, execution_id: str) -> Any:
-        """Wait for an execution (and its continuations) to finish; its output."""
-        return await self.engine.results.result(execution_id)
+        """Wait for an execution (and its continuations) to finish; its output (as the
+        flow's return annotation types it, for a flow this runtime has registered)."""
+        return await self.engine.results.result(execution_id, self._typed_output)
+
+    def _typed_output(self, state: ExecutionState) -> Any:
+        definition = self.flows.latest(state.flow_id or "")
+        if definition is None:
+            return state.output
+        return from_log(state.output, return_adapter(definition.body),
+                        f"the output of {state.execution_id!r}")
 
     async def wait(self, execution_id: str, *, until: Until = "terminal",
                    timeout: float | None = None, principal: Principal | None = None,

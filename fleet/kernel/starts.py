@@ -39,10 +39,11 @@ from typing import Any, Protocol
 
 from fleet.kernel.engine import Engine
 from fleet.kernel.errors import FlowNotFoundError, ValidationError
-from fleet.kernel.events import EventEnvelope, EventType, ensure_json
+from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
 from fleet.kernel.security import Principal
+from fleet.kernel.typed import encode_input
 
 
 class Runtime(Protocol):
@@ -108,7 +109,8 @@ async def _judge(runtime: Runtime, index: int, request: StartRequest) -> _Judged
         raise FlowNotFoundError(f"{where}: no flow {request.flow_id!r} is registered; "
                                 f"known flows: {known}")
     await runtime.engine.access.check(None, "start", request.principal, audit=False)
-    data = ensure_json(request.input, f"the input of flow {request.flow_id!r} ({where})")
+    data = encode_input(definition.body, request.input,
+                        f"the input of flow {request.flow_id!r} ({where})")
     execution_id = request.execution_id
     if execution_id is not None and request.idempotency_key is not None:
         raise ValidationError(f"{where}: give execution_id or idempotency_key, not both")

@@ -24,10 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from fleet.kernel.cancel_delivery import cancel_owed
 from fleet.kernel.errors import (
     DuplicateStepError,
     ExecutionParked,
+    NotSerializableError,
     RunInterrupt,
     StepFailedError,
     StepFailure,
@@ -36,6 +39,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventType, dumps, ensure_json
 from fleet.kernel.flow_run import FlowRun, Where, check_op_id
 from fleet.kernel.fold import INDOUBT_GATE
+from fleet.kernel.typed import from_log, return_adapter, to_log
 from fleet.kernel.values import due_after, printable
 
 
@@ -63,13 +67,21 @@ _PLAIN = frozenset({type(None), bool, int, float, str, dict, list})
 _IMMUTABLE = frozenset({type(None), bool, int, float, str})
 
 
-def recorded_and_handed(value: Any, what: str) -> tuple[Any, Any]:
-    """``value`` as the log records it, and a copy of that for the flow to keep.
+def recorded_and_handed(value: Any, what: str,
+                        adapter: TypeAdapter[Any] | None = None) -> tuple[Any, Any]:
+    """``value`` as the log records it, and a copy of that for the flow to keep (as the
+    type ``adapter`` names, when the step's function annotates one: ``fleet.kernel.typed``).
 
     The two are equal and share nothing, so a flow that mutates what it got
     never changes what the log records (nor what a replay returns).
     """
-    recorded = ensure_json(value, what)
+    if adapter is not None:
+        recorded = to_log(value, what, adapter)
+        return recorded, from_log(recorded, adapter, what)
+    try:
+        recorded = ensure_json(value, what)
+    except NotSerializableError:
+        recorded = to_log(value, what)  # models and dataclasses in it: their JSON form
     if type(recorded) in _IMMUTABLE:
         return recorded, recorded
     return recorded, json.loads(dumps(recorded))
@@ -111,7 +123,7 @@ async def run_step(where: Where, step_id: str, fn: Callable[..., Any],
         raise owed
     if frame is not None:
         if frame.status == "completed":
-            return frame.output
+            return from_log(frame.output, return_adapter(fn), f"the output of step {step_id!r}")
         if frame.status in ("failed", "cancelled"):
             raise StepFailedError(
                 f"step {step_id!r} failed: {(frame.error or {}).get('message', '')}",
@@ -197,7 +209,8 @@ async def _run_live(run: FlowRun, scope: str | None, step_id: str, fn: Callable[
             attempts = attempt
             continue
         try:
-            output, handed = recorded_and_handed(result, f"the output of step {step_id!r}")
+            output, handed = recorded_and_handed(result, f"the output of step {step_id!r}",
+                                                 return_adapter(fn))
         except ValidationError as refused:
             # The effect ran and its result can never be recorded: the run
             # fails (decision 0023) rather than leave the step started for a

@@ -27,11 +27,14 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from fleet.kernel.cancel_delivery import cancel_owed
 from fleet.kernel.errors import ExecutionParked, NondeterminismError, ValidationError
 from fleet.kernel.events import EventType
 from fleet.kernel.flow_run import Where
 from fleet.kernel.fold import MESSAGE_GATE
+from fleet.kernel.typed import from_log
 from fleet.kernel.values import due_after, seconds_of
 
 # The order of an answer: its sequence in the log (a tie-break after it). A timer
@@ -120,11 +123,12 @@ async def _wait_inline(where: Where, seconds: float) -> None:
 class GateWait(Wait):
     """``ctx.wait(gate)``: the n-th answer to ``gate`` (``runtime.resume``)."""
 
-    __slots__ = ("gate",)
+    __slots__ = ("adapter", "gate")
 
-    def __init__(self, where: Where, gate: str) -> None:
+    def __init__(self, where: Where, gate: str, adapter: TypeAdapter[Any] | None = None) -> None:
         super().__init__(where)
         self.gate = gate
+        self.adapter = adapter
 
     @property
     def _counter(self) -> str:
@@ -145,7 +149,7 @@ class GateWait(Wait):
 
     def take(self, value: Any) -> Any:
         self.where.counters.next(self._counter)
-        return value
+        return from_log(value, self.adapter, f"the answer to gate {self.gate!r}")
 
     def condition(self) -> dict[str, Any]:
         return {"on": self.gate, "kind": "gate"}
@@ -154,11 +158,12 @@ class GateWait(Wait):
 class MessageWait(Wait):
     """``ctx.receive(key)``: the n-th message sent under ``key`` (``runtime.send``)."""
 
-    __slots__ = ("key",)
+    __slots__ = ("adapter", "key")
 
-    def __init__(self, where: Where, key: str) -> None:
+    def __init__(self, where: Where, key: str, adapter: TypeAdapter[Any] | None = None) -> None:
         super().__init__(where)
         self.key = key
+        self.adapter = adapter
 
     @property
     def _counter(self) -> str:
@@ -183,6 +188,7 @@ class MessageWait(Wait):
         run.received[self.key] = max(run.received.get(self.key, 0), n + 1)
         ids = run.state.message_ids.get(self.key, [])
         update_id = ids[n] if n < len(ids) else None
+        value = from_log(value, self.adapter, f"the message {self.key!r}")
         return value if update_id is None else Update(self.key, value, update_id)
 
     def condition(self) -> dict[str, Any]:
