@@ -49,8 +49,8 @@ class Journal:
     """
 
     __slots__ = ("_error", "_flushing", "_held_reports", "_pending", "_refused", "clock",
-                 "durable_seq", "fence", "lease", "on_durable_event", "on_event", "state",
-                 "store", "warner")
+                 "durable_seq", "ending", "fence", "lease", "on_durable_event", "on_event",
+                 "state", "store", "warner")
 
     def __init__(self, store: EventStore, state: ExecutionState, *, fence: int | None,
                  clock: Callable[[], int], warner: Warner,
@@ -75,6 +75,8 @@ class Journal:
         self._flushing: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._refused: tuple[EventEnvelope, ...] = ()
+        # The write that ends the run (and its lease) has begun.
+        self.ending = False
 
     @property
     def failed(self) -> BaseException | None:
@@ -185,6 +187,7 @@ class Journal:
             done.set_result(None)
 
     async def _flush_once(self, *, last: bool = False) -> None:
+        self.ending = self.ending or last
         batch, self._pending = self._pending, []
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._flushing = done

@@ -172,9 +172,11 @@ class Lease:
         await self.release()
 
     def keep_alive(self, *, lease_ms: int, alive: Callable[[], bool],
-                   tasks: set[asyncio.Task[Any]]) -> Renewal:
-        """Renew this lease every ``lease_ms / 3`` while ``alive()``; ``stop()`` the result."""
-        return Renewal(self, lease_ms=lease_ms, alive=alive, tasks=tasks)
+                   tasks: set[asyncio.Task[Any]],
+                   on_lost: Callable[[], None] | None = None) -> Renewal:
+        """Renew this lease every ``lease_ms / 3`` while ``alive()``; ``stop()`` the result.
+        ``on_lost`` is called when a renewal finds the fence taken by another holder."""
+        return Renewal(self, lease_ms=lease_ms, alive=alive, tasks=tasks, on_lost=on_lost)
 
     def __repr__(self) -> str:
         token = "deferred" if self.grant is None else self.grant.token
@@ -185,13 +187,18 @@ class Renewal:
     """Renews a lease on a loop timer (no task per run) until ``stop``.
 
     A renewal lost to a store outage is warned, not fatal: the run's next write
-    fails too, or the lease lapses and the next holder fences the run out.
+    fails too, or the lease lapses and the next holder fences the run out. A
+    renewal the store refuses (another holder took the fence: a cancel, a recovery)
+    calls ``on_lost``, so the run stops now instead of at its next write.
     """
 
-    __slots__ = ("_alive", "_handle", "_interval", "_lease", "_lease_ms", "_loop", "_tasks")
+    __slots__ = ("_alive", "_handle", "_interval", "_lease", "_lease_ms", "_loop", "_on_lost",
+                 "_tasks")
 
     def __init__(self, lease: Lease, *, lease_ms: int, alive: Callable[[], bool],
-                 tasks: set[asyncio.Task[Any]]) -> None:
+                 tasks: set[asyncio.Task[Any]],
+                 on_lost: Callable[[], None] | None = None) -> None:
+        self._on_lost = on_lost
         self._lease = lease
         self._lease_ms = lease_ms
         self._alive = alive
@@ -216,10 +223,15 @@ class Renewal:
 
     def _renewed(self, task: asyncio.Task[bool]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
+        if task.cancelled():
+            return
+        if (exc := task.exception()) is not None:
             self._lease.warner.warn(
                 f"could not renew the lease of {self._lease.execution_id!r}: "
                 f"{type(exc).__name__}: {exc}", key="renew")
+        elif task.result() is False and self._handle is not None \
+                and not self._lease.released and self._on_lost is not None:
+            self._on_lost()
 
     def stop(self) -> None:
         if self._handle is not None:

@@ -280,7 +280,7 @@ class Run(RunEndings):
                                      "execute")
         self.host.stats.drives += 1
         renewal = lease.keep_alive(lease_ms=self.host.lease_ms, alive=self._alive,
-                                   tasks=self.host.background)
+                                   tasks=self.host.background, on_lost=self._fenced_out)
         deadline = self._arm_deadline()
         async with lease:
             try:
@@ -332,6 +332,15 @@ class Run(RunEndings):
 
         delay = max(0.0, (due - self.clock()) / 1000)
         return asyncio.get_running_loop().call_later(delay, expire)
+
+    def _fenced_out(self) -> None:
+        """Another holder took the fence (a cancel, a recovery elsewhere): stop now, where
+        the run is (an async step body is cancelled), not at the next refused write."""
+        task = self.task
+        if task is not None and not task.done() and self.stop is None \
+                and not self.journal.ending:
+            self.stop = "superseded"
+            task.cancel()
 
     def _alive(self) -> bool:
         return self.journal.failed is None and (self.task is None or not self.task.done())

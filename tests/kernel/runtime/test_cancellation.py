@@ -403,3 +403,43 @@ async def test_a_deadline_is_a_timer_every_store_keeps_and_fires(stores: Stores)
         await runtime.result(eid)
     assert await store.due_timers(2**62) == []
     await runtime.close()
+
+
+async def test_a_cancel_from_another_runtime_stops_the_step_body_where_it_runs(
+        tmp_path: Any) -> None:
+    """The holder in another process learns from its next lease renewal that the fence
+    was taken, and its async step body is cancelled then, not when the step returns."""
+    from fleet import SqliteEventStore
+
+    path = str(tmp_path / "fleet.db")
+    entered, stopped = asyncio.Event(), asyncio.Event()
+
+    async def long_call() -> str:
+        entered.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            stopped.set()
+            raise
+        return "done"
+
+    @flow("remote-step")
+    async def body(ctx: Context, _: Any) -> str:
+        return str(await ctx.step("long", long_call))
+
+    holder_store, canceller_store = SqliteEventStore(path), SqliteEventStore(path)
+    holder = Runtime(holder_store, flows=[body], lease_ms=300)
+    canceller = Runtime(canceller_store, flows=[body], lease_ms=300)
+    handle = await holder.start("remote-step")
+    await asyncio.wait_for(entered.wait(), 5)
+    await (await canceller.cancel(handle.execution_id, reason="from afar")).outcome()
+    await asyncio.wait_for(stopped.wait(), 5)  # within a renewal, not 30 s
+    outcome = await handle.outcome()
+    assert outcome is not None
+    assert outcome.kind == "fenced_out"
+    with pytest.raises(ExecutionCancelledError):
+        await canceller.result(handle.execution_id)
+    await holder.close()
+    await canceller.close()
+    await holder_store.close()
+    await canceller_store.close()
