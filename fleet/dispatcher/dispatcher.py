@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from fleet.config import FleetSettings
+from fleet.dispatcher.asking import Asking
 from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.coalesce import Coalescer
 from fleet.dispatcher.publish import (
@@ -112,7 +113,7 @@ def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
     return kernel_ids.idempotent_execution_id(flow_id, key, tenant)
 
 
-class Dispatcher:
+class Dispatcher(Asking):
     """Start, resume, send and cancel executions a worker fleet drives; wait for them.
 
     Build it from settings (it opens its own store and Runtime, built as every
