@@ -7,12 +7,17 @@ and the terminal event) and imports nothing of fleet but ``fleet.kernel``::
     state = await runtime.load_state(execution_id)
     log = await store.read(execution_id)
     paths = trajectories(evidence_events(state, log))
-    report = evaluate_policy(paths, new_policy)
-    verdict = promotion_gate(report, min_lift=0.01, min_ess=200)
+    report = evaluate_policy(paths, new_policy, estimator="dr")
+    verdict = promotion_gate(report, min_lift=0.01)
+
+docs/learning.md is the guide: the estimators, which to trust when, and what
+the simulations with a known truth measured.
 """
 
 from fleet.learning.collect import Collected, collect_trajectories, looks_compacted
 from fleet.learning.evaluation import (
+    DEFAULT_MIN_ESS,
+    ESTIMATORS,
     GateResult,
     PolicyEvaluation,
     RewardFn,
@@ -23,6 +28,7 @@ from fleet.learning.evaluation import (
     terminal_credit,
 )
 from fleet.learning.evidence import evidence_events
+from fleet.learning.reward_model import CellMeans, RewardModel, fit_reward_model
 from fleet.learning.trajectories import (
     DecisionPoint,
     Reward,
@@ -33,12 +39,16 @@ from fleet.learning.trajectories import (
 )
 
 __all__ = [
+    "DEFAULT_MIN_ESS",
+    "ESTIMATORS",
+    "CellMeans",
     "Collected",
     "DecisionPoint",
     "GateResult",
     "PolicyEvaluation",
     "Reward",
     "RewardFn",
+    "RewardModel",
     "TargetPolicy",
     "TerminalReward",
     "Trajectory",
@@ -46,6 +56,7 @@ __all__ = [
     "direct_reward",
     "evaluate_policy",
     "evidence_events",
+    "fit_reward_model",
     "looks_compacted",
     "promotion_gate",
     "success_reward",

@@ -22,7 +22,7 @@ EXPECTED = {
     "FlowDefinition",
     "FlowDivergenceError",
     "FlowNotFoundError", "FlowReplayDivergenceError",
-    "GateMismatchError", "InvalidPropensityError", "KernelEventForgeryError",
+    "GateMismatchError", "InvalidPropensityError", "InvalidTargetPolicyError", "KernelEventForgeryError",
     "MemoryEventStore", "MemorySnapshotStore", "MigrationRefusedError", "MissingDependencyError",
     "NondeterminismError", "NotSerializableError", "OutcomeContendedError",
     "OutcomeRefusedError", "OutcomeResult", "PayloadTooLargeError", "Policy",
@@ -30,7 +30,8 @@ EXPECTED = {
     "RetryPolicy", "RunOutcome", "Runtime", "RuntimeOptions", "RuntimeStats",
     "SchemaVersionError", "SequenceGapError", "SqliteEventStore",
     "SqliteSnapshotStore", "StaleFenceError", "StepFailedError", "StepFailure", "StoreError",
-    "StoreUnavailableError", "UnstorableValueError", "ValidationError", "WaitTimeoutError",
+    "StoreUnavailableError", "TooFewSamplesError", "UnstorableValueError", "ValidationError",
+    "WaitTimeoutError", "WeightOverflowError",
     "flow", "fold", "fold_log",
 }
 
