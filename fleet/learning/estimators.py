@@ -162,11 +162,10 @@ def percentile_interval(columns: Sequence[Sequence[float]], form: Form, *,
             f"{n} unit(s) evaluated: a bootstrap needs at least {MIN_BOOTSTRAP_UNITS}; use "
             "the normal interval (bootstrap=0) or collect more decisions")
     rng = random.Random(seed)
-    units = range(n)
+    rows = list(zip(*columns, strict=True))
     values: list[float] = []
     for _ in range(resamples):
-        picked = rng.choices(units, k=n)
-        means = [sum([col[i] for i in picked]) / n for col in columns]
+        means = [sum(col) / n for col in zip(*rng.choices(rows, k=n), strict=True)]
         try:
             value = form.value(means)
         except ZeroDivisionError:  # every resampled weight 0: no estimate this time

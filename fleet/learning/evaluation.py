@@ -64,7 +64,6 @@ from fleet.kernel.errors import (
 )
 from fleet.learning.estimators import (
     Estimate,
-    Form,
     check_resamples,
     estimate,
     mean_form,
@@ -72,7 +71,7 @@ from fleet.learning.estimators import (
     ratio_form,
     ratio_sum_form,
 )
-from fleet.learning.reward_model import FOLDS, RewardModel, cross_fitted, key
+from fleet.learning.reward_model import FOLDS, CellMeans, RewardModel, cross_fitted
 from fleet.learning.trajectories import DecisionPoint, Trajectory
 from fleet.learning.units import (
     DecisionUnit,
@@ -167,7 +166,8 @@ def evaluate_policy(trajectories: Iterable[Trajectory], target_policy: Targets, 
     A decision takes part when it matches the filters, the target answers for
     it, it carries a logged propensity and ``reward`` gives it a value; one that
     matches but has no propensity or no reward is counted in ``skipped`` (for
-    PDIS, the unit counted is a trajectory).
+    PDIS, the unit counted is a trajectory). ``PolicyEvaluator`` evaluates one
+    target with several estimators and reads the logs once.
 
     Args:
         trajectories: From ``trajectories(...)``.
@@ -207,6 +207,15 @@ def evaluate_policy(trajectories: Iterable[Trajectory], target_policy: Targets, 
             ``(0, 1)``; ``bootstrap`` too small for the interval; a
             ``reward_model`` that is not callable.
     """
+    _check(estimator, confidence, reward_model, bootstrap)
+    evaluator = PolicyEvaluator(trajectories, target_policy, reward=reward, policy=policy,
+                                decision_id=decision_id)
+    return evaluator.evaluate(estimator, confidence=confidence, reward_model=reward_model,
+                              bootstrap=bootstrap, seed=seed)
+
+
+def _check(estimator: str, confidence: float, reward_model: RewardModel | None,
+           bootstrap: int) -> None:
     if not (isinstance(confidence, float) and 0.0 < confidence < 1.0):
         raise ConfigurationError(f"confidence must be a float in (0, 1), got {confidence!r}")
     if estimator not in ESTIMATORS:
@@ -216,66 +225,153 @@ def evaluate_policy(trajectories: Iterable[Trajectory], target_policy: Targets, 
         raise ConfigurationError(f"reward_model must be a callable (context, choice) -> "
                                  f"expected reward, got {reward_model!r}")
     check_resamples(bootstrap, confidence)
-    if estimator in TRAJECTORY_ESTIMATORS:
-        return _trajectories(trajectories, target_policy, estimator, reward, policy,
-                             decision_id, confidence, bootstrap, seed)
-    units, skipped = decision_units(trajectories, target_policy, reward, policy=policy,
-                                    decision_id=decision_id,
-                                    need_options=estimator in MODEL_ESTIMATORS)
-    weights = [u.weight for u in units]
-    rewards = [u.reward for u in units]
-    wr = [w * r for w, r in zip(weights, rewards, strict=True)]
-    sum_w, ess = _weights(weights, rewards, wr, skipped)
-    n = len(units)
-    ips, snips = math.fsum(wr) / n, math.fsum(wr) / sum_w
-    columns: list[list[float]]
-    form: Form
-    model = None
-    if estimator == "ips":
-        columns, form = [wr], mean_form()
-    elif estimator == "snips":
-        columns, form = [wr, weights], ratio_form()
-    else:
-        v, q, model = _model_terms(units, reward_model)
-        correction = [w * (r - qi) for w, r, qi in zip(weights, rewards, q, strict=True)]
-        if estimator == "dr":
-            columns = [[vi + c for vi, c in zip(v, correction, strict=True)]]
-            form = mean_form()
+
+
+@dataclass(frozen=True, slots=True)
+class _Units:
+    """The units of one kind, their weights and what every estimator of them shares."""
+
+    units: list[Any]
+    skipped: int
+    weights: list[float]
+    returns: list[float]  # each unit's reward (a trajectory's: the sum of its rewards)
+    plain: float  # IPS, or PDIS
+    normalised: float  # SNIPS, or SNPDIS
+    ess: float
+    columns: dict[str, list[list[float]]]
+
+
+class PolicyEvaluator:
+    """One target policy on one set of logs, evaluated with any of ``ESTIMATORS``.
+
+    The logs are read once per kind of unit (decisions, trajectories) and DR's
+    reward model fitted once per model, whichever estimators are asked for;
+    ``evaluate_policy`` is ``PolicyEvaluator(...).evaluate(...)``::
+
+        evaluator = PolicyEvaluator(paths, target, decision_id="discount")
+        snips, dr = evaluator.evaluate("snips"), evaluator.evaluate("dr")
+
+    The arguments are ``evaluate_policy``'s; so are the errors, raised by
+    ``evaluate``.
+    """
+
+    def __init__(self, trajectories: Iterable[Trajectory], target_policy: Targets, *,
+                 reward: RewardFn = direct_reward, policy: str | None = None,
+                 decision_id: str | None = None) -> None:
+        self.paths = list(trajectories)
+        self.target_policy = target_policy
+        self.reward = reward
+        self.policy = policy
+        self.decision_id = decision_id
+        self._decisions: _Units | None = None
+        self._trajectories: _Units | None = None
+        self._models: dict[Any, tuple[list[float], list[float], str]] = {}
+
+    def evaluate(self, estimator: str = "snips", *, confidence: float = 0.95,
+                 reward_model: RewardModel | None = None, bootstrap: int = 0,
+                 seed: int | None = None) -> PolicyEvaluation:
+        """The estimate of ``estimator``; see ``evaluate_policy``."""
+        _check(estimator, confidence, reward_model, bootstrap)
+        model = None
+        if estimator in TRAJECTORY_ESTIMATORS:
+            data = self._trajectory_units()
+            form = mean_form() if estimator == "pdis" else ratio_sum_form(
+                len(data.columns["snpdis"]) // 2)
+            columns = data.columns[estimator]
         else:
-            columns, form = [v, correction, weights], offset_ratio_form()
-    found = estimate(columns, form, confidence=confidence, bootstrap=bootstrap, seed=seed)
-    return _result(found, estimator, n, skipped, ips, snips, ess,
-                   math.fsum(rewards) / n, max(weights), confidence, bootstrap, model)
+            data = self._decision_units()
+            weights, rewards = data.weights, data.returns
+            form = {"ips": mean_form(), "snips": ratio_form()}.get(estimator, mean_form())
+            columns = data.columns.get(estimator, [])
+            if estimator in MODEL_ESTIMATORS:
+                v, q, model = self._model_terms(data, reward_model)
+                correction = [w * (r - qi) for w, r, qi in zip(weights, rewards, q, strict=True)]
+                if estimator == "dr":
+                    columns = [[vi + c for vi, c in zip(v, correction, strict=True)]]
+                else:
+                    columns, form = [v, correction, weights], offset_ratio_form()
+        found = estimate(columns, form, confidence=confidence, bootstrap=bootstrap, seed=seed)
+        n = len(data.units)
+        return _result(found, estimator, n, data.skipped, data.plain, data.normalised,
+                       data.ess, math.fsum(data.returns) / n, max(data.weights), confidence,
+                       bootstrap, model)
 
+    def _decision_units(self) -> _Units:
+        if self._decisions is None:
+            units, skipped = decision_units(self.paths, self.target_policy, self.reward,
+                                            policy=self.policy, decision_id=self.decision_id)
+            weights = [u.weight for u in units]
+            rewards = [u.reward for u in units]
+            wr = [w * r for w, r in zip(weights, rewards, strict=True)]
+            sum_w, ess = _weights(weights, rewards, wr, skipped)
+            n = len(units)
+            self._decisions = _Units(units, skipped, weights, rewards, math.fsum(wr) / n,
+                                     math.fsum(wr) / sum_w, ess,
+                                     {"ips": [wr], "snips": [wr, weights]})
+        return self._decisions
 
-def _trajectories(paths: Iterable[Trajectory], targets: Targets, estimator: str,
-                  reward: RewardFn, policy: str | None, decision_id: str | None,
-                  confidence: float, bootstrap: int, seed: int | None) -> PolicyEvaluation:
-    units, skipped = trajectory_units(paths, targets, reward, policy=policy,
-                                      decision_id=decision_id,
-                                      terminal=reward is terminal_credit)
-    weights = [u.weight for u in units]
-    returns = [math.fsum(u.rewards) for u in units]
-    per_unit = [math.fsum(rho * r for rho, r in zip(u.ratios, u.rewards, strict=True))
-                for u in units]
-    _, ess = _weights(weights, returns, per_unit, skipped)
-    n = len(units)
-    steps = max(len(u.ratios) for u in units)
-    stepped: list[list[float]] = []
-    for t in range(steps):
-        rho = [_at(u.ratios, t, u.ratios[-1]) for u in units]
-        stepped += [[p * _at(u.rewards, t, 0.0) for p, u in zip(rho, units, strict=True)], rho]
-    normalised = ratio_sum_form(steps)
-    snpdis = normalised.value([math.fsum(col) / n for col in stepped])
-    pdis = math.fsum(per_unit) / n
-    if estimator == "pdis":
-        found = estimate([per_unit], mean_form(), confidence=confidence,
-                         bootstrap=bootstrap, seed=seed)
-    else:
-        found = estimate(stepped, normalised, confidence=confidence, bootstrap=bootstrap,
-                         seed=seed)
-    return _result(found, estimator, n, skipped, pdis, snpdis, ess, math.fsum(returns) / n,
-                   max(weights), confidence, bootstrap, None)
+    def _trajectory_units(self) -> _Units:
+        if self._trajectories is None:
+            units, skipped = trajectory_units(
+                self.paths, self.target_policy, self.reward, policy=self.policy,
+                decision_id=self.decision_id, terminal=self.reward is terminal_credit)
+            weights = [u.weight for u in units]
+            returns = [math.fsum(u.rewards) for u in units]
+            per_unit = [math.fsum(rho * r for rho, r in zip(u.ratios, u.rewards, strict=True))
+                        for u in units]
+            _, ess = _weights(weights, returns, per_unit, skipped)
+            n = len(units)
+            steps = max(len(u.ratios) for u in units)
+            stepped: list[list[float]] = []
+            for t in range(steps):
+                rho = [_at(u.ratios, t, u.ratios[-1]) for u in units]
+                stepped += [[p * _at(u.rewards, t, 0.0) for p, u in zip(rho, units,
+                                                                        strict=True)], rho]
+            snpdis = ratio_sum_form(steps).value([math.fsum(col) / n for col in stepped])
+            self._trajectories = _Units(units, skipped, weights, returns,
+                                        math.fsum(per_unit) / n, snpdis, ess,
+                                        {"pdis": [per_unit], "snpdis": stepped})
+        return self._trajectories
+
+    def _model_terms(self, data: _Units, given: RewardModel | None) -> tuple[
+            list[float], list[float], str]:
+        """Each unit's ``v`` (the target's expected model reward) and ``q`` (the model's
+        reward for the logged choice), and which model gave them; once per model."""
+        try:
+            return self._models[given]
+        except (KeyError, TypeError):  # not yet, or a model that is not hashable
+            pass
+        units: list[DecisionUnit] = data.units
+        missing = next((u for u in units if u.options is None), None)
+        if missing is not None:
+            raise EvaluationError(
+                f"{missing.where} does not list its alternatives with the logged choice among "
+                "them; doubly robust estimation takes the target's expectation of the reward "
+                "model over them (log Decision(alternatives=...), or use snips)")
+        if given is None:
+            models: list[RewardModel] = list(cross_fitted(
+                [(u.context, u.choice, u.reward) for u in units]))
+            label = f"cell means, {FOLDS}-fold cross-fitted"
+        else:
+            models, label = [given] * len(units), "given"
+        v: list[float] = []
+        q: list[float] = []
+        for u, model in zip(units, models, strict=True):
+            assert u.options is not None  # checked above
+            choices = [a for a, _ in u.options]
+            raw = (model.predict(u.context, choices) if isinstance(model, CellMeans)
+                   else [model(u.context, a) for a in choices])
+            predicted = [_prediction(value, u, a) for value, a in zip(raw, choices,
+                                                                      strict=True)]
+            v.append(math.fsum(p * value for (_, p), value in zip(u.options, predicted,
+                                                                   strict=True)))
+            q.append(predicted[u.logged])
+        found = (v, q, label)
+        try:
+            self._models[given] = found
+        except TypeError:
+            pass
+        return found
 
 
 def _at(values: tuple[float, ...], t: int, past_the_end: float) -> float:
@@ -298,26 +394,6 @@ def _weights(weights: list[float], rewards: list[float], weighted: list[float],
         raise EvaluationError("the target policy gives probability 0 to every logged "
                               "choice; the logs hold no evidence about it")
     return sum_w, (sum_w * sum_w) / sum_w2
-
-
-def _model_terms(units: list[DecisionUnit], given: RewardModel | None) -> tuple[
-        list[float], list[float], str]:
-    """Each unit's ``v`` (the target's expected model reward) and ``q`` (the model's
-    reward for the logged choice), and which model gave them."""
-    if given is None:
-        models: list[RewardModel] = list(cross_fitted(
-            [(u.context, u.choice, u.reward) for u in units]))
-        label = f"cell means, {FOLDS}-fold cross-fitted"
-    else:
-        models, label = [given] * len(units), "given"
-    v: list[float] = []
-    q: list[float] = []
-    for u, model in zip(units, models, strict=True):
-        assert u.options is not None  # decision_units(need_options=True) saw to it
-        predicted = {key(a): _prediction(model(u.context, a), u, a) for a, _ in u.options}
-        v.append(math.fsum(p * predicted[key(a)] for a, p in u.options))
-        q.append(predicted[key(u.choice)])
-    return v, q, label
 
 
 def _prediction(value: Any, u: DecisionUnit, choice: Any) -> float:

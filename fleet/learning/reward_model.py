@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +38,15 @@ FOLDS = 5
 PRIOR = 2.0
 
 
-def key(value: Any) -> str:
-    """A context or a choice as a dict key (its JSON, keys sorted)."""
-    return json.dumps(value, sort_keys=True, default=repr, separators=(",", ":"))
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def key(value: Any) -> Hashable:
+    """A context or a choice as a dict key: a plain value with its type (``1``, ``1.0``,
+    ``True`` and ``"1"`` stay apart), anything else its JSON (keys sorted)."""
+    if type(value) in _PLAIN:
+        return (type(value).__name__, value)
+    return ("json", json.dumps(value, sort_keys=True, default=repr, separators=(",", ":")))
 
 
 @dataclass(slots=True)
@@ -48,21 +54,29 @@ class CellMeans:
     """A fitted ``RewardModel``: shrunk means per (context, choice), per choice, overall."""
 
     mean: float = 0.0
-    by_choice: dict[str, tuple[float, int]] = field(default_factory=dict)
-    by_cell: dict[tuple[str, str], tuple[float, int]] = field(default_factory=dict)
+    by_choice: dict[Hashable, tuple[float, int]] = field(default_factory=dict)
+    by_cell: dict[tuple[Hashable, Hashable], tuple[float, int]] = field(default_factory=dict)
 
     def __call__(self, context: Any, choice: Any) -> float:
-        a = key(choice)
-        total, n = self.by_choice.get(a, (0.0, 0))
-        arm = (total + PRIOR * self.mean) / (n + PRIOR)
-        total, n = self.by_cell.get((key(context), a), (0.0, 0))
-        return (total + PRIOR * arm) / (n + PRIOR)
+        return self.predict(context, [choice])[0]
+
+    def predict(self, context: Any, choices: Iterable[Any]) -> list[float]:
+        """The expected reward of each of ``choices`` in ``context`` (its key made once)."""
+        x = key(context)
+        out = []
+        for choice in choices:
+            a = key(choice)
+            total, n = self.by_choice.get(a, (0.0, 0))
+            arm = (total + PRIOR * self.mean) / (n + PRIOR)
+            total, n = self.by_cell.get((x, a), (0.0, 0))
+            out.append((total + PRIOR * arm) / (n + PRIOR))
+        return out
 
 
 def fit_reward_model(samples: Iterable[tuple[Any, Any, float]]) -> CellMeans:
     """Fit ``CellMeans`` to ``(context, choice, reward)`` triples (an empty fit predicts 0)."""
-    by_choice: dict[str, list[float]] = {}
-    by_cell: dict[tuple[str, str], list[float]] = {}
+    by_choice: dict[Hashable, list[float]] = {}
+    by_cell: dict[tuple[Hashable, Hashable], list[float]] = {}
     everything: list[float] = []
     for context, choice, reward in samples:
         a = key(choice)

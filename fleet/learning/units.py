@@ -54,6 +54,8 @@ class DecisionUnit:
     context: Any
     choice: Any
     options: tuple[tuple[Any, float], ...] | None
+    logged: int  # the logged choice's place among the options
+    where: str  # "decision 'x' in 'execution-1'", for messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,15 +79,15 @@ def target_for(targets: Targets, d: DecisionPoint) -> TargetPolicy | None:
 
 
 def decision_units(paths: Iterable[Trajectory], targets: Targets, reward: RewardFn, *,
-                   policy: str | None, decision_id: str | None,
-                   need_options: bool) -> tuple[list[DecisionUnit], int]:
+                   policy: str | None,
+                   decision_id: str | None) -> tuple[list[DecisionUnit], int]:
     """The priced decisions with a propensity and a reward, and how many were skipped.
 
     Raises:
         InvalidTargetPolicyError: the target's answer is not a probability, or its
             answers over the alternatives do not sum to 1.
         EvaluationError: a logged propensity outside ``(0, 1]``; a reward that is not
-            a number; ``need_options`` and a decision without its alternatives.
+            a number.
         WeightOverflowError: a weight or its square past the float range.
     """
     units: list[DecisionUnit] = []
@@ -99,9 +101,10 @@ def decision_units(paths: Iterable[Trajectory], targets: Targets, reward: Reward
             if d.propensity is None or value is None:
                 skipped += 1
                 continue
-            weight, options = _weight(target, path, d, need_options)
+            weight, options, logged = _weight(target, path, d)
             units.append(DecisionUnit(weight, _reward(value, path, d), d.context, d.choice,
-                                      options))
+                                      options, logged,
+                                      f"decision {d.decision_id!r} in {path.execution_id!r}"))
     return units, skipped
 
 
@@ -142,7 +145,7 @@ def trajectory_units(paths: Iterable[Trajectory], targets: Targets, reward: Rewa
         rho = 1.0
         for target, d in zip(priced, path.decisions, strict=True):
             if target is not None:
-                rho *= _weight(target, path, d, False)[0]
+                rho *= _weight(target, path, d)[0]
                 if not math.isfinite(rho * rho):
                     raise WeightOverflowError(
                         f"non-finite: the product of the importance weights of "
@@ -162,8 +165,8 @@ def _priced(targets: Targets, d: DecisionPoint, policy: str | None,
     return target_for(targets, d)
 
 
-def _weight(target: TargetPolicy, path: Trajectory, d: DecisionPoint,
-            need_options: bool) -> tuple[float, tuple[tuple[Any, float], ...] | None]:
+def _weight(target: TargetPolicy, path: Trajectory,
+            d: DecisionPoint) -> tuple[float, tuple[tuple[Any, float], ...] | None, int]:
     p = _probability(target(d.context, d.choice, d.alternatives), path, d, d.choice)
     propensity = _propensity(d.propensity, path, d)
     weight = p / propensity
@@ -172,26 +175,21 @@ def _weight(target: TargetPolicy, path: Trajectory, d: DecisionPoint,
             f"non-finite: decision {d.decision_id!r} in {path.execution_id!r} has importance "
             f"weight {weight!r} (target {p!r} / propensity {propensity!r}) and its square "
             "overflows; a propensity this small cannot be evaluated against")
-    options = _options(target, path, d, p)
-    if need_options and options is None:
-        raise EvaluationError(
-            f"decision {d.decision_id!r} in {path.execution_id!r} does not list its "
-            "alternatives with the logged choice among them; doubly robust estimation "
-            "takes the target's expectation of the reward model over them (log "
-            "Decision(alternatives=...), or use snips)")
-    return weight, options
+    options, logged = _options(target, path, d, p)
+    return weight, options, logged
 
 
 def _options(target: TargetPolicy, path: Trajectory, d: DecisionPoint,
-             p_logged: float) -> tuple[tuple[Any, float], ...] | None:
+             p_logged: float) -> tuple[tuple[tuple[Any, float], ...] | None, int]:
+    """The target's probability of each alternative, and the logged choice's place."""
     alternatives = d.alternatives
     if not isinstance(alternatives, list) or not alternatives:
-        return None
-    logged = key(d.choice)
+        return None, 0
+    chosen = key(d.choice)
     distinct = {key(a): a for a in alternatives}
-    if logged not in distinct:
-        return None
-    options = tuple((a, p_logged if k == logged else _probability(
+    if chosen not in distinct:
+        return None, 0
+    options = tuple((a, p_logged if k == chosen else _probability(
         target(d.context, a, alternatives), path, d, a)) for k, a in distinct.items())
     total = math.fsum(p for _, p in options)
     if abs(total - 1.0) > SUM_TOLERANCE:
@@ -199,7 +197,7 @@ def _options(target: TargetPolicy, path: Trajectory, d: DecisionPoint,
             f"target_policy's probabilities over the {len(options)} alternatives of decision "
             f"{d.decision_id!r} in {path.execution_id!r} sum to {total:.6g}, not 1; a target "
             "policy must be a distribution over a decision's alternatives")
-    return options
+    return options, list(distinct).index(chosen)
 
 
 def _probability(value: Any, path: Trajectory, d: DecisionPoint, choice: Any) -> float:
