@@ -33,7 +33,7 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     ├── EvaluationError               off-policy evaluation found no usable or no finite estimate
     │   ├── InvalidTargetPolicyError  a target policy's answer is not a probability (or its
     │   │                             answers over a decision's alternatives do not sum to 1)
-    │   ├── WeightOverflowError       an importance weight (or a product of them) past the float range
+    │   ├── WeightOverflowError       an importance weight (or a product) past the float range
     │   └── TooFewSamplesError        too few decisions (or resamples) for the interval asked
     ├── AccessDeniedError             the principal may not do that op
     ├── StepFailure                   raised by a step's own code: fail it for good, no retry

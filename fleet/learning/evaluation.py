@@ -296,6 +296,14 @@ class PolicyEvaluator:
                        data.ess, math.fsum(data.returns) / n, max(data.weights), confidence,
                        bootstrap, model)
 
+    def decision_weights(self) -> list[float]:
+        """The importance weights of the evaluated decisions (for a weight histogram).
+
+        Raises:
+            The errors of ``evaluate`` that reading the decisions can raise.
+        """
+        return list(self._decision_units().weights)
+
     def _decision_units(self) -> _Units:
         if self._decisions is None:
             units, skipped = decision_units(self.paths, self.target_policy, self.reward,
@@ -501,6 +509,7 @@ def _require_finite(accumulators: dict[str, float]) -> None:
             "propensities)")
 
 
-__all__ = ["DEFAULT_MIN_ESS", "ESTIMATORS", "GateResult", "PolicyEvaluation", "RewardFn",
+__all__ = ["DEFAULT_MIN_ESS", "ESTIMATORS", "GateResult", "PolicyEvaluation", "PolicyEvaluator",
+           "RewardFn",
            "TargetPolicy", "Targets", "decision_kinds", "direct_reward", "evaluate_policy",
            "promotion_gate", "terminal_credit"]

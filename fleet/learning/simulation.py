@@ -3,8 +3,8 @@
 Two worlds whose true value under a target policy is known exactly:
 
 - ``Bandit``: one decision among 3 arms in 3 segments, rewards a score around
-  each arm's mean in the segment; the logging policy is epsilon-greedy around arm ``a``; the target picks each
-  segment's best arm with probability 0.8.
+  each arm's mean in the segment; the logging policy is epsilon-greedy around
+  arm ``a``; the target picks each segment's best arm with probability 0.8.
 - ``TwoStepFlow``: an offer (2 choices), then a discount (3 choices, its context
   holding the offer), then a terminal reward (completed 1, failed 0) whose
   chance depends on the segment and both choices.
