@@ -292,8 +292,10 @@ def _print_comparison(c: dict[str, Any]) -> None:
 @click.option("--flow", "flow_id", default=None)
 @click.option("--discount", default=1.0, show_default=True,
               help="the terminal credit's discount per decision before the end")
+@click.option("--json", "as_json", is_flag=True,
+              help="print what was written as JSON (with --output -, on standard error)")
 def learn_export(fmt: str, output: str, db: str | None, snapshots: str | None,
-                 flow_id: str | None, discount: float) -> None:
+                 flow_id: str | None, discount: float, as_json: bool) -> None:
     """Write every finished execution's decisions, one row each (propensity, rewards,
     late-reward delay, terminal reward), as CSV or Parquet."""
     url = read_store_url(db)
@@ -322,6 +324,12 @@ def learn_export(fmt: str, output: str, db: str | None, snapshots: str | None,
         written = write_csv(rows, sys.stdout)
     else:
         written = write_csv(rows, output)
+    if as_json:
+        click.echo(json.dumps({"written": written, "executions": found.executions,
+                               "output": output, "format": fmt,
+                               "compactedUnread": found.compacted_unread}),
+                   err=output == "-")
+        return
     click.echo(f"{written} decisions of {found.executions} executions written to "
                f"{'standard output' if output == '-' else output} ({fmt})", err=True)
 

@@ -29,9 +29,11 @@ body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px au
 max-width:1180px;color:#1d2327;padding:0 16px}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px}
 .muted{color:#5f6b73}table{border-collapse:collapse;margin:6px 0 12px}
-th,td{border-bottom:1px solid #dde3e7;padding:5px 10px;text-align:right;white-space:nowrap}
+th,td{border-bottom:1px solid #dde3e7;padding:5px 8px;text-align:right;white-space:nowrap}
+.scroll{overflow-x:auto}.ci{font-size:12px}
 th:first-child,td:first-child{text-align:left}th{background:#f3f6f8;font-weight:600}
 td.pass{color:#1a7f37;font-weight:600}td.fail{color:#b42318;font-weight:600}
+td.pass,td.fail{white-space:normal;text-align:left;min-width:140px;max-width:240px}
 .err{color:#b42318;font-size:12px}.key{display:inline-block;width:10px;height:10px;
 margin:0 4px 0 12px;border-radius:2px}.weights{display:inline-block;margin:0 24px 16px 0;
 vertical-align:top}svg text{font:12px system-ui,sans-serif;fill:#1d2327}
@@ -120,7 +122,8 @@ def _estimates_table(targets: list[dict[str, Any]], estimators: list[str],
             else:
                 low, high = ev["confidence_interval"]
                 cells.append(f"<td>{_num(ev['estimated_value'])}<br>"
-                             f'<span class="muted">[{_num(low)}, {_num(high)}]</span></td>')
+                             f'<span class="muted ci">[{_num(low, 3)}, {_num(high, 3)}]'
+                             "</span></td>")
         weights = t.get("weights") or {}
         gate = t.get("gate")
         verdict = ("" if gate is None else "pass" if gate["passed"] else
@@ -130,9 +133,15 @@ def _estimates_table(targets: list[dict[str, Any]], estimators: list[str],
                   f'<td class="{"pass" if gate and gate["passed"] else "fail"}">'
                   f"{escape(verdict)}</td>"]
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    errors = [f'<p class="err">{escape(t["policy"])}: {escape(NAMES[e])}: {escape(msg)}</p>'
-              for t in targets for e, msg in t["errors"].items()]
-    return head + "".join(rows) + "</table>" + "".join(errors)
+    errors = []
+    for t in targets:  # one line per message, naming every estimator it stopped
+        by_message: dict[str, list[str]] = {}
+        for e, msg in t["errors"].items():
+            by_message.setdefault(msg, []).append(NAMES.get(e, e))
+        errors += [f'<p class="err">{escape(t["policy"])}: {escape(", ".join(names))}: '
+                   f"{escape(msg)}</p>" for msg, names in by_message.items()]
+    return ('<div class="scroll">' + head + "".join(rows) + "</table></div>"
+            + "".join(errors))
 
 
 def _legend(estimators: list[str]) -> str:

@@ -419,6 +419,8 @@ def test_every_command_that_prints_takes_json_and_prints_json(fleet_env: Path) -
             "learn report": (["learn", "report", "--json"], (0,)),
             "learn eval": (["learn", "eval", "--policy", "fleet.examples.agent:better_style",
                             "--decision", "reply_style", "--min-ess", "0", "--json"], (0, 1)),
+            "learn export": (["learn", "export", "-o", str(fleet_env / "decisions.csv"),
+                              "--json"], (0,)),
             "repair terminal-event": (["repair", "terminal-event", eid, "--json"], (0,)),
             "replay export": (["replay", "export", eid, "-o", str(export), "--json"], (0,)),
             "replay check": (["replay", "check", "--flow", "cli_first_hour_flows:two_decisions",
