@@ -106,6 +106,7 @@ def shown_url(url: str) -> str:
     if parts.password is None:
         return url
     host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
     netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
 

@@ -14,12 +14,19 @@ docs/learning.md is the guide: the estimators, which to trust when, and what
 the simulations with a known truth measured.
 """
 
-from fleet.learning.collect import Collected, collect_trajectories, looks_compacted
+from fleet.learning.collect import (
+    Collected,
+    collect_evidence,
+    collect_trajectories,
+    looks_compacted,
+)
+from fleet.learning.comparison import PolicyComparison, compare_policies, logged_summary
 from fleet.learning.evaluation import (
     DEFAULT_MIN_ESS,
     ESTIMATORS,
     GateResult,
     PolicyEvaluation,
+    PolicyEvaluator,
     RewardFn,
     TargetPolicy,
     direct_reward,
@@ -28,6 +35,7 @@ from fleet.learning.evaluation import (
     terminal_credit,
 )
 from fleet.learning.evidence import evidence_events
+from fleet.learning.export import DecisionRow, decision_rows, write_csv, write_parquet
 from fleet.learning.reward_model import CellMeans, RewardModel, fit_reward_model
 from fleet.learning.trajectories import (
     DecisionPoint,
@@ -44,22 +52,31 @@ __all__ = [
     "CellMeans",
     "Collected",
     "DecisionPoint",
+    "DecisionRow",
     "GateResult",
+    "PolicyComparison",
     "PolicyEvaluation",
+    "PolicyEvaluator",
     "Reward",
     "RewardFn",
     "RewardModel",
     "TargetPolicy",
     "TerminalReward",
     "Trajectory",
+    "collect_evidence",
     "collect_trajectories",
+    "compare_policies",
+    "decision_rows",
     "direct_reward",
     "evaluate_policy",
     "evidence_events",
     "fit_reward_model",
+    "logged_summary",
     "looks_compacted",
     "promotion_gate",
     "success_reward",
     "terminal_credit",
     "trajectories",
+    "write_csv",
+    "write_parquet",
 ]

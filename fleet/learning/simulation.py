@@ -264,7 +264,7 @@ def run(world: str, logs: Callable[[int, int], list[Trajectory]], target: Any, t
 
 
 def study(*, replications: int = 400, confidence: float = 0.9, bandit_n: int = 500,
-          small_n: int = 60, flow_n: int = 600, bootstrap: int = 100) -> list[Row]:
+          small_n: int = 60, flow_n: int = 600, bootstrap: int = 200) -> list[Row]:
     """The study docs/learning.md reports: the bandit at ``bandit_n`` decisions and at
     ``small_n`` (a low ESS), and the two-step flow at ``flow_n`` executions."""
     truth = BANDIT.truth()

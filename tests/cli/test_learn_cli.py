@@ -156,3 +156,13 @@ def test_export_writes_one_row_per_decision_as_csv_or_parquet(db: str, tmp_path:
     assert code != 0
     assert not (tmp_path / "none.db").exists()
     assert not (tmp_path / "x.csv").exists()
+
+
+def test_a_store_password_never_reaches_the_report() -> None:
+    from fleet.cli.learn import shown_url
+
+    assert shown_url("postgresql://fleet:s3cret@db.example:5432/fleet?sslmode=require") == (
+        "postgresql://fleet:***@db.example:5432/fleet?sslmode=require")
+    assert shown_url("postgresql://fleet@db/fleet") == "postgresql://fleet@db/fleet"
+    assert shown_url("sqlite:///fleet.db") == "sqlite:///fleet.db"
+    assert shown_url("postgresql://u:s3cret@[::1]:5433/x") == "postgresql://u:***@[::1]:5433/x"

@@ -35,12 +35,12 @@ def _row(rows: list[Row], world: str, label: str, n: int | None = None) -> Row:
 
 @pytest.mark.parametrize(("world", "label"), [
     ("3-arm bandit", "IPS"), ("3-arm bandit", "SNIPS"),
-    ("3-arm bandit", "SNIPS, bootstrap 100"), ("3-arm bandit", "DR, right model"),
+    ("3-arm bandit", "SNIPS, bootstrap 200"), ("3-arm bandit", "DR, right model"),
     ("3-arm bandit", "SNDR, right model"), ("3-arm bandit", "DR, fitted model (cross-fitted)"),
     ("3-arm bandit", "SNDR, fitted model (cross-fitted)"),
     ("3-arm bandit", "DR, model off by +0.3"), ("3-arm bandit", "SNDR, model reversed"),
     ("2-decision flow", "PDIS"), ("2-decision flow", "SNPDIS"),
-    ("2-decision flow", "SNPDIS, bootstrap 100"),
+    ("2-decision flow", "SNPDIS, bootstrap 200"),
 ])
 def test_intervals_cover_the_truth_at_their_nominal_rate(rows: list[Row], world: str,
                                                         label: str) -> None:
