@@ -61,6 +61,7 @@ from fleet.kernel.errors import (
     ConfigurationError,
     EvaluationError,
     TooFewSamplesError,
+    WeightOverflowError,
 )
 from fleet.learning.estimators import (
     Estimate,
@@ -394,10 +395,13 @@ def _weights(weights: list[float], rewards: list[float], weighted: list[float],
     if not weights:
         raise TooFewSamplesError(f"no decision could be evaluated ({skipped} skipped: no "
                                  "logged propensity or no reward joined)")
-    acc = {"sum(w)": _total(weights), "sum(w*r)": _total(weighted),
-           "sum(w^2)": _total([w * w for w in weights]), "sum(r)": _total(rewards)}
-    _require_finite(acc)
-    sum_w, sum_w2 = acc["sum(w)"], acc["sum(w^2)"]
+    sum_w, sum_w2 = _total(weights), _total([w * w for w in weights])
+    if not (math.isfinite(sum_w) and math.isfinite(sum_w2)):
+        raise WeightOverflowError(
+            f"non-finite: the importance weights sum to {sum_w!r} and their squares to "
+            f"{sum_w2!r} over {len(weights)} units; the logged propensities are too small "
+            "for this target")
+    _require_finite({"sum(w*r)": _total(weighted), "sum(r)": _total(rewards)})
     if sum_w == 0.0:
         raise EvaluationError("the target policy gives probability 0 to every logged "
                               "choice; the logs hold no evidence about it")

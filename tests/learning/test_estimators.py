@@ -234,6 +234,10 @@ def test_weights_that_overflow_are_refused() -> None:
     assert all(math.isfinite(1.0 / d.propensity) for d in decisions)  # type: ignore[operator]
     with pytest.raises(WeightOverflowError, match="product of the importance weights"):
         evaluate_policy(long, lambda c, ch, a: 1.0, estimator="pdis", reward=terminal_credit)
+    # Each square finite, their sum past the float range.
+    many = _paths(*(_decision("a", 1e-154, 1.0, alternatives=None) for _ in range(200)))
+    with pytest.raises(WeightOverflowError, match="squares to inf over 200 units"):
+        evaluate_policy(many, lambda c, ch, a: 1.0)
     assert WeightOverflowError.code == "weight_overflow"
 
 
