@@ -32,8 +32,7 @@ h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px}
 th,td{border-bottom:1px solid #dde3e7;padding:5px 8px;text-align:right;white-space:nowrap}
 .scroll{overflow-x:auto}.ci{font-size:12px}
 th:first-child,td:first-child{text-align:left}th{background:#f3f6f8;font-weight:600}
-td.pass{color:#1a7f37;font-weight:600}td.fail{color:#b42318;font-weight:600}
-td.pass,td.fail{white-space:normal;text-align:left;min-width:140px;max-width:240px}
+li.pass{color:#1a7f37}li.fail{color:#b42318}
 .err{color:#b42318;font-size:12px}.key{display:inline-block;width:10px;height:10px;
 margin:0 4px 0 12px;border-radius:2px}.weights{display:inline-block;margin:0 24px 16px 0;
 vertical-align:top}svg text{font:12px system-ui,sans-serif;fill:#1d2327}
@@ -107,7 +106,7 @@ def _estimates_table(targets: list[dict[str, Any]], estimators: list[str],
                      report: dict[str, Any]) -> str:
     head = "<table><tr><th>target policy</th><th>samples</th><th>logged</th>" + "".join(
         f'<th><span class="key" style="background:{COLOURS[e]}"></span>{NAMES[e]}</th>'
-        for e in estimators) + "<th>ESS</th><th>max w</th><th>gate</th></tr>"
+        for e in estimators) + "<th>ESS</th><th>max w</th></tr>"
     rows = []
     for t in targets:
         first = next(iter(t["estimates"].values()), None)
@@ -125,14 +124,18 @@ def _estimates_table(targets: list[dict[str, Any]], estimators: list[str],
                              f'<span class="muted ci">[{_num(low, 3)}, {_num(high, 3)}]'
                              "</span></td>")
         weights = t.get("weights") or {}
-        gate = t.get("gate")
-        verdict = ("" if gate is None else "pass" if gate["passed"] else
-                   "hold: " + "; ".join(gate["reasons"]))
         cells += [f"<td>{_num(weights.get('effective_sample_size'), 1)}</td>",
-                  f"<td>{_num(weights.get('max'), 2)}</td>",
-                  f'<td class="{"pass" if gate and gate["passed"] else "fail"}">'
-                  f"{escape(verdict)}</td>"]
+                  f"<td>{_num(weights.get('max'), 2)}</td>"]
         rows.append("<tr>" + "".join(cells) + "</tr>")
+    gates = []
+    for t in targets:
+        gate = t.get("gate")
+        if gate is None:
+            continue
+        verdict = "pass" if gate["passed"] else "hold: " + "; ".join(gate["reasons"])
+        gates.append(f'<li class="{"pass" if gate["passed"] else "fail"}">'
+                     f"{escape(t['policy'])} ({escape(NAMES.get(gate['estimator'], ''))}): "
+                     f"{escape(verdict)}</li>")
     errors = []
     for t in targets:  # one line per message, naming every estimator it stopped
         by_message: dict[str, list[str]] = {}
@@ -141,7 +144,8 @@ def _estimates_table(targets: list[dict[str, Any]], estimators: list[str],
         errors += [f'<p class="err">{escape(t["policy"])}: {escape(", ".join(names))}: '
                    f"{escape(msg)}</p>" for msg, names in by_message.items()]
     return ('<div class="scroll">' + head + "".join(rows) + "</table></div>"
-            + "".join(errors))
+            + "".join(errors)
+            + (f"<p>Promotion gate</p><ul>{''.join(gates)}</ul>" if gates else ""))
 
 
 def _legend(estimators: list[str]) -> str:
@@ -204,19 +208,21 @@ def _weights(t: dict[str, Any]) -> str:
         return ""
     bins = w["bins"]
     most = max((b[2] for b in bins), default=1) or 1
-    bar_w, plot_h = 34, 120
+    bar_w, plot_h = 34, 120  # the bars start 18 px down: room for the tallest's count
     width = 40 + bar_w * len(bins)
-    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{plot_h + 46}" '
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{plot_h + 54}" '
            f'role="img" aria-label="importance weights of {escape(t["policy"])}">']
     for i, (lo, hi, count) in enumerate(bins):
         h = plot_h * count / most
         x0 = 30 + i * bar_w
         label = "0" if hi == 0 else f"&le;{_edge(hi)}"
-        svg.append(f'<rect x="{x0}" y="{10 + plot_h - h:.1f}" width="{bar_w - 4}" '
+        svg.append(f'<rect x="{x0}" y="{18 + plot_h - h:.1f}" width="{bar_w - 4}" '
                    f'height="{h:.1f}" fill="#1f77b4"><title>({_edge(lo)}, {_edge(hi)}]: '
                    f"{count}</title></rect>"
-                   f'<text x="{x0 + (bar_w - 4) / 2:.1f}" y="{plot_h + 26}" '
-                   f'text-anchor="middle">{label}</text>')
+                   f'<text x="{x0 + (bar_w - 4) / 2:.1f}" y="{plot_h + 34}" '
+                   f'text-anchor="middle">{label}</text>'
+                   + (f'<text x="{x0 + (bar_w - 4) / 2:.1f}" y="{14 + plot_h - h:.1f}" '
+                      f'text-anchor="middle" class="count">{count}</text>' if count else ""))
     svg.append("</svg>")
     facts = (f"{w['count']} decisions; ESS {w['effective_sample_size']:.1f}; mean "
              f"{w['mean']:.3f}; median {w['median']:.3f}; p99 {w['p99']:.3f}; max "

@@ -1,9 +1,12 @@
 """``fleet learn report --html`` in a real browser: headless Chromium opens the page from a
-file, offline, and draws the intervals and the weights (issue 30 item 3)."""
+file, offline, and draws the intervals and the weights (issue 30 item 3).
+FLEET_UPDATE_SCREENSHOT=1 also writes the screenshot to docs/learn-report.png."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,8 @@ def test_chromium_renders_the_report_page_offline(tmp_path: Path) -> None:
     paths = BANDIT.logs(400, seed=11)
     targets = {"fleet.learning.simulation:BANDIT.target": BANDIT.target,
                "tests:uniform": _uniform}
-    report = {"title": "fleet policy evaluation", "source": "simulated", "executions": 400,
+    report = {"title": "fleet policy evaluation", "source": "fleet.learning.simulation (seed 11)",
+              "executions": 400,
               "policies": logged_summary(paths),
               "targets": [c.to_dict() for c in compare_policies(paths, targets)],
               "filters": {}, "confidence": 0.95, "compactedUnread": []}
@@ -55,3 +59,5 @@ def test_chromium_renders_the_report_page_offline(tmp_path: Path) -> None:
         assert count(COLOURS[estimator]) > 200, estimator
     assert count(COLOURS["snips"]) > 3000  # the histograms' bars too
     assert len(set(pixels[::97])) > 20  # a page, not a blank or an error screen
+    if os.environ.get("FLEET_UPDATE_SCREENSHOT") == "1":  # the picture docs/learning.md shows
+        shutil.copyfile(shot, Path(__file__).resolve().parents[2] / "docs" / "learn-report.png")
