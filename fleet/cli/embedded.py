@@ -284,7 +284,8 @@ def _print_verdict(summary: dict[str, Any]) -> None:
         f"rewards attached, {sum(summary['rewards']['dead_lettered'].values())} bad ones "
         "dead-lettered",
         f"reply style: logged {style['logged_value']:.3f}, better policy (SNIPS) "
-        f"{style['snips']:.3f}",
+        f"{style['snips']:.3f}" + (f", (DR) {style['dr']['estimated_value']:.3f}"
+                                   if "estimated_value" in style.get("dr", {}) else ""),
         f"{summary['elapsed_s']:.1f} s in all"]
     if summary["ok"]:
         console.print("[bold green]demo finished:[/bold green] " + "; ".join(lines))

@@ -31,8 +31,9 @@ The stages:
 7. **rewards**: signed reward messages for every finished run go to the
    rewards stream, with a few forged or malformed ones; the attacher attaches
    the valid ones and dead-letters the rest.
-8. **evaluate**: IPS/SNIPS of better target policies on the logged decisions,
-   with a line on what each figure means.
+8. **evaluate**: IPS, SNIPS and DR of better target policies on the logged
+   decisions (``fleet.examples.demo_evaluation``), with a line on what each
+   figure means.
 9. **down**: everything stops; no process is left.
 
 **Same seed, same figures.** The tickets, each decision's exploration draws
@@ -68,14 +69,15 @@ from typing import Any, Protocol
 
 from fleet.config import FleetSettings
 from fleet.embedded.machine import EmbeddedFleet
-from fleet.examples import agent
+from fleet.examples import agent, demo_evaluation
+from fleet.examples.demo_evaluation import ESTIMATORS
 from fleet.host.keys import reward_keys_of
 from fleet.kernel.events import TERMINAL_STATUSES, EventEnvelope, EventType
 from fleet.kernel.fold import DIVERGED_GATE
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import Principal
 from fleet.kernel.store.spi import ORIGIN, EventStore
-from fleet.learning import evaluate_policy, promotion_gate, trajectories
+from fleet.learning import trajectories
 from fleet.learning.trajectories import Trajectory
 from fleet.services.status import StatusReader
 from fleet.streams import RewardMessage, submit_rewards
@@ -88,18 +90,6 @@ FLOW_ID = "support-reply"
 PRODUCER = "demo"
 TENANT = "demo"  # the tenant the demo's operator starts every run in
 Progress = Callable[[int, str], None]
-
-
-#: One line for each figure of the offline evaluation (``fleet.learning.evaluation``).
-ESTIMATORS: dict[str, str] = {
-    "logging policy earned": "the mean reward of what the logging policy chose",
-    "IPS": "sum(w x reward) / n: what the target would earn; unbiased, noisy when "
-           "some w are large",
-    "SNIPS": "sum(w x reward) / sum(w): IPS normalised by the weights; slightly "
-             "biased, much steadier (the gate uses it)",
-    "ESS": "effective sample size, sum(w)^2 / sum(w^2): how many decisions the "
-           "estimate is worth; few means trust it less",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -605,35 +595,11 @@ class _Demo:
         with self.timed("evaluate"):
             for eid in self.ids:
                 paths.extend(trajectories(await runtime.store.read(eid)))
-            targets = {"reply_style": ("better_style", agent.better_style),
-                       "discount": ("better_discount", agent.better_discount)}
-            results: dict[str, Any] = {}
-            for decision_id, (name, target) in targets.items():
-                result = evaluate_policy(paths, target, decision_id=decision_id)
-                gate = promotion_gate(result, min_lift=0.0, min_ess=10.0)
-                results[decision_id] = {"target": f"fleet.examples.agent:{name}",
-                                        **result.to_dict(), "gate_passed": gate.passed,
-                                        "gate_reasons": list(gate.reasons)}
+            results, rows = demo_evaluation.evaluate(paths)
         self.summary["evaluation"] = results
-
-        def row(label: str, show: Callable[[dict[str, Any]], str]) -> list[str]:
-            return [label, *(show(r) for r in results.values())]
-
-        rows = [
-            row("target policy", lambda r: str(r["target"]).rpartition(":")[2]),
-            row("decisions evaluated", lambda r: str(r["samples"])),
-            row("logging policy earned", lambda r: f"{r['logged_value']:.3f}"),
-            row("IPS estimate", lambda r: f"{r['ips']:.3f}"),
-            row("SNIPS estimate", lambda r: f"{r['snips']:.3f}"),
-            row("95% interval (SNIPS)", lambda r: "[{:.3f}, {:.3f}]".format(
-                *r["confidence_interval"])),
-            row("effective sample size (ESS)", lambda r: f"{r['effective_sample_size']:.1f}"),
-            row("lift", lambda r: f"{r['lift']:+.3f}"),
-            row("promotion gate", lambda r: "pass" if r["gate_passed"] else
-                "hold: " + "; ".join(r["gate_reasons"]))]
         self.reporter.stage(
             "8. Offline evaluation of better policies on the logged decisions "
-            "(gate: lift >= 0, ESS >= 10)",
+            f"(gate: lift >= 0, ESS >= {demo_evaluation.DEMO_MIN_ESS:g})",
             ["", "reply_style (reward: CSAT)", "discount (reward: margin kept)"], rows)
         self.reporter.stage("   How to read it (w = target's probability of the logged "
                             "choice / the logged propensity)", ["", "what it is"],
@@ -781,6 +747,10 @@ def problems(summary: dict[str, Any]) -> list[str]:
     for decision, result in summary["evaluation"].items():
         if not math.isfinite(result["snips"]):
             found.append(f"the SNIPS estimate of {decision} is {result['snips']}")
+        dr = result.get("dr") or {}
+        if not math.isfinite(dr.get("estimated_value", math.nan)):
+            found.append(f"the DR estimate of {decision} is "
+                         f"{dr.get('estimated_value', dr.get('error'))}")
     if summary["shutdown"]["left_running"]:
         found.append(f"processes left running: {summary['shutdown']['left_running']}")
     return found

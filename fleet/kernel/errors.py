@@ -32,6 +32,10 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     ├── OutcomeRefusedError           a late outcome the log must not take
     ├── OutcomeContendedError         the tip kept moving under a late outcome (retryable)
     ├── EvaluationError               off-policy evaluation found no usable or no finite estimate
+    │   ├── InvalidTargetPolicyError  a target policy's answer is not a probability (or its
+    │   │                             answers over a decision's alternatives do not sum to 1)
+    │   ├── WeightOverflowError       an importance weight (or a product) past the float range
+    │   └── TooFewSamplesError        too few decisions (or resamples) for the interval asked
     ├── AccessDeniedError             the principal may not do that op
     ├── StepFailure                   raised by a step's own code: fail it for good, no retry
     ├── StepFailedError               a step failed for good; the flow may catch it
@@ -218,6 +222,18 @@ class ExecutionBusyError(ExecutionStateError):
 
 class EvaluationError(FleetError):
     code = "evaluation"
+
+
+class InvalidTargetPolicyError(EvaluationError):
+    code = "invalid_target_policy"
+
+
+class WeightOverflowError(EvaluationError):
+    code = "weight_overflow"
+
+
+class TooFewSamplesError(EvaluationError):
+    code = "too_few_samples"
 
 
 class AccessDeniedError(FleetError):

@@ -10,6 +10,7 @@ item 3).
 from __future__ import annotations
 
 import itertools
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fleet.kernel.events import EventEnvelope
@@ -35,31 +36,48 @@ def looks_compacted(events: list[EventEnvelope]) -> bool:
     return any(b.sequence != a.sequence + 1 for a, b in itertools.pairwise(events))
 
 
-async def collect_trajectories(store: EventStore, snapshots: SnapshotStore | None = None, *,
-                               flow_id: str | None = None, page: int = 500,
-                               limit: int | None = None) -> Collected:
-    """Trajectories of every finished execution (optionally of one flow)."""
-    out = Collected()
+async def collect_evidence(store: EventStore, snapshots: SnapshotStore | None = None, *,
+                           flow_id: str | None = None, page: int = 500,
+                           limit: int | None = None,
+                           found: Collected | None = None) -> AsyncIterator[list[EventEnvelope]]:
+    """Each finished execution's evidence events (optionally of one flow), one list each.
+
+    ``found`` (when given) counts the executions read and names the compacted
+    ones that could not be (no snapshot store); their evidence is not yielded.
+    """
+    out = found if found is not None else Collected()
+    read = 0
     for status in _FINISHED:
         after: str | None = None
         while True:
             rows = await store.list_executions(status=status, flow_id=flow_id,
                                                after_id=after, limit=page)
             for row in rows:
-                if limit is not None and out.executions >= limit:
-                    return out
+                if limit is not None and read >= limit:
+                    return
+                read += 1
                 out.executions += 1
                 log = await store.read(row.execution_id)
                 snap = await snapshots.load(row.execution_id) if snapshots else None
                 if snap is not None:
                     base = ExecutionState.from_dict(snap.state)
                     state = fold_log([e for e in log if e.sequence > snap.sequence], base)
-                    out.trajectories.extend(trajectories(evidence_events(state, log)))
+                    yield evidence_events(state, log)
                 elif looks_compacted(log):
                     out.compacted_unread.append(row.execution_id)
                 else:
-                    out.trajectories.extend(trajectories(log))
+                    yield log
             if len(rows) < page:
                 break
             after = rows[-1].execution_id
+
+
+async def collect_trajectories(store: EventStore, snapshots: SnapshotStore | None = None, *,
+                               flow_id: str | None = None, page: int = 500,
+                               limit: int | None = None) -> Collected:
+    """Trajectories of every finished execution (optionally of one flow)."""
+    out = Collected()
+    async for events in collect_evidence(store, snapshots, flow_id=flow_id, page=page,
+                                         limit=limit, found=out):
+        out.trajectories.extend(trajectories(events))
     return out

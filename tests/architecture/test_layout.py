@@ -41,6 +41,10 @@ FUNCTION_LEVEL_IMPORTS = {
     # Flower and its Fleet page (Tornado, Flower's app) load only in `fleet flower`,
     # not in the other processes `fleet.cli.processes` starts.
     ("fleet/cli/processes.py", "fleet.flowerui"),
+    # Parquet export needs the `learn` extra (pyarrow); CSV and the rest of fleet.learning
+    # do not (decision 0041).
+    ("fleet/learning/export.py", "pyarrow"),
+    ("fleet/learning/export.py", "pyarrow.parquet"),
 }
 
 

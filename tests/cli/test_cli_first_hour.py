@@ -286,7 +286,7 @@ def test_learn_eval_evaluates_only_the_decisions_its_policy_applies_to(
     assert "Traceback" not in wrong.output
     nothing = invoke(*policy, "--decision", "no-such-decision")
     assert nothing.exit_code == 1
-    assert "EvaluationError: no decision could be evaluated" in nothing.stderr
+    assert "TooFewSamplesError: no decision could be evaluated" in nothing.stderr
 
 
 # -- --success / --failure -----------------------------------------------------------------
@@ -397,6 +397,8 @@ def test_every_command_that_prints_takes_json_and_prints_json(fleet_env: Path) -
     ran = lines(["run", "--flow", "cli_first_hour_flows:two_decisions", "--input", "1",
                  "--json"])
     eid = ran[0]["executionId"]
+    # A second run: one decision gives no interval (learn eval's TooFewSamplesError).
+    lines(["run", "--flow", "cli_first_hour_flows:two_decisions", "--input", "2", "--json"])
     gated = lines(["start", "cli-gate", "--input", "1", "--json"])[0]["executionId"]
     _drive(db, gated)
     waiting = lines(["start", "cli-receive", "--input", "1", "--json"])[0]["executionId"]
@@ -418,7 +420,10 @@ def test_every_command_that_prints_takes_json_and_prints_json(fleet_env: Path) -
                                 "--json"], (0,)),
             "learn report": (["learn", "report", "--json"], (0,)),
             "learn eval": (["learn", "eval", "--policy", "fleet.examples.agent:better_style",
-                            "--decision", "reply_style", "--min-ess", "0", "--json"], (0, 1)),
+                            "--decision", "reply_style", "--reward", "terminal", "--min-ess",
+                            "0", "--json"], (0, 1)),
+            "learn export": (["learn", "export", "-o", str(fleet_env / "decisions.csv"),
+                              "--json"], (0,)),
             "repair terminal-event": (["repair", "terminal-event", eid, "--json"], (0,)),
             "replay export": (["replay", "export", eid, "-o", str(export), "--json"], (0,)),
             "replay check": (["replay", "check", "--flow", "cli_first_hour_flows:two_decisions",

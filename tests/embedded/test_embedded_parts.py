@@ -147,7 +147,8 @@ def _summary(**changes: Any) -> dict[str, Any]:
         "rewards": {"submitted_valid": 60, "attached": 60, "submitted_invalid": 4,
                     "dead_lettered": {"bad_signature": 1, "unsigned": 1, "malformed": 1,
                                       "unknown_producer": 1}},
-        "evaluation": {"reply_style": {"snips": 0.7}, "discount": {"snips": 0.5}},
+        "evaluation": {"reply_style": {"snips": 0.7, "dr": {"estimated_value": 0.7}},
+                       "discount": {"snips": 0.5, "dr": {"estimated_value": 0.5}}},
         "divergence": {"executions": ["a", "b", "c"], "completed": 3,
                        "parked": {"count": 3, "worker_divergence_parked": 3}},
         "shutdown": {"left_running": []}}
@@ -165,6 +166,10 @@ def test_the_demo_verdict_names_every_problem() -> None:
     nan = _summary()
     nan["evaluation"]["discount"]["snips"] = math.nan
     assert problems(nan) == ["the SNIPS estimate of discount is nan"]
+    no_dr = _summary()
+    no_dr["evaluation"]["reply_style"]["dr"] = {"error": "TooFewSamplesError: 3 decision(s)"}
+    assert problems(no_dr) == ["the DR estimate of reply_style is TooFewSamplesError: 3 "
+                               "decision(s)"]
     missed = _summary(divergence__parked={"count": 0, "worker_divergence_parked": 0},
                       divergence__completed=0)
     assert problems(missed) == [
@@ -248,3 +253,43 @@ async def test_the_changed_agent_parks_as_diverged_and_the_fix_completes_it(
     assert [json.loads(line)["step"] for line in effects.read_text().splitlines()] == [
         "draft", "send"]
     await fixed.close()
+
+
+def test_the_demo_evaluation_shows_dr_beside_snips() -> None:
+    # 30 runs of the demo's two decisions, drawn as its logging policy draws them.
+    from fleet.examples.demo_evaluation import DEMO_MIN_ESS, ESTIMATORS, evaluate
+    from fleet.learning import DecisionPoint, Reward, Trajectory
+    rng = random.Random(7)
+    paths = []
+    for i in range(30):
+        segment = agent.SEGMENTS[i % 3]
+        style, p_style = agent.epsilon_greedy(agent.STYLES, agent.GREEDY_STYLE, rng.random(),
+                                              rng.random())
+        discount, p_discount = agent.epsilon_greedy(agent.DISCOUNTS, agent.GREEDY_DISCOUNT,
+                                                    rng.random(), rng.random())
+        csat, converted, kept = agent.reward_for(segment, style, discount, True, rng)
+        context = {"segment": segment}
+        paths.append(Trajectory(f"t{i}", "support-reply", "completed", 1.0, (
+            DecisionPoint("reply_style", 1, style, "style-eps-greedy", 1, p_style,
+                          list(agent.STYLES), context, (Reward("csat:1", csat),)),
+            DecisionPoint("discount", 2, discount, "discount-eps-greedy", 1, p_discount,
+                          list(agent.DISCOUNTS), context,
+                          (Reward("margin:1", kept, converted),)))))
+    results, rows = evaluate(paths)
+    labels = [r[0] for r in rows]
+    assert labels.index("DR estimate") == labels.index("95% interval (SNIPS)") + 1
+    for decision in ("reply_style", "discount"):
+        dr = results[decision]["dr"]
+        assert dr["estimator"] == "dr"
+        assert dr["reward_model"] == "cell means, 5-fold cross-fitted"
+        low, high = dr["confidence_interval"]
+        assert low < dr["estimated_value"] < high
+        assert results[decision]["samples"] == 30
+    [shown] = [r for r in rows if r[0] == "DR estimate"]
+    assert shown[1] == f"{results['reply_style']['dr']['estimated_value']:.3f}"
+    assert "DR" in ESTIMATORS
+    assert "unbiased" in ESTIMATORS["DR"]
+    assert DEMO_MIN_ESS == 10.0
+    summary = _summary()
+    summary["evaluation"] = results
+    assert problems(summary) == []

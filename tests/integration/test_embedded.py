@@ -288,6 +288,9 @@ def check_summary(summary: dict[str, Any]) -> None:
         assert evaluation["samples"] == executions["started"]
         assert math.isfinite(evaluation["snips"])
         assert math.isfinite(evaluation["ips"])
+        # DR beside SNIPS (issue 30 item 4), its reward model fitted on the runs.
+        assert math.isfinite(evaluation["dr"]["estimated_value"])
+        assert evaluation["dr"]["reward_model"] == "cell means, 5-fold cross-fitted"
     assert summary["stats"]["timers_fired"] == executions["started"]
     # The events stream is the log: every event any process committed, each once.
     stats = summary["stats"]
