@@ -56,13 +56,17 @@ def pending_for(state: ExecutionState, branch: str) -> bool:
     return True
 
 
-def cancel_owed(run: FlowRun, branch: str, at: str, *, answered: bool) -> FlowCancelled | None:
+def cancel_owed(run: FlowRun, branch: str, at: str, *, answered: bool = False,
+                answered_at: float | None = None) -> FlowCancelled | None:
     """The cancellation the call ``at`` of ``branch`` must raise now, or None.
 
     A delivery the log holds for this call is raised again (a replay), once per
-    record; otherwise, when the log does not answer the call (``answered`` is
-    False) and a cancellation is owed to the branch, it is delivered here: recorded,
-    then returned for the caller to raise (after withdrawing what it set up).
+    record; otherwise, when the log does not answer the call and a cancellation is
+    owed to the branch, it is delivered here: recorded, then returned for the caller
+    to raise (after withdrawing what it set up). A wait's answer counts only when it
+    came before the request (``answered_at``, its sequence): the await was pending
+    when the cancellation was asked for, so the cancellation comes first (a child
+    cancelled along with its parent ends after the parent's request).
     """
     state = run.state
     cancel = state.cancel
@@ -77,6 +81,8 @@ def cancel_owed(run: FlowRun, branch: str, at: str, *, answered: bool) -> FlowCa
     if n < recorded:
         used[where] = n + 1
         return FlowCancelled(reason, at)
+    if answered_at is not None and answered_at < cancel.get("seq", -1):
+        answered = True
     if answered or not pending_for(state, branch):
         return None
     run.journal.commit(EventType.CANCEL_DELIVERED, {"at": at, "branch": branch})

@@ -48,7 +48,8 @@ from fleet.kernel.writes import LogWriter, make_events
 # any other last event means a holder stopped mid-run and a drive is a recovery.
 WAKE_EVENTS = frozenset({EventType.EXECUTION_STARTED, EventType.EXECUTION_RESUMED,
                          EventType.TIMER_FIRED, EventType.RECOVERED,
-                         EventType.EXECUTION_MIGRATED, EventType.CANCEL_REQUESTED})
+                         EventType.EXECUTION_MIGRATED, EventType.CANCEL_REQUESTED,
+                         EventType.CHILD_ENDED})
 # The outcomes whose cause a result() waiter gets (the run stopped without an end).
 _FAILS_WAITERS = frozenset({"aborted", "fenced_out", "diverged_parked"})
 

@@ -98,7 +98,8 @@ class Wait:
         await self.prepare()
         while True:
             found = self.answer()
-            owed = cancel_owed(run, self.where.branch, self.at, answered=found is not None)
+            owed = cancel_owed(run, self.where.branch, self.at,
+                               answered_at=None if found is None else found[0][0])
             if owed is not None:
                 self.withdraw()
                 raise owed
@@ -308,7 +309,8 @@ async def first(where: Where, waits: Sequence[Any]) -> tuple[int, Any]:
     while True:
         found = [(answer[0], i, answer[1]) for i, wait in enumerate(waits)
                  if (answer := wait.answer()) is not None]
-        owed = cancel_owed(run, where.branch, f"first:{name}", answered=bool(found))
+        owed = cancel_owed(run, where.branch, f"first:{name}",
+                           answered_at=min((f[0][0] for f in found), default=None))
         if owed is not None:
             for wait in waits:
                 wait.withdraw()

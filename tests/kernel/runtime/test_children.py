@@ -283,3 +283,30 @@ async def test_a_child_in_a_race_with_a_timer(clocked_store: EventStore,
 
     await eventually(child_cancelled, timeout=10)
     await runtime.close()
+
+
+async def test_a_child_that_ends_after_its_parents_cancel_request_does_not_answer_the_parent(
+        stores: Stores) -> None:
+    """The parent's await on the child was pending when its cancellation was asked for:
+    the cancellation comes first, though the child (cancelled along with it) ended
+    before the parent's drive."""
+    store = stores[0]
+
+    @flow("waits-on-child")
+    async def waits(ctx: Context, _: Any) -> Any:
+        return await ctx.child(slow_payment, 8, id="pay-8")
+
+    runtime = Runtime(store, flows=[waits, slow_payment], local_timers=False)
+    eid = await started(runtime, "waits-on-child")
+    await runtime.cancel(eid, drive=False)  # written; its drive comes later
+
+    async def child_told() -> bool:
+        return "status" in (await runtime.load_state(eid)).children.get("child#0", {})
+
+    await eventually(child_told, timeout=10)  # the child was cancelled and told its parent
+    await runtime.drive(eid, wait=True)
+    with pytest.raises(ExecutionCancelledError):
+        await runtime.result(eid)
+    log = await store.read(eid)
+    assert [e.payload["at"] for e in log if e.type == "CANCEL_DELIVERED"] == ["child:child#0"]
+    await runtime.close()
