@@ -8,7 +8,8 @@ from pathlib import Path
 from fleet.kernel.context import Context
 from fleet.kernel.flows import flow
 
-ALL = "bench.fleet_flows:three,bench.fleet_flows:hold,bench.fleet_flows:sleep"
+ALL = ("bench.fleet_flows:three,bench.fleet_flows:hold,bench.fleet_flows:sleep,"
+       "bench.fleet_flows:child,bench.fleet_flows:parent,bench.fleet_flows:cancellable")
 
 
 def _inc(n: int) -> int:
@@ -48,3 +49,30 @@ async def sleep(ctx: Context, seconds: float) -> float:
     """One step that waits: many of them keep a worker's drives busy at once."""
     await ctx.step("sleep", asyncio.sleep, seconds)
     return seconds
+
+
+@flow("bench-child", version=1, steps=["a"])
+async def child(ctx: Context, n: int) -> int:
+    """A child flow of one step (``bench.flows_react``)."""
+    return int(await ctx.step("a", _inc, n))
+
+
+@flow("bench-parent", version=1)
+async def parent(ctx: Context, children: int) -> int:
+    """Starts ``children`` child flows at once, then waits for each (``bench.flows_react``)."""
+    handles = [await ctx.start_child(child, i) for i in range(children)]
+    total = 0
+    for handle in handles:
+        total += int(await handle.result())
+    return total
+
+
+@flow("bench-cancellable", version=1, steps=["cleanup"])
+async def cancellable(ctx: Context, _: int) -> str:
+    """Parks on a gate; a cancellation runs one cleanup step (``bench.flows_react``)."""
+    try:
+        await ctx.wait("never")
+    except asyncio.CancelledError:
+        await ctx.step("cleanup", _inc, 0)
+        raise
+    return "answered"
