@@ -310,3 +310,17 @@ async def test_a_child_that_ends_after_its_parents_cancel_request_does_not_answe
     log = await store.read(eid)
     assert [e.payload["at"] for e in log if e.type == "CANCEL_DELIVERED"] == ["child:child#0"]
     await runtime.close()
+
+
+async def test_replay_check_of_a_parent_waiting_on_its_child_is_ok(store: EventStore) -> None:
+    from fleet.kernel.replay import replay_check
+
+    @flow("checked-parent")
+    async def checked(ctx: Context, _: Any) -> Any:
+        return await ctx.child(slow_payment, 1, id="checked-pay")
+
+    runtime = Runtime(store, flows=[checked, slow_payment], local_timers=False)
+    eid = await started(runtime, "checked-parent")
+    verdict = await replay_check(await store.read(eid), [checked, slow_payment])
+    assert verdict.status == "ok", verdict
+    await runtime.close()
