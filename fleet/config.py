@@ -213,6 +213,19 @@ class FleetSettings(BaseSettings):
     dispatch_max_bytes: int = Field(
         1_048_576, ge=1024, description="the largest fleet.dispatch message (JSON bytes) a "
         "worker reads")
+    # -- remote control of the workers (issue 25 item 1; decision 0042) -------------
+    control_keys: dict[str, Any] = Field(
+        default_factory=dict, description='JSON key ring {"<key id>": "<secret>"} (the format '
+        "of FLEET_DISPATCH_KEYS; tenants [\"*\"]): the operators' keys. Workers obey a "
+        "control command that changes them (shutdown, cancel_consumer, pool_restart, "
+        "revoke...) only when one of these signed it; Flower and `fleet up` sign with theirs. "
+        "Unset on a worker: it obeys none")
+    control_keys_file: str | None = Field(
+        None, description="a file holding the same JSON (a mounted Secret); re-read when it "
+        "changes; unreadable: no control command is obeyed")
+    control_key_id: str | None = Field(
+        None, description="which key of FLEET_CONTROL_KEYS this process signs its control "
+        "commands with (default: the ring's only key)")
     reward_keys: dict[str, str] = Field(
         default_factory=dict, description='JSON {"producer": "secret"}: the reward producers\' '
         'HMAC keys (the attacher verifies with them, `fleet reward submit` signs with one)')
@@ -281,6 +294,9 @@ SETTING_EXAMPLES: dict[str, str] = {
     "dispatch_keys": '{"web-1": {"client": "web", "secret": "<random>", "tenants": ["acme"]}}',
     "dispatch_keys_file": "/etc/fleet/dispatch-keys.json",
     "dispatch_key_id": "web-1",
+    "control_keys": '{"ops-1": "<random secret>"}',
+    "control_keys_file": "/etc/fleet/control-keys.json",
+    "control_key_id": "ops-1",
     "reward_keys": '{"billing": "<random secret>"}',
 }
 #: Settings whose value an error never repeats (secrets; URLs that may hold a password).

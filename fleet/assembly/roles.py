@@ -47,6 +47,7 @@ from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.dispatcher import Dispatcher
 from fleet.host.celery_api import run_command
+from fleet.host.control import ControlAuth
 from fleet.host.kernel import build_runtime, holder_name, open_store
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.journal import EventObserver
@@ -437,8 +438,14 @@ def flower_argv(*, port: int | None = None, address: str | None = None,
 
 
 def flower_app(settings: FleetSettings) -> Any:
-    """The app Flower runs on: the dispatcher's (broker and routes; Flower needs no tasks)."""
-    return producer_app(settings, main="fleet-flower")
+    """The app Flower runs on: the dispatcher's (broker and routes; Flower needs no tasks).
+
+    Its control commands are signed with the operator key of ``FLEET_CONTROL_KEYS``
+    (``FLEET_CONTROL_KEY_ID``), without which the workers obey none that changes them
+    (decision 0042); Flower offers those only to its users with the operator role.
+    """
+    return producer_app(settings, main="fleet-flower",
+                        control_auth=ControlAuth.from_settings(settings))
 
 
 def run_flower(settings: FleetSettings, *, port: int | None = None,

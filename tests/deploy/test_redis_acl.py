@@ -228,15 +228,14 @@ ALLOWED: dict[str, list[Command]] = {
         ("ZADD", "unacked_index", "1", "t"), ("ZRANGE", "unacked_index", "0", "-1"),
         ("ZREM", "unacked_index", "t"), ("SET", "unacked_mutex", "x", "NX", "PX", "1000"),
         ("DEL", "unacked_mutex"), ("LPUSH", "t1.reply.celery.pidbox", "r"),
-        ("LLEN", "w@h.celery.pidbox"), ("SMEMBERS", "_kombu.binding.reply.celery.pidbox"),
+        ("LLEN", "w@h.celery.pidbox"), ("DEL", "w@h.celery.pidbox"),
+        ("SMEMBERS", "_kombu.binding.reply.celery.pidbox"),
+        ("SADD", "_kombu.binding.celery.pidbox", "b"),
         ("ZRANGEBYSCORE", "_kombu.binding_deadlines", "-inf", "0"),
-        ("PUBLISH", "/0.celery.pidbox", "c"), ("PUBLISH", "/0.celeryev/worker.heartbeat", "e"),
-        ("TIME",)],
+        ("PUBLISH", "/0.celeryev/worker.heartbeat", "e"), ("TIME",)],
     "client": [
         ("LPUSH", Q, "m"), ("LLEN", Q), ("SADD", "_kombu.binding.fleet.drive", "b"),
-        ("SMEMBERS", "_kombu.binding.fleet.drive"), ("PUBLISH", "/0.celery.pidbox", "c"),
-        ("BRPOP", "t2.reply.celery.pidbox", "t2.reply.celery.pidbox\x06\x163", "0.01"),
-        ("DEL", "t2.reply.celery.pidbox"), ("SADD", "_kombu.binding.reply.celery.pidbox", "b")],
+        ("SMEMBERS", "_kombu.binding.fleet.drive")],
     "timers": [("LPUSH", Q, "m"), ("LLEN", Q), ("SADD", "_kombu.binding.fleet.drive", "b"),
                ("SMEMBERS", "_kombu.binding.fleet.drive")],
     "recovery": [("LPUSH", QP, "m"), ("LLEN", QP), ("SADD", "_kombu.binding.fleet.x", "b")],
@@ -316,12 +315,19 @@ FORGE_STATS = [("HSET", "fleet:stats:timers:n1", "at", "1"), ("DEL", "fleet:stat
                ("HSET", "fleet:stats:relay:n1", "at", "1")]
 DENIED: dict[str, list[Command]] = {
     "default": [("LLEN", Q), *DISPATCH, *STEAL, *EVENTS, *REWARDS, *COMMAND_WORKERS],
+    # Issue 25 item 1 (decision 0042): no worker may command the others, and the
+    # dispatchers' user has no part in remote control at all.
     "worker": [("DEL", Q), ("LRANGE", Q, "0", "-1"), ("LPUSH", "celery", "m"),
                ("HGETALL", "unacked"), *EVENTS, *FORGE_STATS,
                ("XTRIM", "fleet:events", "MAXLEN", "0"), ("DEL", "fleet:events"), *REWARDS,
-               ("PUBLISH", "/1.celery.pidbox", "c")],
+               ("PUBLISH", "/1.celery.pidbox", "c"), *COMMAND_WORKERS,
+               ("SREM", "_kombu.binding.fleet.drive", "fleet.drive"),
+               ("BRPOP", "t1.reply.celery.pidbox", "0.01"), ("LPUSH", "w@h.celery.pidbox", "c")],
     "client": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *FORGE_REPLY, *FORGE_STATS,
-               ("LPUSH", "celery", "m")],
+               ("LPUSH", "celery", "m"), *COMMAND_WORKERS,
+               ("BRPOP", "t2.reply.celery.pidbox", "0.01"),
+               ("SADD", "_kombu.binding.reply.celery.pidbox", "b"),
+               ("SMEMBERS", "_kombu.binding.reply.celery.pidbox")],
     "timers": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *COMMAND_WORKERS,
                *FORGE_REPLY],
     "recovery": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *COMMAND_WORKERS,
@@ -449,7 +455,7 @@ def test_a_lua_script_cannot_do_what_its_user_may_not(server: PrivateRedis, user
     client = server.client(user)
     length = server.admin.llen(Q)
     try:
-        if user == "timers":  # no script at all: timers run none of kombu's
+        if user in ("timers", "client"):  # no script at all: they run none of kombu's
             with pytest.raises(redis.exceptions.NoPermissionError):
                 client.script_load(inside)
             return
@@ -536,19 +542,16 @@ def test_kombu_ack_emulation_works_as_the_worker_user(server: PrivateRedis) -> N
     assert server.admin.llen("fleet.restore") == 0
 
 
-@pytest.mark.parametrize("user", ["flower", "client"])
-def test_a_monitor_inspects_without_touching_unacked_messages(server: PrivateRedis,
-                                                             user: str) -> None:
-    """Flower and ``fleet status`` consume reply queues; kombu's ack emulation
-    would have them take the restore lock and move other consumers' abandoned
-    messages. Their apps (Flower's ``flower_app``, the status reader's
-    ``broker_app``) leave it to the workers, so their users need no access to
+def test_a_monitor_inspects_without_touching_unacked_messages(server: PrivateRedis) -> None:
+    """Flower consumes reply queues; kombu's ack emulation would have it take the
+    restore lock and move other consumers' abandoned messages. Its app
+    (``flower_app``) leaves that to the workers, so its user needs no access to
     ``unacked*``; an app that takes part in it fails on that user."""
+    user = "flower"
     server.admin.hset("unacked", "abandoned", '[{"body": "x"}, "fleet.drive", "fleet.drive"]')
     server.admin.zadd("unacked_index", {"abandoned": 1.0})  # long past any visibility timeout
     before = server.admin.llen(Q)
-    monitor = (flower_app(_settings(server.url(user))) if user == "flower"
-               else broker_app("fleet-status", server.url(user)))
+    monitor = flower_app(_settings(server.url(user)))
     try:
         assert monitor.control.inspect(timeout=0.5).stats() is None  # no worker answers
     finally:
@@ -568,6 +571,33 @@ def test_a_monitor_inspects_without_touching_unacked_messages(server: PrivateRed
                for e in denials), (
         denials)
     server.admin.delete("unacked", "unacked_index")
+
+
+@pytest.mark.parametrize("user", ["client", "worker", "timers", "producer", "default"])
+def test_only_the_operators_console_may_broadcast_a_control_command(
+        server: PrivateRedis, user: str) -> None:
+    """Issue 25 item 1: Celery's own broadcast (``shutdown``, ``cancel_consumer``, even
+    ``inspect stats``) on any user but flower's is refused by Redis at the PUBLISH,
+    recorded in ACL LOG; flower's user may (and the workers judge its signature)."""
+    server.reset_denials()
+    app = broker_app("attacker", server.url(user), broker_connection_retry=False)
+    try:
+        for command in ("shutdown", "cancel_consumer"):
+            with pytest.raises((redis.exceptions.NoPermissionError, OperationalError),
+                               match=r"(?i)no permissions|noperm"):
+                app.control.broadcast(command, arguments={"queue": Q}, reply=False)
+        with pytest.raises((redis.exceptions.NoPermissionError, OperationalError),
+                           match=r"(?i)no permissions|noperm"):
+            app.control.inspect(timeout=0.2).stats()
+    finally:
+        app.close()
+    refused = [e for e in server.denials() if e["username"] == user]
+    assert refused, server.denials()
+    console = broker_app("console", server.url("flower"))
+    try:
+        console.control.broadcast("ping", reply=False)  # the console may publish
+    finally:
+        console.close()
 
 
 # -- the events stream on its users ----------------------------------------------------------

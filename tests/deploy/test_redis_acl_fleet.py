@@ -61,6 +61,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 QUEUE, SLOW = "fleet.drive", "fleet.slow"
 PRODUCER, REWARD_KEY = "p1", "acl-test-secret"
+CONTROL_KEY = "acl-test-operator-key-0123456789"
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Fleet:
     env: dict[str, str]
     log_dir: Path
     store: StoreView
-    control: Any  # a Celery app on the client user, for pings
+    control: Any  # a Celery app on the flower user (the console), for pings
     token: str = field(default_factory=lambda: secrets.token_hex(3))
     procs: dict[str, Proc] = field(default_factory=dict)
     flower_url: str = ""
@@ -144,8 +145,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 "FLEET_LEASE_MS": "3000", "FLEET_RECOVERY_GRACE_MS": "1000",
                 "FLEET_RECOVERY_INTERVAL_S": "0.3", "FLEET_TIMER_INTERVAL_S": "0.2",
                 "FLEET_WORKER_DRAIN_S": "1",
-                "FLEET_REWARD_KEYS": json.dumps({PRODUCER: REWARD_KEY})})
-            control = broker_app("acl-test-control", server.url("client"))
+                "FLEET_REWARD_KEYS": json.dumps({PRODUCER: REWARD_KEY}),
+                # The operators' key: Flower signs its control commands (enable_events
+                # here) with it, the workers obey only those (decision 0042).
+                "FLEET_CONTROL_KEYS": json.dumps({"ops-acl": CONTROL_KEY})})
+            control = broker_app("acl-test-control", server.url("flower"))
             store = StoreView(FleetSettings(database_url=database_url), "acl-test-store")
             built = Fleet(server, database_url, env, log_dir, store, control)
             try:
