@@ -189,6 +189,13 @@ class FleetSettings(BaseSettings):
         default_factory=list, description="comma-separated Flower users (basic-auth names or "
         "OAuth e-mails) with the operator role (may retry diverged executions); '*' is "
         "every user Flower lets in")
+    flower_tenants: dict[str, list[str]] = Field(
+        default_factory=dict, description='JSON {"<Flower user>": ["tenant", ...]}: what a '
+        "Flower user without the operator role may read: the Fleet page's executions (their "
+        "logs, the parked list) of those tenants; [\"*\"]: every tenant, and Flower's own "
+        "task and worker pages (which show every task's arguments). Unlisted: the counters "
+        "only. Operators (FLEET_OPERATORS) read everything; an unauthenticated Flower "
+        "(--unauthenticated) reads everything and changes nothing (docs/security.md)")
     rewards_stream: str = "fleet:rewards"
     rewards_dead: str = "fleet:rewards:dead"
     rewards_group: str = "fleet-attachers"
@@ -249,6 +256,16 @@ class FleetSettings(BaseSettings):
                     '{"crm": ["acme", "globex"], "ops": ["*"]}')
         return value
 
+    @field_validator("flower_tenants")
+    @classmethod
+    def _check_flower_tenants(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for user, tenants in value.items():
+            if not user or not tenants or not all(tenants):
+                raise ValueError(
+                    f"Flower user {user!r} needs a non-empty list of tenant names; example: "
+                    '{"alice": ["acme"], "auditor": ["*"]}')
+        return value
+
     @field_validator("flows", "operators", mode="before")
     @classmethod
     def _split_flows(cls, value: object) -> object:
@@ -298,6 +315,7 @@ SETTING_EXAMPLES: dict[str, str] = {
     "control_keys_file": "/etc/fleet/control-keys.json",
     "control_key_id": "ops-1",
     "reward_keys": '{"billing": "<random secret>"}',
+    "flower_tenants": '{"alice": ["acme"], "auditor": ["*"]}',
 }
 #: Settings whose value an error never repeats (secrets; URLs that may hold a password).
 _UNECHOED = ("url", "keys", "secret", "password")
