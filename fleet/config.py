@@ -242,9 +242,9 @@ class FleetSettings(BaseSettings):
     reward_tenants: dict[str, list[str]] = Field(
         default_factory=dict, description='JSON {"producer": ["tenant", ...]}: the tenants '
         'whose executions each producer may reward ("*": every tenant, and executions with '
-        "none). Unset: every producer may reward every execution. Set: a producer rewards only "
-        "its tenants' executions, and one it does not list only executions with no tenant "
-        "(decision 0025)")
+        "none). A producer rewards only its tenants' executions; one it does not list (all "
+        "of them, unset) only executions with no tenant: scoping is the default, [\"*\"] "
+        "opts a producer out (decision 0025, issue 25 item 13)")
 
     @field_validator("reward_tenants")
     @classmethod

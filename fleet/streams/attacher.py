@@ -139,7 +139,8 @@ class RewardAttacher:
         self.name = name
         self.runtime = runtime
         self.keys = dict(keys)
-        self.scoped = bool(scopes)
+        # Scoped: judged by tenant (a producer without a listed scope acts with no tenant).
+        self.scoped = bool(scopes) or rule == "tenant"
         self.principals = {producer: Principal(f"producer:{producer}", scope=scopes.get(producer))
                            for producer in self.keys}
         self.max_message_bytes = max_message_bytes

@@ -934,6 +934,62 @@ async def test_scoping_is_refused_where_it_would_be_ignored_or_mistyped(
         FleetSettings()
 
 
+async def test_scoping_is_the_attachers_default(redis: aioredis.Redis, ns: str,
+                                                tmp_path: Path) -> None:
+    """Issue 25 item 13: ``fleet attacher`` with no FLEET_REWARD_TENANTS (the k8s base's
+    case before this change) scopes every producer to no tenant: a reward for any
+    tenant's execution is dead-lettered out_of_scope and writes nothing; one for an
+    execution with no tenant attaches. (Before, its runtime took ``annotate: any`` and
+    the first reward attached to another tenant's run.) ``["*"]`` opts a producer out."""
+    from fleet.assembly.roles import open_attacher
+
+    db = f"sqlite:///{tmp_path / 'fleet.db'}"
+    settings = FleetSettings(database_url=db, redis_url=server_url(),
+                             rewards_stream=f"{ns}rewards", rewards_dead=f"{ns}dead",
+                             rewards_group=f"{ns}g", reward_keys=KEYS)
+    assert settings.reward_tenants == {}
+    writer = SqliteEventStore(str(tmp_path / "fleet.db"))
+    rt = Runtime(writer, flows=[deal])
+    tenants = [await finished(rt, principal=ALICE), await finished(rt, principal=GINA)]
+    nobodys = await finished(rt, principal=None)
+    before = {eid: [e.to_json() for e in await writer.read(eid)] for eid in tenants}
+    for opted_out in (False, True):
+        chosen = settings.model_copy(update={"reward_tenants": {"survey": ["*"]}}) \
+            if opted_out else settings
+        role = await open_attacher(chosen, heartbeat=False)
+        try:
+            assert role.require_runtime().access_policy.rule_for("annotate") == "tenant"
+            attacher = role.service
+            assert isinstance(attacher, RewardAttacher)
+            assert attacher.stats()["scoped"] is True
+            await attacher.start()
+            producer = "survey" if opted_out else "crm"
+            key = f"csat:{producer}"
+            for eid in (*tenants, nobodys):
+                await submit_reward(redis, chosen.rewards_stream,
+                                    reward(eid, key, producer=producer), KEYS[producer])
+            want = ((3, {}) if opted_out else (1, {"out_of_scope": 2}))
+
+            def judged(attacher: RewardAttacher = attacher,
+                       want: tuple[int, dict[str, int]] = want) -> bool:
+                stats = attacher.stats()
+                return (stats["attached"], stats["dead_lettered"]) == want
+            await eventually(judged, 10, "the rewards to be judged")
+        finally:
+            if role.service is not None:
+                await role.service.stop()
+            await role.aclose()
+    for eid in tenants:  # crm's rewards wrote nothing; survey (opted out) attached
+        assert [o["recordedBy"] for o in late_outcomes(await writer.read(eid))] == [
+            "producer:survey"]
+        assert [e.to_json() for e in await writer.read(eid)][:len(before[eid])] == before[eid]
+    assert [o["recordedBy"] for o in late_outcomes(await writer.read(nobodys))] == [
+        "producer:crm", "producer:survey"]
+    letters = [f for _, f in await entries(redis, settings.rewards_dead)]
+    assert [d["dead_reason"] for d in letters] == ["out_of_scope", "out_of_scope"]
+    await writer.close()
+
+
 async def test_the_attacher_role_scopes_producers_from_its_settings(
         redis: aioredis.Redis, ns: str, tmp_path: Path) -> None:
     """``fleet attacher`` (the assembly's role) with FLEET_REWARD_TENANTS: its runtime
@@ -944,12 +1000,6 @@ async def test_the_attacher_role_scopes_producers_from_its_settings(
     base = FleetSettings(database_url=db, redis_url=server_url(),
                          rewards_stream=f"{ns}rewards", rewards_dead=f"{ns}dead",
                          rewards_group=f"{ns}g", reward_keys=KEYS)
-    unscoped = await open_attacher(base, heartbeat=False)
-    try:
-        assert unscoped.require_runtime().access_policy.rule_for("annotate") == "any"
-        assert unscoped.stats()["reward-attacher"]["scoped"] is False
-    finally:
-        await unscoped.aclose()
     settings = base.model_copy(update={"reward_tenants": {"crm": ["acme"]}})
     role = await open_attacher(settings, heartbeat=False)
     writer = SqliteEventStore(str(tmp_path / "fleet.db"))
