@@ -196,9 +196,18 @@ class FleetSettings(BaseSettings):
         "task and worker pages (which show every task's arguments). Unlisted: the counters "
         "only. Operators (FLEET_OPERATORS) read everything; an unauthenticated Flower "
         "(--unauthenticated) reads everything and changes nothing (docs/security.md)")
-    rewards_stream: str = "fleet:rewards"
+    rewards_stream: str = Field(
+        "fleet:rewards", description="the attachers' stream of rewards (the attacher alone "
+        "adds to it, from the inbox; trimmed once every group acknowledged an entry)")
+    rewards_inbox: str = Field(
+        "fleet:rewards:inbox", description="where producers send rewards (a Redis list: "
+        "LPUSH only; the attacher moves each onto the stream under an id Redis picks; issue "
+        "25 item 2)")
     rewards_dead: str = "fleet:rewards:dead"
     rewards_group: str = "fleet-attachers"
+    dead_letters_maxlen: int = Field(
+        10_000, ge=100, description="the most dead letters a stream consumer keeps "
+        "(XADD MAXLEN ~): the oldest go first; each field of one is cut to 8 KiB")
     # -- signed fleet.dispatch messages (issue 10 item 3; decision 0018) ----------
     dispatch_keys: dict[str, Any] = Field(
         default_factory=dict, description='JSON key ring {"<key id>": {"client": "web", '

@@ -156,6 +156,7 @@ def demo_settings(base: FleetSettings, options: DemoOptions, run: str, key: str
     if base.redis_url:
         update.update(queue=f"fleet.demo.{run}", events_stream=f"fleet:demo:{run}:events",
                       rewards_stream=f"fleet:demo:{run}:rewards",
+                      rewards_inbox=f"fleet:demo:{run}:rewards:inbox",
                       rewards_dead=f"fleet:demo:{run}:rewards:dead")
     return base.model_copy(update=update)
 
@@ -562,15 +563,15 @@ class _Demo:
         forged = sample.model_copy(update={"key": "csat:forged", "score": 1.0})
         stranger = sample.model_copy(update={"producer": "mallory", "key": "csat:mallory"})
         client = aioredis.Redis.from_url(str(settings.redis_url), socket_connect_timeout=2.0)
-        stream = settings.rewards_stream
+        inbox = settings.rewards_inbox
         attacher = fleet.services["attacher"]
         try:
             with self.timed("rewards"):
-                await submit_rewards(client, stream, valid, self.key)
-                await submit_rewards(client, stream, [forged], "not-the-demo-key")
-                await submit_rewards(client, stream, [stranger], "mallorys-key")
-                await client.xadd(stream, {"message": sample.to_wire()})  # unsigned
-                await client.xadd(stream, {"message": "{not json"})
+                await submit_rewards(client, inbox, valid, self.key)
+                await submit_rewards(client, inbox, [forged], "not-the-demo-key")
+                await submit_rewards(client, inbox, [stranger], "mallorys-key")
+                await client.lpush(inbox, sample.to_wire())  # unsigned
+                await client.lpush(inbox, "{not json")
                 invalid = 4
 
                 async def settled() -> tuple[int, str]:
@@ -713,7 +714,7 @@ async def _forget_demo_keys(settings: FleetSettings) -> None:
                             f"_kombu.binding.{standby}", f"_kombu.binding_permanent.{standby}",
                             settings.events_stream,
                             f"{settings.events_stream}:relay", settings.rewards_stream,
-                            settings.rewards_dead)
+                            settings.rewards_inbox, settings.rewards_dead)
         async for key in client.scan_iter(match=f"fleet:drive:{queue}:*", count=1000):
             await client.delete(key)  # the run's drive records (decision 0019)
         async for tag, raw in client.hscan_iter("unacked"):

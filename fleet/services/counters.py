@@ -68,7 +68,7 @@ SERVICE_COUNTERS: dict[str, tuple[str, ...]] = {
     "recovery": ("examined", "redriven", "skipped", "queued", "failed", "diverged", "ticks",
                  "errors"),
     "attacher": ("outcomes_attached", "outcomes_dead_lettered", "duplicates", "retried",
-                 "deferred"),
+                 "deferred", "moved", "inbox", "trimmed"),
     "relay": ("published", "present", "batches", "errors", "lag_ms", "leader",
               "peak_batch_bytes"),
 }
@@ -80,7 +80,7 @@ ALARMS: tuple[str, ...] = ("divergence_warnings", "divergence_parked", "fenced_o
 _PROBLEMS_KEPT, _PROBLEM_CHARS = 10, 500
 #: Gauges: read as they are, never summed into totals.
 GAUGES: frozenset[str] = frozenset({"active", "lag_ms", "leader", "peak_batch_bytes", "diverged",
-                                  "failures", "slots"})
+                                  "failures", "slots", "inbox"})
 #: The most recent parks on an operator's gate a worker reports (which worker parked
 #: which execution: the store's index forgets the holder when the lease is released).
 PARKS_KEPT = 50

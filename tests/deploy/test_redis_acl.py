@@ -141,11 +141,13 @@ def test_the_queues_and_streams_the_manifests_name_are_the_ones_the_acl_grants(
     data = configmap_data(render(overlay))
     settings = FleetSettings(**{k[len("FLEET_"):].lower(): v for k, v in data.items()
                                 if k in ("FLEET_QUEUE", "FLEET_EVENTS_STREAM",
-                                         "FLEET_REWARDS_STREAM", "FLEET_REWARDS_DEAD")})
+                                         "FLEET_REWARDS_STREAM", "FLEET_REWARDS_DEAD",
+                                         "FLEET_REWARDS_INBOX")})
     queues = {settings.queue, *json.loads(data.get("FLEET_ROUTES", "{}")).values()}
     assert all(re.fullmatch(r"fleet\.[^:]+", q) for q in queues), queues
     template = TEMPLATE.read_text()
-    for stream in (settings.events_stream, settings.rewards_stream, settings.rewards_dead):
+    for stream in (settings.events_stream, settings.rewards_stream, settings.rewards_dead,
+                   settings.rewards_inbox):
         assert f"~{stream} " in template, stream
     # kombu names the control channels after the database: the ACL's is 0.
     assert "&/0.celery.pidbox" in template
@@ -245,7 +247,12 @@ ALLOWED: dict[str, list[Command]] = {
         ("XPENDING", "fleet:rewards", "g"), ("XPENDING", "fleet:rewards", "g", "-", "+", "1"),
         ("XAUTOCLAIM", "fleet:rewards", "g", "c", "0", "0-0"),
         ("XACK", "fleet:rewards", "g", "1-1"),
-        ("XADD", "fleet:rewards:dead", "*", "f", "v")],
+        ("XADD", "fleet:rewards:dead", "*", "f", "v"),
+        # Issue 25 item 2: it moves the inbox onto the stream and trims what was acked.
+        ("LINDEX", "fleet:rewards:inbox", "-1"), ("RPOP", "fleet:rewards:inbox"),
+        ("LLEN", "fleet:rewards:inbox"), ("XADD", "fleet:rewards", "*", "message", "m"),
+        ("XINFO", "GROUPS", "fleet:rewards"), ("XTRIM", "fleet:rewards", "MINID", "1-0"),
+        ("SCRIPT", "EXISTS", "0" * 40)],
     # The relay's publishing script runs XADD; its own EVALSHA is in
     # test_the_relay_and_a_reader_work_on_their_users.
     "relay": [("PING",), ("XADD", "fleet:events", "MAXLEN", "~", "100", "*", "f", "v"),
@@ -264,7 +271,7 @@ ALLOWED: dict[str, list[Command]] = {
         ("XACK", "fleet:events", "g", "1-1"), ("XADD", "fleet:events:dead", "*", "f", "v"),
         ("HGETALL", "fleet:events:relay"), ("SET", "fleet:events:checkpoint:g", "1-0"),
         ("GET", "fleet:events:checkpoint:g")],
-    "producer": [("XADD", "fleet:rewards", "*", "f", "v")],
+    "producer": [("LPUSH", "fleet:rewards:inbox", "m")],
     "flower": [
         ("LLEN", Q), ("LLEN", QP), ("PUBLISH", "/0.celery.pidbox", "c"),
         ("BRPOP", "t3.reply.celery.pidbox", "0.01"), ("LLEN", "celeryev.x"),
@@ -306,7 +313,8 @@ EVENTS_READ = [("XRANGE", "fleet:events", "-", "+"), ("XREAD", "STREAMS", "fleet
 EVENTS = [("XADD", "fleet:events", "*", "f", "v"), *EVENTS_READ]
 REWARDS = [("XADD", "fleet:rewards", "*", "f", "v"), ("XRANGE", "fleet:rewards", "-", "+"),
            ("XDEL", "fleet:rewards", "1-1"), ("XGROUP", "DESTROY", "fleet:rewards", "g"),
-           ("XADD", "fleet:rewards:dead", "*", "f", "v"), ("DEL", "fleet:rewards")]
+           ("XADD", "fleet:rewards:dead", "*", "f", "v"), ("DEL", "fleet:rewards"),
+           ("LPUSH", "fleet:rewards:inbox", "m"), ("RPOP", "fleet:rewards:inbox")]
 FORGE_EVENT = [("PUBLISH", "/0.celeryev/task.multi", "e")]
 COMMAND_WORKERS = [("PUBLISH", "/0.celery.pidbox", "shutdown")]
 FORGE_REPLY = [("LPUSH", "t4.reply.celery.pidbox", "r"), ("LPUSH", "w@h.celery.pidbox", "c")]
@@ -333,10 +341,10 @@ DENIED: dict[str, list[Command]] = {
     "recovery": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *COMMAND_WORKERS,
                  *FORGE_REPLY],
     "attacher": [("LLEN", Q), *DISPATCH, *STEAL, *UNACKED, *EVENTS, *COMMAND_WORKERS,
-                 ("XADD", "fleet:rewards", "*", "f", "v"),
                  ("XRANGE", "fleet:rewards:dead", "-", "+"), ("DEL", "fleet:rewards"),
                  ("XGROUP", "DESTROY", "fleet:rewards", "g"),
-                 ("XTRIM", "fleet:rewards", "MAXLEN", "0")],
+                 ("LPUSH", "fleet:rewards:inbox", "m"), ("DEL", "fleet:rewards:inbox"),
+                 ("LRANGE", "fleet:rewards:inbox", "0", "-1")],
     "relay": [("LLEN", Q), *DISPATCH, *STEAL, *UNACKED, *EVENTS_READ, *REWARDS,
               *FORGE_EVENT, *COMMAND_WORKERS, ("XGROUP", "CREATE", "fleet:events", "g2", "$"),
               ("HGETALL", "fleet:events:relay"), ("DEL", "fleet:events:relay"),
@@ -347,9 +355,19 @@ DENIED: dict[str, list[Command]] = {
                ("DEL", "fleet:events"), ("XGROUP", "DESTROY", "fleet:events", "g"),
                ("XSETID", "fleet:events", "99999999-0"), ("HSET", "fleet:events:relay", "x", "1"),
                ("SET", "fleet:events:relayx", "1")],
+    # Issue 25 item 2: a producer can neither wipe nor jam the rewards: no XADD on the
+    # stream (MAXLEN 0, the largest id), and on its inbox nothing that removes or reads.
     "producer": [("LLEN", Q), *DISPATCH, *STEAL, *EVENTS, ("XRANGE", "fleet:rewards", "-", "+"),
                  ("XREADGROUP", "GROUP", "g", "c", "STREAMS", "fleet:rewards", ">"),
-                 ("XADD", "fleet:rewards:dead", "*", "f", "v"), ("DEL", "fleet:rewards")],
+                 ("XADD", "fleet:rewards:dead", "*", "f", "v"), ("DEL", "fleet:rewards"),
+                 ("XADD", "fleet:rewards", "*", "f", "v"),
+                 ("XADD", "fleet:rewards", "MAXLEN", "0", "*", "f", "v"),
+                 ("XADD", "fleet:rewards", "18446744073709551615-18446744073709551615", "f",
+                  "v"), ("XTRIM", "fleet:rewards", "MAXLEN", "0"),
+                 ("RPOP", "fleet:rewards:inbox"), ("LTRIM", "fleet:rewards:inbox", "1", "0"),
+                 ("LRANGE", "fleet:rewards:inbox", "0", "-1"), ("DEL", "fleet:rewards:inbox"),
+                 ("RPUSH", "fleet:rewards:inbox", "m"), ("LSET", "fleet:rewards:inbox", "0", "m"),
+                 ("FCALL", "anything", "1", "fleet:rewards")],
     "flower": [*DISPATCH, *STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *FORGE_REPLY,
                *FORGE_STATS,
                ("SMEMBERS", "_kombu.binding.fleet.drive")],
