@@ -563,7 +563,7 @@ class _Demo:
         forged = sample.model_copy(update={"key": "csat:forged", "score": 1.0})
         stranger = sample.model_copy(update={"producer": "mallory", "key": "csat:mallory"})
         client = aioredis.Redis.from_url(str(settings.redis_url), socket_connect_timeout=2.0)
-        inbox = settings.rewards_inbox
+        inbox, stream = settings.rewards_inbox, settings.rewards_stream
         attacher = fleet.services["attacher"]
         try:
             with self.timed("rewards"):
