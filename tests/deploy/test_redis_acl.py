@@ -260,7 +260,13 @@ ALLOWED: dict[str, list[Command]] = {
               ("HSET", "fleet:events:relay", "published", "1"),
               ("PEXPIRE", "fleet:events:relay", "10000"), ("EXEC",),
               ("SCRIPT", "EXISTS", "0" * 40)],
+    # Issue 25 item 11: the reader reads, and nothing else.
     "reader": [
+        ("XREAD", "COUNT", "1", "STREAMS", "fleet:events", "0"),
+        ("XRANGE", "fleet:events", "-", "+"), ("XREVRANGE", "fleet:events", "+", "-", "COUNT", "1"),
+        ("XLEN", "fleet:events"), ("XINFO", "STREAM", "fleet:events"),
+        ("XINFO", "GROUPS", "fleet:events"), ("HGETALL", "fleet:events:relay")],
+    "consumer": [
         ("XGROUP", "CREATE", "fleet:events", "g", "0", "MKSTREAM"),
         ("XREAD", "COUNT", "1", "STREAMS", "fleet:events", "0"),
         ("XRANGE", "fleet:events", "-", "+"), ("XREVRANGE", "fleet:events", "+", "-", "COUNT", "1"),
@@ -351,6 +357,19 @@ DENIED: dict[str, list[Command]] = {
               ("XADD", "fleet:eventsX", "*", "f", "v")],
     "reader": [("LLEN", Q), *DISPATCH, *STEAL, *UNACKED, *REWARDS, *FORGE_EVENT,
                *COMMAND_WORKERS, ("XADD", "fleet:events", "*", "f", "v"),
+               ("XGROUP", "CREATE", "fleet:events", "g9", "0", "MKSTREAM"),
+               ("XREADGROUP", "GROUP", "g", "c", "COUNT", "1", "STREAMS", "fleet:events", ">"),
+               ("XACK", "fleet:events", "g", "1-1"), ("XAUTOCLAIM", "fleet:events", "g", "c",
+                                                      "0", "0-0"),
+               ("XPENDING", "fleet:events", "g"), ("XADD", "fleet:events:dead", "*", "f", "v"),
+               ("SET", "fleet:events:checkpoint:g", "9-0"),
+               ("GET", "fleet:events:checkpoint:g"), ("SCRIPT", "LOAD", "return 1"),
+               ("XTRIM", "fleet:events", "MAXLEN", "0"), ("XDEL", "fleet:events", "1-1"),
+               ("DEL", "fleet:events"), ("XGROUP", "DESTROY", "fleet:events", "g"),
+               ("XSETID", "fleet:events", "99999999-0"), ("HSET", "fleet:events:relay", "x", "1"),
+               ("SET", "fleet:events:relayx", "1")],
+    "consumer": [("LLEN", Q), *DISPATCH, *STEAL, *UNACKED, *REWARDS, *FORGE_EVENT,
+               *COMMAND_WORKERS, ("XADD", "fleet:events", "*", "f", "v"),
                ("XTRIM", "fleet:events", "MAXLEN", "0"), ("XDEL", "fleet:events", "1-1"),
                ("DEL", "fleet:events"), ("XGROUP", "DESTROY", "fleet:events", "g"),
                ("XSETID", "fleet:events", "99999999-0"), ("HSET", "fleet:events:relay", "x", "1"),
@@ -379,6 +398,7 @@ LISTEN_ALLOWED = {"worker": ["/0.celery.pidbox", "/0.celeryev/worker.*"],
 LISTEN_DENIED = {"worker": ["/0.celeryev/*"], "client": ["/0.celeryev/*", "/0.celery.pidbox"],
                  "timers": ["/0.celery.pidbox"], "attacher": ["/0.celeryev/*"],
                  "relay": ["/0.celery.pidbox"], "reader": ["/0.celeryev/*"],
+                 "consumer": ["/0.celeryev/*"],
                  "flower": ["/0.celery.pidbox", "/0.celeryev/worker.*"], "keda": ["*"],
                  "default": ["/0.celery.pidbox"]}
 
@@ -464,7 +484,7 @@ def test_each_user_is_refused_everything_else(server: PrivateRedis, user: str) -
     ("worker", "redis.call('XADD', 'fleet:rewards', '*', 'f', 'v')"),
     ("timers", "redis.call('LPUSH', 'fleet.drive', 'x')"),
     ("relay", "redis.call('XTRIM', 'fleet:events', 'MAXLEN', '0')"),
-    ("reader", "redis.call('XADD', 'fleet:events', '*', 'f', 'v')"),
+    ("consumer", "redis.call('XADD', 'fleet:events', '*', 'f', 'v')"),
 ])
 def test_a_lua_script_cannot_do_what_its_user_may_not(server: PrivateRedis, user: str,
                                                       inside: str) -> None:
@@ -479,7 +499,7 @@ def test_a_lua_script_cannot_do_what_its_user_may_not(server: PrivateRedis, user
             return
         sha = client.script_load(inside)
         key = {"worker": "unacked_mutex", "relay": "fleet:events",
-               "reader": "fleet:events:checkpoint:x"}.get(user, "_kombu.binding_deadlines")
+               "consumer": "fleet:events:checkpoint:x"}.get(user, "_kombu.binding_deadlines")
         refused = r"(?i)user executing the script can't|no permissions|NOPERM"
         with pytest.raises(redis.ResponseError, match=refused):
             client.evalsha(sha, 1, key)
@@ -621,11 +641,13 @@ def test_only_the_operators_console_may_broadcast_a_control_command(
 # -- the events stream on its users ----------------------------------------------------------
 
 
-async def test_the_relay_and_a_reader_work_on_their_users(server: PrivateRedis,
-                                                         tmp_path: Path) -> None:
+async def test_the_relay_a_consumer_and_a_reader_work_on_their_users(
+        server: PrivateRedis, tmp_path: Path) -> None:
     """The relay publishes (its script, its XINFO, its counters) as ``relay``; an
-    EventStreamConsumer with a RedisCheckpoint and ``fleet events status``'s reads work
-    as ``reader``; Redis refuses none of it; the reader cannot add an event."""
+    EventStreamConsumer with a RedisCheckpoint works as ``consumer``; ``fleet events``'s
+    reads (XREAD, XINFO, the relay's counters) as ``reader``. Redis refuses none of it;
+    neither can add an event, and the reader cannot even start a consumer group
+    (issue 25 item 11: reading is all it may do)."""
     import asyncio
 
     import redis.asyncio as aioredis
@@ -641,6 +663,7 @@ async def test_the_relay_and_a_reader_work_on_their_users(server: PrivateRedis,
     server.reset_denials()
     store = SqliteEventStore(tmp_path / "acl.db")
     relay_client = aioredis.Redis.from_url(server.url("relay"))
+    consumer_client = aioredis.Redis.from_url(server.url("consumer"))
     reader_client = aioredis.Redis.from_url(server.url("reader"))
     seen: list[str] = []
 
@@ -648,8 +671,8 @@ async def test_the_relay_and_a_reader_work_on_their_users(server: PrivateRedis,
         seen.append(committed.event.id)
 
     relay = EventRelay(store, relay_client, stream=stream, poll_s=0.02)
-    consumer = EventStreamConsumer(reader_client, handle, stream=stream, group="acl",
-                                   checkpoint=RedisCheckpoint(reader_client,
+    consumer = EventStreamConsumer(consumer_client, handle, stream=stream, group="acl",
+                                   checkpoint=RedisCheckpoint(consumer_client,
                                                               "fleet:events:checkpoint:acl"),
                                    store=store, block_ms=50)
     try:
@@ -665,18 +688,28 @@ async def test_the_relay_and_a_reader_work_on_their_users(server: PrivateRedis,
         assert seen == ["a-0", "a-1", "a-2"]
         bounds = await stream_bounds(reader_client, stream)
         assert bounds.first is not None
+        assert len(await reader_client.xread({stream: "0"})) == 1
+        assert [g["name"] for g in await reader_client.xinfo_groups(stream)] == [b"acl"]
         assert (await reader_client.hgetall("fleet:events:relay"))[b"published"] == b"3"
+        for client in (consumer_client, reader_client):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await client.xadd(stream, {"f": "v"})
         with pytest.raises(redis.exceptions.NoPermissionError):
-            await reader_client.xadd(stream, {"f": "v"})
+            await reader_client.xgroup_create(stream, "mine", id="0")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await reader_client.set("fleet:events:checkpoint:acl", "0-0")
     finally:
         await consumer.stop()
         await relay.stop()
-        await relay_client.aclose()
-        await reader_client.aclose()
+        for client in (relay_client, consumer_client, reader_client):
+            await client.aclose()
         await store.close()
+    assert await asyncio.to_thread(server.admin.get, "fleet:events:checkpoint:acl") \
+        != b"0-0"  # the reader moved no one's position
     # (Valkey knows CLIENT SETINFO, which redis-py sends on connect and shrugs off
     # when refused; Redis 7.0 does not have it.)
-    denied = [e for e in server.denials() if e["username"] in ("relay", "reader")
+    denied = [e for e in server.denials() if e["username"] in ("relay", "consumer", "reader")
               and e["object"] != "client|setinfo"]
-    assert [(e["username"], e["reason"], e["object"]) for e in denied] == [
-        ("reader", "key", "fleet:events")], denied  # the forged XADD, nothing else
+    assert sorted((e["username"], e["reason"], e["object"]) for e in denied) == [
+        ("consumer", "key", "fleet:events"), ("reader", "command", "set"),
+        ("reader", "command", "xadd"), ("reader", "command", "xgroup|create")], denied
