@@ -483,12 +483,13 @@ class _Demo:
             for eid in held:
                 state = await runtime.load_state(eid, principal=self.principal)
                 skipped[eid] = str((state.waiting or {}).get("correlationKey", ""))
-            for _ in range(5):  # a reply that misses its second is asked again
+            for _ in range(20):  # each worker reports every FLEET_STATS_INTERVAL_S (2 s)
                 status = await asyncio.to_thread(_fleet_status, fleet.settings)
                 counter = next((int(w.fleet.get("divergence_parked", 0))
                                 for w in status.workers if w.name == changed.node), 0)
                 if counter >= len(held):
                     break
+                await asyncio.sleep(0.5)
             logged = [m for m in self.sweeper_said.messages if DIVERGED_GATE in m]
             info["parked"] = {"count": len(held), "skipped": skipped,
                               "status_parked": status.executions.get("parked", 0),
