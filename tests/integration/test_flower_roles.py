@@ -309,3 +309,6 @@ def test_a_flower_user_reads_only_its_tenants_executions(fleet: Fleet) -> None:
                 assert status == 403, (user, path, status)
         for path in ("/", "/broker", "/fleet", "/api/queues/length"):
             assert request(fleet.auth_url + path, user=user)[0] == 200, (user, path)
+    # The probes and Prometheus read without credentials, as Flower has them.
+    for path in ("/healthcheck", "/metrics"):
+        assert request(fleet.auth_url + path)[0] == 200, path
