@@ -18,7 +18,11 @@ all of them alike:
 - ``scoped``: the producer scoped to the three tenants (``annotate: tenant``,
   the kernel judges ``Principal.scope``), every reward in scope;
 - ``scoped, 10% refused``: as ``scoped`` with one reward in ten for a tenant
-  outside the producer's scope (dead-lettered ``out_of_scope``).
+  outside the producer's scope (dead-lettered ``out_of_scope``);
+- ``scoped, through the inbox``: as ``scoped``, but the rewards are pushed onto
+  the producers' inbox (``LPUSH``, what ``fleet reward submit`` does since issue
+  25 item 2) and the attacher moves them onto the stream (its script) and trims
+  what it acknowledged, as ``fleet attacher`` runs.
 
 The machine's 1-minute load average is recorded at the start and the end.
 """
@@ -52,7 +56,7 @@ RESULTS = Path(__file__).parent / "results"
 OUTPUT = RESULTS / "attacher.json"
 TENANTS = ("acme", "globex", "initech")
 KEYS = {"crm": "bench-crm-key-0123456789", "other": "bench-other-key-0123456789"}
-MODES = ("unscoped", "scoped", "scoped, 10% refused")
+MODES = ("unscoped", "scoped", "scoped, 10% refused", "scoped, through the inbox")
 
 
 @flow("bench-attach", version=1, steps=["quote"])
@@ -80,6 +84,7 @@ async def _one(redis: aioredis.Redis, mode: str, messages: int, executions: int,
         rules={"annotate": "tenant" if scoped else "any"}))
     runs = await _executions(rt, executions)
     stream, dead, group = f"{prefix}rewards", f"{prefix}dead", f"{prefix}g"
+    inbox = f"{prefix}inbox" if mode.endswith("inbox") else None
     now = time.time_ns() // 1_000_000
     pipe = redis.pipeline(transaction=False)
     refused = 0
@@ -92,14 +97,17 @@ async def _one(redis: aioredis.Redis, mode: str, messages: int, executions: int,
         message = sign_reward(RewardMessage(
             execution_id=eid, decision_id="price", key=f"r:{i}", score=i / messages,
             producer=producer, sent_at=now), KEYS[producer])
-        pipe.xadd(stream, {"message": message.to_wire()})
+        if inbox is not None:
+            pipe.lpush(inbox, message.to_wire())
+        else:
+            pipe.xadd(stream, {"message": message.to_wire()})
         if len(pipe) >= 1000:
             await pipe.execute()
     await pipe.execute()
     tenants = ({"crm": list(TENANTS), "other": ["nobody"]} if scoped else None)
     attacher = RewardAttacher(rt, redis, keys=KEYS, stream=stream, group=group,
                               dead_stream=dead, consumer="bench", producer_tenants=tenants,
-                              count=500, block_ms=50, claim_idle_ms=60_000)
+                              count=500, block_ms=50, claim_idle_ms=60_000, inbox=inbox)
     began = time.perf_counter()
     await attacher.start()
     try:
@@ -111,7 +119,7 @@ async def _one(redis: aioredis.Redis, mode: str, messages: int, executions: int,
         took = time.perf_counter() - began
     finally:
         await attacher.stop()
-        await redis.delete(stream, dead)
+        await redis.delete(stream, dead, *([inbox] if inbox else []))
     s = attacher.stats()
     assert s["attached"] == messages - refused, s
     assert s["dead_lettered"] == ({"out_of_scope": refused} if refused else {}), s

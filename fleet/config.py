@@ -189,9 +189,25 @@ class FleetSettings(BaseSettings):
         default_factory=list, description="comma-separated Flower users (basic-auth names or "
         "OAuth e-mails) with the operator role (may retry diverged executions); '*' is "
         "every user Flower lets in")
-    rewards_stream: str = "fleet:rewards"
+    flower_tenants: dict[str, list[str]] = Field(
+        default_factory=dict, description='JSON {"<Flower user>": ["tenant", ...]}: what a '
+        "Flower user without the operator role may read: the Fleet page's executions (their "
+        "logs, the parked list) of those tenants; [\"*\"]: every tenant, and Flower's own "
+        "task and worker pages (which show every task's arguments). Unlisted: the counters "
+        "only. Operators (FLEET_OPERATORS) read everything; an unauthenticated Flower "
+        "(--unauthenticated) reads everything and changes nothing (docs/security.md)")
+    rewards_stream: str = Field(
+        "fleet:rewards", description="the attachers' stream of rewards (the attacher alone "
+        "adds to it, from the inbox; trimmed once every group acknowledged an entry)")
+    rewards_inbox: str = Field(
+        "fleet:rewards:inbox", description="where producers send rewards (a Redis list: "
+        "LPUSH only; the attacher moves each onto the stream under an id Redis picks; issue "
+        "25 item 2)")
     rewards_dead: str = "fleet:rewards:dead"
     rewards_group: str = "fleet-attachers"
+    dead_letters_maxlen: int = Field(
+        10_000, ge=100, description="the most dead letters a stream consumer keeps "
+        "(XADD MAXLEN ~): the oldest go first; each field of one is cut to 8 KiB")
     # -- signed fleet.dispatch messages (issue 10 item 3; decision 0018) ----------
     dispatch_keys: dict[str, Any] = Field(
         default_factory=dict, description='JSON key ring {"<key id>": {"client": "web", '
@@ -213,6 +229,19 @@ class FleetSettings(BaseSettings):
     dispatch_max_bytes: int = Field(
         1_048_576, ge=1024, description="the largest fleet.dispatch message (JSON bytes) a "
         "worker reads")
+    # -- remote control of the workers (issue 25 item 1; decision 0042) -------------
+    control_keys: dict[str, Any] = Field(
+        default_factory=dict, description='JSON key ring {"<key id>": "<secret>"} (the format '
+        "of FLEET_DISPATCH_KEYS; tenants [\"*\"]): the operators' keys. Workers obey a "
+        "control command that changes them (shutdown, cancel_consumer, pool_restart, "
+        "revoke...) only when one of these signed it; Flower and `fleet up` sign with theirs. "
+        "Unset on a worker: it obeys none")
+    control_keys_file: str | None = Field(
+        None, description="a file holding the same JSON (a mounted Secret); re-read when it "
+        "changes; unreadable: no control command is obeyed")
+    control_key_id: str | None = Field(
+        None, description="which key of FLEET_CONTROL_KEYS this process signs its control "
+        "commands with (default: the ring's only key)")
     reward_keys: dict[str, str] = Field(
         default_factory=dict, description='JSON {"producer": "secret"}: the reward producers\' '
         'HMAC keys (the attacher verifies with them, `fleet reward submit` signs with one)')
@@ -222,9 +251,9 @@ class FleetSettings(BaseSettings):
     reward_tenants: dict[str, list[str]] = Field(
         default_factory=dict, description='JSON {"producer": ["tenant", ...]}: the tenants '
         'whose executions each producer may reward ("*": every tenant, and executions with '
-        "none). Unset: every producer may reward every execution. Set: a producer rewards only "
-        "its tenants' executions, and one it does not list only executions with no tenant "
-        "(decision 0025)")
+        "none). A producer rewards only its tenants' executions; one it does not list (all "
+        "of them, unset) only executions with no tenant: scoping is the default, [\"*\"] "
+        "opts a producer out (decision 0025, issue 25 item 13)")
 
     @field_validator("reward_tenants")
     @classmethod
@@ -234,6 +263,16 @@ class FleetSettings(BaseSettings):
                 raise ValueError(
                     f"producer {producer!r} needs a non-empty list of tenant names; example: "
                     '{"crm": ["acme", "globex"], "ops": ["*"]}')
+        return value
+
+    @field_validator("flower_tenants")
+    @classmethod
+    def _check_flower_tenants(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for user, tenants in value.items():
+            if not user or not tenants or not all(tenants):
+                raise ValueError(
+                    f"Flower user {user!r} needs a non-empty list of tenant names; example: "
+                    '{"alice": ["acme"], "auditor": ["*"]}')
         return value
 
     @field_validator("flows", "operators", mode="before")
@@ -281,7 +320,11 @@ SETTING_EXAMPLES: dict[str, str] = {
     "dispatch_keys": '{"web-1": {"client": "web", "secret": "<random>", "tenants": ["acme"]}}',
     "dispatch_keys_file": "/etc/fleet/dispatch-keys.json",
     "dispatch_key_id": "web-1",
+    "control_keys": '{"ops-1": "<random secret>"}',
+    "control_keys_file": "/etc/fleet/control-keys.json",
+    "control_key_id": "ops-1",
     "reward_keys": '{"billing": "<random secret>"}',
+    "flower_tenants": '{"alice": ["acme"], "auditor": ["*"]}',
 }
 #: Settings whose value an error never repeats (secrets; URLs that may hold a password).
 _UNECHOED = ("url", "keys", "secret", "password")

@@ -11,9 +11,9 @@ timers     the fleet's flows                       ``TimerService`` (drives enqu
                                                    through a ``Dispatcher``), heartbeat
 recovery   the fleet's flows                       ``RecoverySweeper`` (the same),
                                                    heartbeat
-attacher   ``annotate: tenant`` with producers     ``RewardAttacher``, heartbeat
-           scoped (``FLEET_REWARD_TENANTS``),
-           else ``any`` (decisions 0011, 0025)
+attacher   ``annotate: tenant``, producers scoped  ``RewardAttacher``, heartbeat
+           (``FLEET_REWARD_TENANTS``; unlisted:
+           no tenant) (decisions 0011, 0025)
 relay      (none: it only reads the store)         ``EventRelay`` (the store's committed
                                                    feed -> the events stream, one
                                                    replica at a time), heartbeat
@@ -47,6 +47,7 @@ from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.dispatcher import Dispatcher
 from fleet.host.celery_api import run_command
+from fleet.host.control import ControlAuth
 from fleet.host.kernel import build_runtime, holder_name, open_store
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.journal import EventObserver
@@ -247,19 +248,20 @@ async def open_attacher(settings: FleetSettings, *, heartbeat: bool = True) -> R
     """The reward attacher: signed rewards from the stream -> late outcomes.
 
     A producer is never an execution's owner: only the attacher's runtime lets
-    one ``annotate`` (decision 0011); nobody else's does. With
-    ``FLEET_REWARD_TENANTS`` its rule is ``tenant`` and each producer acts within
-    its scope (decision 0025); without, ``any``.
+    one ``annotate`` (decision 0011); nobody else's does. Its rule is ``tenant``
+    and each producer acts within the scope ``FLEET_REWARD_TENANTS`` gives it
+    (decision 0025); unlisted, within no tenant (issue 25 item 13: scoping is the
+    default, ``["*"]`` opts a producer out).
     """
-    # Scoped producers (FLEET_REWARD_TENANTS) are judged by the kernel's tenant rule
-    # against each producer's scope; unscoped, any producer key may annotate anything.
-    scoped = bool(settings.reward_tenants)
-    if not scoped:
-        log.warning("reward producers are not scoped to tenants (FLEET_REWARD_TENANTS is "
-                    "unset): any producer key may reward any tenant's executions "
-                    "(decision 0025)")
+    # Producers are always scoped (issue 25 item 13: opt out, not in): the kernel's tenant
+    # rule judges each producer's scope (FLEET_REWARD_TENANTS); one it does not list acts
+    # with no tenant, so it rewards only executions that have none.
+    if not settings.reward_tenants:
+        log.warning("no reward producer is listed in FLEET_REWARD_TENANTS: every producer "
+                    "may reward only executions with no tenant; list each producer's "
+                    'tenants (["*"]: every tenant) (decision 0025)')
     role = await _open(settings, "attacher", access_policy=AccessPolicy(
-        rules={"annotate": "tenant" if scoped else "any"}))
+        rules={"annotate": "tenant"}))
     try:
         role.service = RewardAttacher.from_settings(settings, role.require_runtime(),
                                                     on_warn=log.warning)
@@ -437,8 +439,14 @@ def flower_argv(*, port: int | None = None, address: str | None = None,
 
 
 def flower_app(settings: FleetSettings) -> Any:
-    """The app Flower runs on: the dispatcher's (broker and routes; Flower needs no tasks)."""
-    return producer_app(settings, main="fleet-flower")
+    """The app Flower runs on: the dispatcher's (broker and routes; Flower needs no tasks).
+
+    Its control commands are signed with the operator key of ``FLEET_CONTROL_KEYS``
+    (``FLEET_CONTROL_KEY_ID``), without which the workers obey none that changes them
+    (decision 0042); Flower offers those only to its users with the operator role.
+    """
+    return producer_app(settings, main="fleet-flower",
+                        control_auth=ControlAuth.from_settings(settings))
 
 
 def run_flower(settings: FleetSettings, *, port: int | None = None,

@@ -38,7 +38,7 @@ def reward() -> None:
 def reward_submit(execution_id: str, decision_id: str, key: str, score: float | None,
                   success: bool | None, failure: bool, producer: str, key_file: Path | None,
                   nonce: str | None, as_json: bool) -> None:
-    """Sign a reward with the producer's key and add it to the rewards stream.
+    """Sign a reward with the producer's key and send it to the rewards inbox.
 
     Refused before anything is sent when the keys hold none for --producer or
     the attacher would refuse the reward.

@@ -33,7 +33,7 @@ class FleetCelery(Celery):  # type: ignore[misc]
 
 def producer_app(settings: FleetSettings, *, main: str = "fleet-dispatcher",
                  result_backend: str | None = None, consumes_tasks: bool = False,
-                 **conf: Any) -> Any:
+                 control_auth: Any = None, **conf: Any) -> Any:
     """A ``FleetCelery`` on ``settings.broker`` that routes drives as the workers expect.
 
     Args:
@@ -43,12 +43,15 @@ def producer_app(settings: FleetSettings, *, main: str = "fleet-dispatcher",
         result_backend: Where ``fleet.dispatch`` answers go (None: nowhere).
         consumes_tasks: Only the workers' app consumes the task queues (and so
             takes part in kombu's ack emulation; ``broker_app`` says why).
+        control_auth: Signs its remote-control commands (``fleet.host.control.ControlAuth``;
+            Flower's and ``fleet up``'s app), and judges them on a worker; None: unsigned.
         **conf: Further Celery settings, applied last.
     """
     routes = check_routes(settings.routes)
     # How its broker connections fail and come back (decision 0014), then the caller's.
     app = broker_app(main, settings.broker, app_class=FleetCelery, backend=result_backend,
-                     consumes_tasks=consumes_tasks, task_default_queue=settings.queue,
+                     consumes_tasks=consumes_tasks, control_auth=control_auth,
+                     task_default_queue=settings.queue,
                      task_routes=(DriveRouter(routes, settings.queue),),
                      task_ignore_result=result_backend is None,
                      **{**broker_conf(settings), "task_publish_retry_policy": PUBLISH_RETRY,

@@ -166,6 +166,20 @@ class Operator:
             return events[-limit:]
         return self._thread.run_coroutine(go(), timeout=60)
 
+    def visible_events(self, execution_id: str, tenants: frozenset[str] | None, *,
+                       limit: int = 500) -> list[EventEnvelope] | None:
+        """The log view for a reader of ``tenants`` (None: every tenant): the execution's
+        last ``limit`` events, or None when there is no such execution *or* it is not the
+        reader's to see (one answer for both: no existence oracle)."""
+        async def go() -> list[EventEnvelope] | None:
+            store, _ = await self._open()
+            row = await store.get_execution(execution_id)
+            if row is None or (tenants is not None and row.tenant not in tenants):
+                return None
+            events = await store.read(execution_id)
+            return events[-limit:]
+        return self._thread.run_coroutine(go(), timeout=60)
+
     def retry(self, execution_id: str) -> RetryResult:
         """Retry a diverged execution as the operator; wait for its next drive.
 

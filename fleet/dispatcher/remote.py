@@ -128,7 +128,7 @@ def handle_dispatch(dispatcher: Dispatcher, run_on_loop: RunOnLoop, args: Any, k
     except DispatchRefusedError as exc:
         verifier.refuse(exc, message)
         return _refusal(None, type(exc).__name__, exc.code, exc.message,
-                        details=[{"reason": exc.reason}])
+                        retryable=exc.retryable, details=[{"reason": exc.reason}])
     except Exception as exc:  # noqa: BLE001 - nothing was written; judging it is pure
         # Whatever else reading a message raises (a RecursionError in pydantic, ...),
         # the same message raises it every time: refused, never retried.

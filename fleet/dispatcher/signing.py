@@ -40,6 +40,9 @@ too_long_lived     ``expires_at - issued_at`` above ``FLEET_DISPATCH_MAX_AGE_S``
 invalid            the request's shape (an unknown op, a field missing...)
 out_of_scope       the key may not speak for the principal's tenant
 replayed           this ``kid`` + ``nonce`` was already used
+no_key_ring        the ring's file (``FLEET_DISPATCH_KEYS_FILE``) cannot be read:
+                   no message is accepted until it is fixed (fail closed; the
+                   only refusal answered ``retryable``: resend once it is)
 =================  ============================================================
 
 Checked in that order: nothing about a message is judged beyond its size and
@@ -69,20 +72,25 @@ from fleet.streams.redis_client import TRANSIENT, aioredis
 
 log = logging.getLogger("fleet.dispatch")
 
-__all__ = ["AUTH_FIELDS", "REFUSALS", "DispatchRefusedError", "DispatchVerifier",
+__all__ = ["AUTH_FIELDS", "REFUSALS", "RETRYABLE_REFUSALS", "DispatchRefusedError",
+           "DispatchVerifier", "KeyRingUnavailableError",
            "ReplayGuardUnavailableError", "canonical_dispatch_body", "invalid", "refusal",
            "send_dispatch", "sign_dispatch"]
 
 AUTH_FIELDS = ("kid", "issued_at", "expires_at", "nonce", "signature")
 REFUSALS = ("oversized", "malformed", "unsigned", "unknown_key", "bad_signature", "expired",
-            "not_yet_valid", "too_long_lived", "invalid", "out_of_scope", "replayed")
+            "not_yet_valid", "too_long_lived", "invalid", "out_of_scope", "replayed",
+            "no_key_ring")
+#: Refusals the same message may pass later (a fixed key file): answered ``retryable``.
+RETRYABLE_REFUSALS = frozenset({"no_key_ring"})
 _NONCE_MAX = 128
 
 
 class DispatchRefusedError(FleetError):
     """A ``fleet.dispatch`` message a worker will not act on; ``reason`` says why.
 
-    Never retryable: the same message is refused the same way every time.
+    Not retryable (the same message is refused the same way every time), except
+    ``no_key_ring``: the worker's key file could not be read, and may be fixed.
     """
 
     code = "dispatch_refused"
@@ -90,6 +98,13 @@ class DispatchRefusedError(FleetError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"fleet.dispatch refused ({reason}): {message}", reason=reason)
         self.reason = reason
+
+
+class KeyRingUnavailableError(DispatchRefusedError):
+    """``no_key_ring``: the worker's key file cannot be read, so nothing is accepted
+    (fail closed); retryable: the same message passes once the file is fixed."""
+
+    retryable = True
 
 
 def _now_ms() -> int:
@@ -149,6 +164,8 @@ def send_dispatch(app: Any, request: Mapping[str, Any], *, key_id: str, secret: 
 
 def refusal(reason: str, message: str) -> DispatchRefusedError:
     """A refusal for ``reason`` (one of ``REFUSALS``)."""
+    if reason in RETRYABLE_REFUSALS:
+        return KeyRingUnavailableError(reason, message)
     return DispatchRefusedError(reason, message)
 
 
@@ -185,9 +202,8 @@ class DispatchVerifier:
 
     @classmethod
     def from_settings(cls, settings: FleetSettings) -> DispatchVerifier:
-        keys = None
-        if settings.dispatch_keys or settings.dispatch_keys_file:
-            keys = KeySource(settings.dispatch_keys, settings.dispatch_keys_file)
+        keys = KeySource.of(settings.dispatch_keys, settings.dispatch_keys_file,
+                            setting="FLEET_DISPATCH_KEYS")
         redis_url = settings.redis_url
         if redis_url is None and settings.broker.split("://", 1)[0] in ("redis", "rediss"):
             redis_url = settings.broker
@@ -222,6 +238,11 @@ class DispatchVerifier:
     def authenticate(self, message: Mapping[str, Any], now_ms: int | None = None,
                      ) -> KeyEntry | None:
         """The key that signed ``message`` (None: unsigned, and unsigned is allowed)."""
+        ring = self.keys.ring() if self.keys is not None else None
+        if self.keys is not None and ring is None:
+            # Fail closed (issue 25 item 4): a key file that cannot be read accepts
+            # nothing, unsigned messages included, rather than its last good keys.
+            raise _refuse("no_key_ring", self.keys.problem or "the key ring cannot be read")
         signature = message.get("signature")
         if signature is None and self.allow_unsigned and not any(
                 f in message for f in AUTH_FIELDS):
@@ -230,7 +251,6 @@ class DispatchVerifier:
             raise _refuse("unsigned", "no signature: sign it with a client key "
                           "(fleet.dispatcher.signing.sign_dispatch)")
         kid = message.get("kid")
-        ring = self.keys.ring() if self.keys is not None else None
         entry = ring.get(kid) if ring is not None and isinstance(kid, str) else None
         if entry is None:
             raise _refuse("unknown_key", f"no key {str(kid)[:80]!r} in the ring")
@@ -320,6 +340,10 @@ class DispatchVerifier:
     def stats(self) -> dict[str, int]:
         return {"dispatch_refused": sum(self.refused.values()),
                 "dispatch_accepted": self.accepted}
+
+    def problem(self) -> str | None:
+        """Why no message is accepted now (an unreadable key file), or None."""
+        return self.keys.check() if self.keys is not None else None
 
     def request_fields(self, message: Mapping[str, Any]) -> dict[str, Any]:
         """The request's own fields (what ``DispatchRequest`` validates)."""

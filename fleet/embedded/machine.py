@@ -76,6 +76,7 @@ from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.dispatcher import Dispatcher
 from fleet.embedded.children import ChildProcess, free_port, redact, settings_env, stop_children
+from fleet.host.control import ControlAuth
 from fleet.host.keys import read_reward_keys
 from fleet.host.loop import EventLoopThread
 from fleet.kernel.errors import ConfigurationError
@@ -204,9 +205,11 @@ class EmbeddedFleet:
         (``fleet status``, ``fleet start``, ``fleet list``): its store, Redis, broker,
         flows and queue, and every other setting it runs with that is not the default.
         Secrets are left out: the reward keys are in ``reward_keys_file``, dispatch keys
-        are the caller's own. Unredacted: write them only where the secrets could be.
+        are the caller's own, the operator key is this session's. Unredacted: write them
+        only where the secrets could be.
         """
-        mine = settings_env(self.settings, exclude=("reward_keys", "dispatch_keys"))
+        mine = settings_env(self.settings, exclude=("reward_keys", "dispatch_keys",
+                                                    "control_keys"))
         defaults = settings_env(FleetSettings.model_construct())
         always = ("FLEET_DATABASE_URL", "FLEET_REDIS_URL", "FLEET_FLOWS", "FLEET_QUEUE")
         return {name: value for name, value in mine.items()
@@ -261,7 +264,9 @@ class EmbeddedFleet:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
         self.settings = self._resolve(self._given or FleetSettings())
-        self._app = producer_app(self.settings, main="fleet-embedded")
+        # Its control commands (deploy's add/cancel consumer) signed with the operator key.
+        self._app = producer_app(self.settings, main="fleet-embedded",
+                                 control_auth=ControlAuth.from_settings(self.settings))
         env = self._child_env()
         self.workers = [self._spawn_worker(i, env) for i in range(self.worker_count)]
         if self.want_flower:
@@ -314,6 +319,15 @@ class EmbeddedFleet:
             # The attacher reads the file fleet up writes, as `fleet reward submit
             # --key-file` does: one format, one reader (issue 15 item 5).
             update["reward_keys_file"] = str(self._local_reward_keys())
+            if not given.reward_tenants:
+                # Producers are scoped to tenants by default (issue 25 item 13); the
+                # machine's own producer is its owner's, for every tenant.
+                update["reward_tenants"] = {"local": ["*"]}
+        if not given.control_keys and not given.control_keys_file:
+            # This machine's operator key (this session only): its deploy (add and cancel
+            # consumer) and Flower's buttons are signed with it; the workers obey
+            # nothing else (decision 0042).
+            update["control_keys"] = {"local-operator": secrets.token_hex(16)}
         if not given.heartbeat_dir:
             # The services' heartbeats; each worker gets a directory of its own below.
             update["heartbeat_dir"] = str(self.data_dir / "heartbeats")

@@ -146,6 +146,7 @@ def demo_settings(base: FleetSettings, options: DemoOptions, run: str, key: str
     if base.redis_url:
         update.update(queue=f"fleet.demo.{run}", events_stream=f"fleet:demo:{run}:events",
                       rewards_stream=f"fleet:demo:{run}:rewards",
+                      rewards_inbox=f"fleet:demo:{run}:rewards:inbox",
                       rewards_dead=f"fleet:demo:{run}:rewards:dead")
     return base.model_copy(update=update)
 
@@ -472,12 +473,13 @@ class _Demo:
             for eid in held:
                 state = await runtime.load_state(eid, principal=self.principal)
                 skipped[eid] = str((state.waiting or {}).get("correlationKey", ""))
-            for _ in range(5):  # a reply that misses its second is asked again
+            for _ in range(20):  # each worker reports every FLEET_STATS_INTERVAL_S (2 s)
                 status = await asyncio.to_thread(_fleet_status, fleet.settings)
                 counter = next((int(w.fleet.get("divergence_parked", 0))
                                 for w in status.workers if w.name == changed.node), 0)
                 if counter >= len(held):
                     break
+                await asyncio.sleep(0.5)
             logged = [m for m in self.sweeper_said.messages if DIVERGED_GATE in m]
             info["parked"] = {"count": len(held), "skipped": skipped,
                               "status_parked": status.executions.get("parked", 0),
@@ -552,15 +554,15 @@ class _Demo:
         forged = sample.model_copy(update={"key": "csat:forged", "score": 1.0})
         stranger = sample.model_copy(update={"producer": "mallory", "key": "csat:mallory"})
         client = aioredis.Redis.from_url(str(settings.redis_url), socket_connect_timeout=2.0)
-        stream = settings.rewards_stream
+        inbox, stream = settings.rewards_inbox, settings.rewards_stream
         attacher = fleet.services["attacher"]
         try:
             with self.timed("rewards"):
-                await submit_rewards(client, stream, valid, self.key)
-                await submit_rewards(client, stream, [forged], "not-the-demo-key")
-                await submit_rewards(client, stream, [stranger], "mallorys-key")
-                await client.xadd(stream, {"message": sample.to_wire()})  # unsigned
-                await client.xadd(stream, {"message": "{not json"})
+                await submit_rewards(client, inbox, valid, self.key)
+                await submit_rewards(client, inbox, [forged], "not-the-demo-key")
+                await submit_rewards(client, inbox, [stranger], "mallorys-key")
+                await client.lpush(inbox, sample.to_wire())  # unsigned
+                await client.lpush(inbox, "{not json")
                 invalid = 4
 
                 async def settled() -> tuple[int, str]:
@@ -679,7 +681,7 @@ async def _forget_demo_keys(settings: FleetSettings) -> None:
                             f"_kombu.binding.{standby}", f"_kombu.binding_permanent.{standby}",
                             settings.events_stream,
                             f"{settings.events_stream}:relay", settings.rewards_stream,
-                            settings.rewards_dead)
+                            settings.rewards_inbox, settings.rewards_dead)
         async for key in client.scan_iter(match=f"fleet:drive:{queue}:*", count=1000):
             await client.delete(key)  # the run's drive records (decision 0019)
         async for tag, raw in client.hscan_iter("unacked"):

@@ -5,7 +5,9 @@ builds its Tornado application. It
 
 * puts the Fleet handlers (``fleet.flowerui.views``) in front of Flower's own
   (``flower.app.default_handlers``: Flower builds its app from that list, and
-  rewrites every entry under ``--url_prefix``), before Flower's catch-all 404;
+  rewrites every entry under ``--url_prefix``), before Flower's catch-all 404,
+  and each of Flower's own behind ``fleet.flowerui.roles.RoleGuard`` (its
+  buttons and API need the operator role; its task pages every tenant);
 * gives Flower a template loader that serves the Fleet templates beside
   Flower's, and Flower's ``navbar.html`` with a "Fleet" link after "Broker"
   (so the page is one click from Flower's first page, in Flower's look);
@@ -31,6 +33,7 @@ from prometheus_client import REGISTRY
 from tornado.web import url
 
 from fleet.config import FleetSettings
+from fleet.flowerui.roles import guard_handlers
 from fleet.flowerui.views import (
     FleetLogView,
     FleetRetry,
@@ -98,7 +101,10 @@ def install(settings: FleetSettings) -> FleetState:
         return _installed
     state = FleetState(settings)
     ours = handlers(state)
-    flower.app.default_handlers = [*ours, *flower.app.default_handlers]
+    # Flower's own handlers behind the fleet's roles (issue 25 item 5): mutations need the
+    # operator role, pages of every tenant's tasks need every tenant.
+    flower.app.default_handlers = [*ours, *guard_handlers(flower.app.default_handlers,
+                                                          settings)]
     flower.urls.settings["template_loader"] = FleetTemplateLoader(
         flower.urls.settings["template_path"])
     REGISTRY.register(FleetCollector(state.counters, state.parked_counts))

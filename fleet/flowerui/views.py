@@ -10,19 +10,20 @@
 
 Every handler is a Flower handler: Flower's authentication applies (basic
 auth, OAuth; the API as Flower's own API, ``FLOWER_UNAUTHENTICATED_API``). A
-Retry also needs the operator role (``FLEET_OPERATORS``) and Tornado's XSRF
-token, whatever Flower's own checks waive; it is written as ``FLEET_OPERATOR``.
+Retry also needs the operator role (``FLEET_OPERATORS``; nobody has it on a
+Flower without authentication) and Tornado's XSRF token, whatever Flower's own
+checks waive; it is written as ``FLEET_OPERATOR``. What a user reads is scoped
+to its tenants (``fleet.flowerui.roles``): the parked list and the logs of the
+executions it may see; another tenant's execution is "no such execution".
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import secrets
 import threading
 import time
-from base64 import b64decode
 from collections import OrderedDict
 from typing import Any
 
@@ -33,6 +34,7 @@ from tornado.ioloop import IOLoop
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.operator import GATES, Operator, ParkedExecution, RetryResult
+from fleet.flowerui.roles import Viewer, flower_user, has_operator_role, viewer_of
 from fleet.kernel.errors import FleetError
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
 from fleet.services.counters import ALARMS, WORKER_COUNTERS, CountersReader, FleetCounters
@@ -82,8 +84,20 @@ class FleetState:
         return {"diverged": sum(1 for p in parked if p.gate == DIVERGED_GATE),
                 "in-doubt": sum(1 for p in parked if p.gate == INDOUBT_GATE)}
 
+    def snapshot_for(self, viewer: Viewer) -> dict[str, Any]:
+        """``snapshot`` as ``viewer`` may read it: the parked executions of its tenants only,
+        and no execution ids in the workers' reports unless it reads every tenant."""
+        data = self.snapshot()
+        if viewer.reads_every_tenant:
+            return data
+        data["parked"] = [p for p in data["parked"] if viewer.sees(p.get("tenant"))]
+        for process in data["processes"]:
+            process["parks"] = []
+        data["scoped_to"] = sorted(viewer.tenants or ())
+        return data
+
     def snapshot(self) -> dict[str, Any]:
-        """The page's data (also ``/fleet/api/status``)."""
+        """The page's data (also ``/fleet/api/status``), every tenant's."""
         counters = self.counters()
         data = counters.to_dict()
         parked: list[ParkedExecution] = []
@@ -136,31 +150,6 @@ def format_ms(ms: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(ms) / 1000))
 
 
-def flower_user(handler: Any) -> str | None:
-    """Who Flower let in: the OAuth user, the basic-auth user name, or None (open)."""
-    user = handler.current_user
-    if isinstance(user, bytes):
-        user = user.decode()
-    if isinstance(user, str) and user:
-        return user
-    header = handler.request.headers.get("Authorization", "")
-    kind, _, credentials = header.partition(" ")
-    if kind == "Basic" and credentials:
-        try:
-            name = b64decode(credentials.encode()).decode().split(":", 1)[0]
-        except (ValueError, UnicodeDecodeError):
-            return None
-        return name or None
-    return None
-
-
-def has_operator_role(user: str | None, operators: list[str]) -> bool:
-    """``FLEET_OPERATORS`` names the user, or is ``*`` (everyone Flower lets in)."""
-    if "*" in operators:
-        return True
-    return user is not None and any(hmac.compare_digest(user, name) for name in operators)
-
-
 class _FleetHandler(BaseHandler):  # type: ignore[misc]  # Flower's class is untyped
     def initialize(self, state: FleetState) -> None:
         self.state = state
@@ -172,12 +161,12 @@ class _FleetHandler(BaseHandler):  # type: ignore[misc]  # Flower's class is unt
 class FleetView(_FleetHandler):
     @tornado.web.authenticated
     async def get(self) -> None:
-        data = await self.blocking(self.state.snapshot)
+        settings = self.state.settings
+        viewer = viewer_of(self, settings)
+        data = await self.blocking(self.state.snapshot_for, viewer)
         token = self.get_argument("result", None)
         message, bad = self.state.results.get(token or "", ("", False))
-        settings = self.state.settings
-        can_retry = bool(settings.operator) and has_operator_role(flower_user(self),
-                                                                   settings.operators)
+        can_retry = bool(settings.operator) and viewer.operator
         retry_off = ("set FLEET_OPERATOR to retry" if not settings.operator
                      else "needs the operator role (FLEET_OPERATORS)")
         processes = data["processes"]
@@ -194,7 +183,11 @@ class FleetView(_FleetHandler):
 class FleetLogView(_FleetHandler):
     @tornado.web.authenticated
     async def get(self, execution_id: str) -> None:
-        events = await self.blocking(self.state.operator.events, execution_id)
+        viewer = viewer_of(self, self.state.settings)
+        events = await self.blocking(self.state.operator.visible_events, execution_id,
+                                     viewer.tenants)
+        if events is None:  # none, or not this user's tenant's: the same answer (no oracle)
+            raise tornado.web.HTTPError(404, f"no execution {execution_id[:200]!r}")
         shown = [{"sequence": e.sequence, "timestamp": e.timestamp, "type": str(e.type),
                   "payload": json.dumps(e.payload, ensure_ascii=False)[:2000],
                   "danger": (e.payload.get("condition") or {}).get("on") in GATES
@@ -209,7 +202,8 @@ class FleetStatusApi(BaseApiHandler):  # type: ignore[misc]  # Flower's class is
 
     @tornado.web.authenticated
     async def get(self) -> None:
-        data = await IOLoop.current().run_in_executor(None, self.state.snapshot)
+        viewer = viewer_of(self, self.state.settings)
+        data = await IOLoop.current().run_in_executor(None, self.state.snapshot_for, viewer)
         self.set_header("Content-Type", "application/json; charset=UTF-8")
         self.write(json.dumps(data))
 
@@ -229,7 +223,7 @@ class _Retry(_FleetHandler):
 
     async def act(self, execution_id: str) -> tuple[int, dict[str, Any]]:
         settings = self.state.settings
-        user = flower_user(self)
+        user = flower_user(self)  # only a user Flower authenticated: never a forged header
         if not has_operator_role(user, settings.operators):
             log.warning("fleet: retry of %s refused: %r lacks the operator role",
                         execution_id, user)
@@ -270,4 +264,4 @@ class FleetRetryApi(_Retry):
 
 
 __all__ = ["FleetLogView", "FleetRetry", "FleetRetryApi", "FleetState", "FleetStatusApi",
-           "FleetView", "flower_user", "has_operator_role"]
+           "FleetView"]

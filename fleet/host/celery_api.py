@@ -15,6 +15,7 @@ from billiard import process as _billiard_process  # type: ignore[import-untyped
 from celery import bootsteps as _bootsteps
 from celery import signals as _signals
 from celery.app.amqp import AMQP as _AMQP  # type: ignore[import-untyped]
+from celery.app.control import Control as _Control  # type: ignore[import-untyped]
 from celery.concurrency import get_implementation as _get_implementation  # type: ignore[import-untyped]
 from celery.utils.time import (  # type: ignore[import-untyped]
     get_exponential_backoff_interval as _backoff,
@@ -27,12 +28,17 @@ Task: Any = _celery.Task
 StartStopStep: Any = _bootsteps.StartStopStep
 signals: Any = _signals
 AMQP: Any = _AMQP
+#: Celery's remote-control client (``app.control``); ``fleet.host.control`` extends it.
+Control: Any = _Control
 Connection: Any = _Connection
 #: The countdown Celery's ``retry_backoff`` gives a retry (full jitter).
 get_exponential_backoff_interval: Any = _backoff
 
 #: The class that opens every broker connection of a fleet app (decision 0014).
 FLEET_AMQP = "fleet.host.broker:FleetAMQP"
+#: The remote control of every fleet app: signed commands, a worker that obeys only
+#: those (decision 0042).
+FLEET_CONTROL = "fleet.host.control:FleetControl"
 
 
 def celery_version() -> tuple[int, int, int]:
@@ -46,7 +52,7 @@ _REDIS_SCHEMES = ("redis", "rediss", "sentinel", "valkey", "valkeys")
 
 
 def broker_app(main: str, broker: str, *, app_class: Any = None, backend: str | None = None,
-               consumes_tasks: bool = False, **conf: Any) -> Any:
+               consumes_tasks: bool = False, control_auth: Any = None, **conf: Any) -> Any:
     """A Celery app on ``broker`` that speaks the fleet's wire format (JSON only).
 
     What every fleet producer and reader of the broker shares: the dispatcher's
@@ -63,8 +69,14 @@ def broker_app(main: str, broker: str, *, app_class: Any = None, backend: str | 
     restore other consumers' messages onto the task queues; off, their Redis
     users need neither the ``unacked*`` keys nor the right to push onto a queue
     (decision 0017).
+
+    Its remote control is ``fleet.host.control.FleetControl``: what it broadcasts is
+    signed with ``control_auth``'s operator key (``ControlAuth``; none: unsigned), and
+    a worker on it obeys a command that changes it only when signed (decision 0042).
     """
-    app = (app_class or Celery)(main, broker=broker, backend=backend, amqp=FLEET_AMQP)
+    app = (app_class or Celery)(main, broker=broker, backend=backend, amqp=FLEET_AMQP,
+                                control=FLEET_CONTROL)
+    app.fleet_control_auth = control_auth
     app.conf.update(task_serializer="json", result_serializer="json",
                     accept_content=["json"], result_accept_content=["json"],
                     broker_connection_retry_on_startup=True, worker_hijack_root_logger=False)
@@ -123,6 +135,7 @@ def current_app() -> Any:
     return _celery.current_app._get_current_object()
 
 
-__all__ = ["AMQP", "FLEET_AMQP", "Celery", "Connection", "StartStopStep", "Task", "broker_app",
+__all__ = ["AMQP", "FLEET_AMQP", "FLEET_CONTROL", "Celery", "Connection", "Control",
+           "StartStopStep", "Task", "broker_app",
            "celery_version", "current_app", "get_exponential_backoff_interval", "is_prefork",
            "pool_class", "process_index", "run_command", "signals"]

@@ -12,6 +12,8 @@ that holds the key, the secret, and the tenants the client may speak for::
 * **Rotation**: a client may hold several valid keys at once (one id each):
   add the new key, move the client to it, remove the old one. A message names
   the key it was signed with (``kid``), so both verify during the switch.
+* **Fail closed**: a ring file that cannot be read (gone, garbled) holds no key:
+  nothing it would have verified is accepted until it is fixed (``KeySource``).
 * **Scope**: ``tenants`` lists the tenants the client may act for; ``"*"`` is
   every tenant and also a principal with no tenant (an operator's key). A
   client without ``"*"`` may not act for a tenantless principal.
@@ -144,10 +146,20 @@ def _entry(key_id: Any, raw: Any, where: str, min_secret_bytes: int) -> KeyEntry
 class KeySource:
     """The current ring from a JSON value or a file, the file re-read when it changes.
 
+    **Fail closed** (issue 25 item 4): a file that cannot be read as a ring (gone,
+    unreadable, not JSON, a bad entry) is *no* ring, never the last good one: a key
+    that was revoked by removing it, or by a file that no longer says what it holds,
+    must stop verifying at once. ``ring()`` is then None (every verifier refuses
+    what it would have checked), ``problem`` says why (the health check and the
+    Fleet page show it), and the error is logged once per distinct problem. The
+    file is read again when it changes; a good file restores the ring.
+
     Args:
         data: The decoded JSON of a setting (``FLEET_DISPATCH_KEYS``); or None.
+            A bad value is a ``ConfigurationError`` here: it cannot change while
+            the process runs.
         path: A file holding the same JSON (``FLEET_DISPATCH_KEYS_FILE``); or None.
-        setting: The setting's name, for error messages.
+        setting: The setting's name, for messages.
     """
 
     def __init__(self, data: Any = None, path: str | os.PathLike[str] | None = None, *,
@@ -160,24 +172,43 @@ class KeySource:
         self._lock = threading.Lock()
         self._stamp: tuple[int, int] | None = None
         self._checked = 0.0
+        self._ring: KeyRing | None = None
+        #: Why there is no ring now (None: there is one).
+        self.problem: str | None = None
         if self.path is not None:
-            self._ring = self._read()
+            self._load()
         else:
             self._ring = KeyRing.parse(data or {}, where=setting)
 
-    def _read(self) -> KeyRing:
+    def _load(self) -> None:
         assert self.path is not None
         try:
             stat = self.path.stat()
+            self._stamp = (stat.st_mtime_ns, stat.st_size)
             text = self.path.read_text()
-        except OSError as exc:
-            raise ConfigurationError(f"{self.setting}_FILE: cannot read {self.path}: "
-                                     f"{exc.strerror or exc}") from exc
-        self._stamp = (stat.st_mtime_ns, stat.st_size)
-        return KeyRing.loads(text, where=f"{self.setting}_FILE ({self.path})")
+            ring = KeyRing.loads(text, where=f"{self.setting}_FILE ({self.path})")
+        except (OSError, UnicodeDecodeError, ConfigurationError) as exc:
+            if isinstance(exc, FileNotFoundError):
+                self._stamp = None
+            if isinstance(exc, ConfigurationError):
+                why = exc.message
+            elif isinstance(exc, OSError):
+                why = f"{self.setting}_FILE: cannot read {self.path}: {exc.strerror or exc}"
+            else:
+                why = f"{self.setting}_FILE: {self.path} is not UTF-8 text"
+            problem = f"{why}; no key is accepted until it is fixed"
+            if problem != self.problem:
+                log.error("%s", problem)
+            self._ring, self.problem = None, problem
+            return
+        if self.problem is not None:
+            log.warning("%s_FILE (%s) is readable again: %d key(s)", self.setting, self.path,
+                        len(ring))
+        self._ring, self.problem = ring, None
 
-    def ring(self) -> KeyRing:
-        """The ring now (a changed file is read again; a broken one keeps the last)."""
+    def ring(self) -> KeyRing | None:
+        """The ring now: a changed file is read again; a file that cannot be read as a
+        ring is None (fail closed: see the class docstring)."""
         if self.path is None:
             return self._ring
         now = time.monotonic()
@@ -187,12 +218,25 @@ class KeySource:
             self._checked = now
             try:
                 stat = self.path.stat()
-                if (stat.st_mtime_ns, stat.st_size) != self._stamp:
-                    self._ring = self._read()
-            except (OSError, ConfigurationError) as exc:
-                # Keep the ring we have; a half-written file is read again next time.
-                log.warning("keeping the previous key ring: %s", exc)
+                stamp: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
+            except OSError:
+                stamp = None
+            if stamp is None or stamp != self._stamp or self._ring is None:
+                self._load()
         return self._ring
+
+    def check(self) -> str | None:
+        """Why no key is accepted now (None: the ring is readable); reads a changed file."""
+        self.ring()
+        return self.problem
+
+    @classmethod
+    def of(cls, data: Any, path: str | None, *, setting: str) -> KeySource | None:
+        """The source a pair of settings names (``<SETTING>`` and ``<SETTING>_FILE``), or
+        None when neither is set."""
+        if not data and not path:
+            return None
+        return cls(data, path, setting=setting)
 
 
 # -- reward producers' keys: one format everywhere (issue 15 item 5) ------------------

@@ -21,6 +21,10 @@ stopped_at   set by a clean stop (its last report)
 counters     JSON ``{name: number}``: the counters of ``fleet.workers.stats``
              (``drives``, ``divergence_parked``...) and the service's own
              (``fired``, ``published``, ``lag_ms``...)
+pool         a worker's Celery pool (its ``slots`` counter: drives at once)
+problems     JSON list of what makes the process unhealthy now (a worker that
+             consumes no fleet queue, a key file that cannot be read; issue 25):
+             the Fleet page shows the process red with them
 ===========  ===============================================================
 
 ``read_fleet`` is the one reader the Fleet page in Flower, ``fleet status`` and
@@ -64,17 +68,19 @@ SERVICE_COUNTERS: dict[str, tuple[str, ...]] = {
     "recovery": ("examined", "redriven", "skipped", "queued", "failed", "diverged", "ticks",
                  "errors"),
     "attacher": ("outcomes_attached", "outcomes_dead_lettered", "duplicates", "retried",
-                 "deferred"),
+                 "deferred", "moved", "inbox", "trimmed"),
     "relay": ("published", "present", "batches", "errors", "lag_ms", "leader",
               "peak_batch_bytes"),
 }
 #: Counters that need an operator when above zero (red on the Fleet page).
 ALARMS: tuple[str, ...] = ("divergence_warnings", "divergence_parked", "fenced_out",
                            "outcomes_dead_lettered", "dispatch_refused", "errors",
-                           "enqueue_errors", "failed")
+                           "enqueue_errors", "failed", "control_refused")
+#: The most problems one report carries, and the longest one.
+_PROBLEMS_KEPT, _PROBLEM_CHARS = 10, 500
 #: Gauges: read as they are, never summed into totals.
 GAUGES: frozenset[str] = frozenset({"active", "lag_ms", "leader", "peak_batch_bytes", "diverged",
-                                  "failures"})
+                                  "failures", "slots", "inbox"})
 #: The most recent parks on an operator's gate a worker reports (which worker parked
 #: which execution: the store's index forgets the holder when the lease is released).
 PARKS_KEPT = 50
@@ -168,11 +174,17 @@ class StatsReporter(PeriodicService):
     def fields(self, *, stopped: bool = False) -> dict[str, str]:
         """What one report writes."""
         parks: list[Any] = []
+        problems: list[str] = []
+        pool: Any = ""
         try:
             values = dict(self.collect())
             found = values.pop("parks", None)
             if isinstance(found, list):
                 parks = found[-PARKS_KEPT:]
+            said = values.pop("problems", None)
+            if isinstance(said, list):
+                problems = [str(p)[:_PROBLEM_CHARS] for p in said[:_PROBLEMS_KEPT]]
+            pool = values.pop("pool", "")
             counters = numbers(values)
         except Exception as exc:  # noqa: BLE001 - a broken source must not stop the report
             log.warning("%s: collecting counters failed: %s: %s", self.key,
@@ -183,7 +195,9 @@ class StatsReporter(PeriodicService):
                "host": socket.gethostname(), "at": f"{now:.3f}",
                "interval_s": f"{self.interval_s:g}", "started_at": f"{self.started_at:.3f}",
                "counters": json.dumps(counters, separators=(",", ":")), "stopped_at": "",
-               "parks": json.dumps(parks, separators=(",", ":"))}
+               "parks": json.dumps(parks, separators=(",", ":")),
+               "problems": json.dumps(problems, separators=(",", ":")),
+               "pool": str(pool)[:40]}
         if stopped:
             out["stopped_at"] = f"{now:.3f}"
         return out
@@ -259,10 +273,16 @@ class ProcessReport:
     started_at: float | None = None
     #: A worker's recent parks on an operator's gate: ``{"executionId", "gate", "at"}``.
     parks: tuple[dict[str, Any], ...] = ()
+    #: What makes it unhealthy now (it consumes no fleet queue, a key file is unreadable).
+    problems: tuple[str, ...] = ()
+    #: A worker's Celery pool (``thread``, ``prefork``, ``solo``); its ``slots`` counter
+    #: is how many drives it runs at once (what ``fleet status`` shows without inspect).
+    pool: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"role": self.role, "name": self.name, "counters": dict(self.counters),
-                "parks": [dict(p) for p in self.parks],
+                "parks": [dict(p) for p in self.parks], "problems": list(self.problems),
+                "pool": self.pool,
                 "at": self.at, "age_s": round(self.age_s, 1), "stale": self.stale,
                 "stopped": self.stopped, "pid": self.pid, "host": self.host,
                 "interval_s": self.interval_s, "started_at": self.started_at}
@@ -323,9 +343,13 @@ class FleetCounters:
         return [p for p in self.processes if p.stale]
 
     def alarms(self) -> dict[str, float]:
-        """The alarm counters above zero, and the streams' dead letters."""
+        """The alarm counters above zero, the processes that report a problem, and the
+        streams' dead letters."""
         totals = self.totals
         out = {name: totals[name] for name in ALARMS if totals.get(name, 0) > 0}
+        unhealthy = [p for p in self.processes if p.problems and not p.stale]
+        if unhealthy:
+            out["unhealthy processes"] = len(unhealthy)
         for stream in self.streams:
             if stream.dead_letters:
                 out[f"dead letters on {stream.dead_stream}"] = stream.dead_letters
@@ -368,12 +392,18 @@ def parse_report(raw: Mapping[Any, Any], *, now: float, stale_s: float) -> Proce
         parks_raw = []
     parks = tuple(p for p in parks_raw if isinstance(p, dict)) if isinstance(
         parks_raw, list) else ()
+    try:
+        problems_raw = json.loads(data.get("problems") or "[]")
+    except ValueError:
+        problems_raw = []
+    problems = tuple(str(p)[:_PROBLEM_CHARS] for p in problems_raw[:_PROBLEMS_KEPT]) \
+        if isinstance(problems_raw, list) else ()
     # A process reporting less often than the stale limit is judged by its own interval.
     limit = max(stale_s, 3 * interval)
     return ProcessReport(role=role, name=name, counters=counters, at=at, age_s=age,
                          stale=stopped or age > limit, stopped=stopped, pid=pid,
                          host=data.get("host", ""), interval_s=interval, started_at=started,
-                         parks=parks)
+                         parks=parks, problems=problems, pool=data.get("pool", ""))
 
 
 def _keys(client: Any, limit: int, prefix: str, since: float) -> list[str]:

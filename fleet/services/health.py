@@ -36,6 +36,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from fleet.config import FleetSettings
+from fleet.host.keys import KeyRing
 from fleet.host.loop import run_loop
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.store.factory import open_event_store, open_postgres_event_store
@@ -247,6 +248,9 @@ def check_heartbeat(settings: FleetSettings, component: str, *,
     if age > limit:
         return Check("heartbeat", False, f"the {component}'s event loop is stuck or gone: its "
                      f"heartbeat is {age:.1f} s old (limit {limit:g} s; {who}{path})")
+    if component == "worker" and (idle := consuming_problem(settings, max_age_s=limit)):
+        # Alive and beating, but taking no work (issue 25 item 1): not live either.
+        return Check("heartbeat", False, idle)
     return Check("heartbeat", True, f"{age:.1f} s old ({who}{path.name})")
 
 
@@ -317,6 +321,85 @@ def check_store(settings: FleetSettings, timeout_s: float = 2.0) -> Check:
     return Check("store", True, f"{where} answered in {took * 1000:.0f} ms", took)
 
 
+# --------------------------------------------------------------------------
+# The worker's consumer: does it take work? (issue 25 item 1)
+# --------------------------------------------------------------------------
+
+#: Written every second by the worker's ``ConsumerWatch`` (``fleet.workers.consuming``).
+CONSUMER_STATE = "fleet-worker.consumer"
+
+
+def consumer_state_path(settings: FleetSettings) -> Path:
+    """Where the worker writes what its consumer consumes."""
+    return heartbeat_dir(settings) / CONSUMER_STATE
+
+
+def fleet_queues(settings: FleetSettings) -> list[str]:
+    """The queues the fleet routes drives to: ``FLEET_QUEUE`` and the routes' queues."""
+    return sorted({settings.queue, *settings.routes.values()})
+
+
+def consumer_problem(state: dict[str, Any]) -> str | None:
+    """Why a worker in ``state`` (the file's content) takes no work, or None."""
+    if state.get("connected") is False:
+        return None  # reconnecting: the consumer is rebuilt with its queues
+    consumed = [q for q in state.get("queues") or [] if isinstance(q, str)]
+    wanted = [q for q in state.get("fleet_queues") or [] if isinstance(q, str)]
+    if set(consumed) & set(wanted):
+        return None
+    return (f"the worker consumes no fleet queue (it consumes: {', '.join(consumed) or 'none'};"
+            f" the fleet's: {', '.join(wanted)}): it takes no work. Told to stop consuming "
+            "(cancel_consumer)? Restart it")
+
+
+def read_consumer_state(settings: FleetSettings) -> dict[str, Any] | None:
+    """The worker's consumer state as written, or None (not written, or unreadable)."""
+    try:
+        data = json.loads(consumer_state_path(settings).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def consuming_problem(settings: FleetSettings, *, max_age_s: float | None = None) -> str | None:
+    """``consumer_problem`` of the state on disk, if it is fresh (None: no state, or fine)."""
+    state = read_consumer_state(settings)
+    if state is None:
+        return None
+    limit = settings.heartbeat_max_age_s if max_age_s is None else max_age_s
+    try:
+        age = time.time() - float(state.get("at", 0))
+    except (TypeError, ValueError):
+        age = limit + 1
+    if age > limit:
+        return (f"the worker's consumer stopped reporting its queues {age:.0f} s ago (limit "
+                f"{limit:g} s; pid {state.get('pid')})")
+    return consumer_problem(state)
+
+
+def check_keys(settings: FleetSettings) -> Check:
+    """The worker's key files (``FLEET_DISPATCH_KEYS_FILE``, ``FLEET_CONTROL_KEYS_FILE``)
+    read as key rings: one that cannot be read accepts no key (fail closed, issue 25
+    item 4), so the worker is not ready."""
+    start = time.monotonic()
+    read: list[str] = []
+    for path, setting in ((settings.dispatch_keys_file, "FLEET_DISPATCH_KEYS_FILE"),
+                          (settings.control_keys_file, "FLEET_CONTROL_KEYS_FILE")):
+        if not path:
+            continue
+        try:
+            ring = KeyRing.loads(Path(path).read_text(), where=f"{setting} ({path})")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            return Check("keys", False, f"{setting}: cannot read {path}: {reason}; no key is "
+                         "accepted until it is fixed", time.monotonic() - start)
+        except ConfigurationError as exc:
+            return Check("keys", False, f"{exc.message}; no key is accepted until it is fixed",
+                         time.monotonic() - start)
+        read.append(f"{setting} {len(ring)} key(s)")
+    return Check("keys", True, ", ".join(read) or "no key file", time.monotonic() - start)
+
+
 def broker_url_for(settings: FleetSettings, component: str) -> str | None:
     """The broker a component needs: the reward attacher and the relay use Redis
     streams, the others enqueue (or take) drives on the Celery broker."""
@@ -344,9 +427,13 @@ def check_health(settings: FleetSettings, component: str, *, liveness: bool = Fa
             broker = pool.submit(check_broker, broker_url_for(settings, component), timeout_s)
             store = pool.submit(check_store, settings, timeout_s)
             checks += [broker.result(), store.result()]
+        if component == "worker":
+            checks.append(check_keys(settings))
     return HealthReport(component, liveness, tuple(checks))
 
 
-__all__ = ["BEAT_INTERVAL_S", "COMPONENTS", "Check", "HealthReport", "Heartbeat",
-           "broker_url_for", "check_broker", "check_health", "check_heartbeat", "check_store",
-           "heartbeat_dir", "heartbeat_path", "redact_url"]
+__all__ = ["BEAT_INTERVAL_S", "COMPONENTS", "CONSUMER_STATE", "Check", "HealthReport",
+           "Heartbeat", "broker_url_for", "check_broker", "check_health", "check_heartbeat",
+           "check_keys", "check_store", "consumer_problem", "consumer_state_path",
+           "consuming_problem", "fleet_queues", "heartbeat_dir", "heartbeat_path",
+           "read_consumer_state", "redact_url"]

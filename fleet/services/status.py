@@ -2,12 +2,15 @@
 
 Executions come from the store's index (``count_executions``, one grouped
 query; a store without it is paged, up to ``page_limit`` rows per state).
-Workers come from Celery's ``inspect().stats()``, each with the fleet
-counters its bootstep adds (``stats["fleet"]``, ``fleet.workers.stats``).
-With ``FLEET_REDIS_URL`` every process's own report is read too
-(``fleet.services.counters``, decision 0022): a worker's counters are then its
-reports (a prefork worker's children summed), the services (timers, recovery,
-attacher, relay) have theirs, and a process that stopped reporting is stale.
+With ``FLEET_REDIS_URL`` workers come from every process's own report
+(``fleet.services.counters``, decision 0022): a worker's counters, pool and
+slots are its reports (a prefork worker's children summed), the services
+(timers, recovery, attacher, relay) have theirs, and a process that stopped
+reporting is stale. Nothing is broadcast: remote control is the operator
+console's alone (decision 0042), and the dispatchers' ``client`` Redis user may
+not. Without it (a RabbitMQ-only fleet), workers come from Celery's
+``inspect().stats()``, each with the fleet counters its bootstep adds
+(``stats["fleet"]``, ``fleet.workers.stats``).
 
 ``StatusReader`` keeps one store and one Celery app (a bare one on the broker:
 inspecting needs no tasks) open between reads, for ``fleet status --watch``.
@@ -102,8 +105,11 @@ def merge_workers(inspected: list[WorkerStatus], reports: list[ProcessReport]
                                 worker.pid, min(r.age_s for r in mine),
                                 all(r.stale for r in mine)))
     for node, mine in sorted(by_node.items()):
-        out.append(WorkerStatus(node, "", None, _sum(mine), mine[0].pid,
-                                min(r.age_s for r in mine), all(r.stale for r in mine)))
+        counters = _sum(mine)
+        slots = counters.pop("slots", None)
+        out.append(WorkerStatus(node, mine[0].pool, None if slots is None else int(slots),
+                                counters, mine[0].pid, min(r.age_s for r in mine),
+                                all(r.stale for r in mine)))
     return out
 
 
@@ -180,6 +186,10 @@ def within(deadline_s: float, call: Callable[[], T], what: str) -> T:
         raise TimeoutError(f"no answer within {deadline_s:g} s") from None
 
 
+class _ReportsInstead(Exception):  # noqa: N818 - control flow inside read(), never raised out
+    """The workers' reports in Redis are read instead of inspecting them."""
+
+
 class StatusReader:
     """Reads ``FleetStatus`` again and again over one store and one app (sync).
 
@@ -219,6 +229,10 @@ class StatusReader:
             problems.append(f"store: {type(exc).__name__}: {exc}")
         workers: list[WorkerStatus] = []
         try:
+            if self.settings.redis_url:
+                # Every worker's own report (read below) says what inspect would: no
+                # broadcast, which is the operator console's alone (decision 0042).
+                raise _ReportsInstead
             if self._app is None:
                 self._app = broker_app("fleet-status", self.settings.broker,
                                        **broker_conf(self.settings))
@@ -226,6 +240,8 @@ class StatusReader:
             workers = within(self.broker_deadline_s,
                              lambda: worker_statuses(app, timeout=self.inspect_timeout),
                              "status-inspect")
+        except _ReportsInstead:
+            pass
         except Exception as exc:  # noqa: BLE001 - shown, and the rest still reported
             problems.append(f"broker: {type(exc).__name__}: {exc}")
         counters: FleetCounters | None = None

@@ -1,6 +1,9 @@
 """``RewardAttacher``: the consumer group that turns reward messages into late outcomes.
 
-For each entry of ``fleet:rewards``: verify it (``verify_reward``: parse, HMAC
+Producers push onto the inbox ``fleet:rewards:inbox``; the attacher moves each
+message onto ``fleet:rewards`` (``fleet.streams.inbox``: an id Redis picks, a
+bounded size) and trims the stream below what its groups acknowledged. For
+each entry of ``fleet:rewards``: verify it (``verify_reward``: parse, HMAC
 with the producer's key, schema), then ``runtime.record_outcome`` as the
 producer's principal, ``Principal(f"producer:{name}", tenant=...)``, so the
 log says who sent every late reward (``recordedBy``). What happens next:
@@ -46,7 +49,15 @@ from fleet.kernel.errors import (
 from fleet.kernel.journal import WarnSink
 from fleet.kernel.observers import Warner
 from fleet.kernel.security import Principal
-from fleet.streams.consumer import Defer, Reject, StreamConsumer, StreamEntry, default_consumer_name
+from fleet.streams.consumer import (
+    DEAD_MAXLEN,
+    Defer,
+    Reject,
+    StreamConsumer,
+    StreamEntry,
+    default_consumer_name,
+)
+from fleet.streams.inbox import RewardInbox
 from fleet.streams.redis_client import aioredis, as_text
 from fleet.streams.rewards import MAX_MESSAGE_BYTES, MESSAGE_FIELD, verify_reward
 
@@ -87,6 +98,11 @@ class RewardAttacher:
         producer_tenants: ``{producer: [tenant, ...]}`` (a single tenant may be
             given as a string): turns scoping on (``FLEET_REWARD_TENANTS``).
             Every producer named must have a key.
+        inbox: The producers' inbox (``rewards_inbox``, a list): what arrives there is
+            moved onto ``stream`` (``fleet.streams.inbox``), and the stream is trimmed
+            once every group acknowledged an entry. None: producers write the stream
+            themselves (a stream of your own), nothing is trimmed.
+        dead_maxlen: About how many dead letters ``dead_stream`` keeps.
         max_message_bytes: A larger ``message`` is dead-lettered ``oversized``.
         retries: In-place retries of a retryable error before the entry is
             left pending; ``backoff_s`` before the first, doubling.
@@ -112,7 +128,8 @@ class RewardAttacher:
                  backoff_s: float = 0.05, retry_deliveries: int = 5,
                  max_deliveries: int = 30, claim_idle_ms: int = 30_000,
                  on_warn: WarnSink | None = None, name: str = "reward-attacher",
-                 close_client: bool = False, **consumer_options: Any) -> None:
+                 close_client: bool = False, inbox: str | None = None,
+                 dead_maxlen: int = DEAD_MAXLEN, **consumer_options: Any) -> None:
         rule = runtime.access_policy.rule_for("annotate")
         if rule == "owner":
             raise ConfigurationError(
@@ -139,7 +156,8 @@ class RewardAttacher:
         self.name = name
         self.runtime = runtime
         self.keys = dict(keys)
-        self.scoped = bool(scopes)
+        # Scoped: judged by tenant (a producer without a listed scope acts with no tenant).
+        self.scoped = bool(scopes) or rule == "tenant"
         self.principals = {producer: Principal(f"producer:{producer}", scope=scopes.get(producer))
                            for producer in self.keys}
         self.max_message_bytes = max_message_bytes
@@ -148,11 +166,18 @@ class RewardAttacher:
         self.backoff_s = backoff_s
         self.retry_deliveries = retry_deliveries
         self._close_client = close_client
+        member = consumer or default_consumer_name()
+        self.inbox = None if inbox is None else RewardInbox(
+            redis, inbox=inbox, stream=stream, dead_stream=dead_stream,
+            max_bytes=max_message_bytes, dead_maxlen=dead_maxlen,
+            count=int(consumer_options.get("count", 100)), consumer=member)
         self.consumer = StreamConsumer(
-            redis, stream, group, consumer or default_consumer_name(), self._on_entry,
+            redis, stream, group, member, self._on_entry,
             dead_stream=dead_stream, claim_idle_ms=claim_idle_ms,
             max_deliveries=max_deliveries, on_warn=on_warn, name=f"{name}:consumer",
-            **consumer_options)
+            dead_maxlen=dead_maxlen,
+            feed=self.inbox.move if self.inbox is not None else None,
+            trim_acked=self.inbox is not None, **consumer_options)
         self.attached = 0
         self.duplicates = 0
         self.retried = 0
@@ -175,6 +200,8 @@ class RewardAttacher:
         kwargs.setdefault("stream", settings.rewards_stream)
         kwargs.setdefault("group", settings.rewards_group)
         kwargs.setdefault("dead_stream", settings.rewards_dead)
+        kwargs.setdefault("inbox", settings.rewards_inbox)
+        kwargs.setdefault("dead_maxlen", settings.dead_letters_maxlen)
         return cls(runtime, client, close_client=True, **kwargs)
 
     async def start(self) -> None:
@@ -187,9 +214,18 @@ class RewardAttacher:
 
     def stats(self) -> dict[str, Any]:
         consumer = self.consumer.stats()
-        return {"attached": self.attached, "duplicates": self.duplicates,
-                "dead_lettered": consumer["dead_lettered"], "retried": self.retried,
-                "deferred": self.deferred, "scoped": self.scoped, "consumer": consumer}
+        dead = dict(consumer["dead_lettered"])
+        out: dict[str, Any] = {"attached": self.attached, "duplicates": self.duplicates,
+                               "dead_lettered": dead, "retried": self.retried,
+                               "deferred": self.deferred, "scoped": self.scoped,
+                               "consumer": consumer}
+        if self.inbox is not None:
+            inbox = self.inbox.stats()
+            if inbox["oversized"]:  # dead-lettered by the move, before the consumer
+                dead["oversized"] = dead.get("oversized", 0) + inbox["oversized"]
+            out.update(moved=inbox["moved"], inbox=inbox["inbox"],
+                       trimmed=consumer["trimmed"])
+        return out
 
     async def _on_entry(self, entry: StreamEntry) -> Defer | Reject | None:
         try:

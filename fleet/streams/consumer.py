@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import time
@@ -29,13 +30,18 @@ from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.journal import Warner, WarnSink
 from fleet.streams.redis_client import TRANSIENT, ResponseError, aioredis, as_text, read_entries
 
-__all__ = ["Defer", "Handler", "Reject", "StreamConsumer", "StreamEntry",
-           "default_consumer_name"]
+__all__ = ["DEAD_FIELDS_KEPT", "DEAD_FIELD_BYTES", "DEAD_MAXLEN", "Defer", "Handler", "Reject",
+           "StreamConsumer", "StreamEntry", "default_consumer_name"]
 
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
 _REMEMBERED = 10_000  # deferral reasons kept per consumer (oldest forgotten first)
 _DETAIL_CHARS = 2_000  # the longest dead_detail written
+#: A dead letter keeps at most this many of the entry's fields, each cut to
+#: ``dead_field_bytes`` (issue 25 item 2: a 1 MB entry is not copied whole).
+DEAD_FIELDS_KEPT = 32
+DEAD_FIELD_BYTES = 8 * 1024
+DEAD_MAXLEN = 10_000
 
 
 def _cut(text: str, limit: int) -> str:
@@ -97,9 +103,18 @@ class StreamConsumer:
     consumer itself never stops on a handler's or Redis's fault: a Redis error
     is counted in ``errors`` and retried with backoff (the client reconnects).
 
-    A dead letter is the original entry's fields, verbatim, plus
-    ``dead_reason``, ``dead_detail``, ``dead_stream``, ``dead_id``,
-    ``dead_deliveries``, ``dead_consumer`` and ``dead_at`` (epoch ms).
+    A dead letter is the original entry's fields (at most ``DEAD_FIELDS_KEPT`` of
+    them, each cut to ``dead_field_bytes``; ``dead_cut`` then says which, with
+    their sizes, as JSON), plus ``dead_reason``, ``dead_detail``, ``dead_stream``,
+    ``dead_id``, ``dead_deliveries``, ``dead_consumer`` and ``dead_at`` (epoch
+    ms). The dead stream keeps about ``dead_maxlen`` letters (``MAXLEN ~``).
+
+    ``feed`` (the reward attacher's inbox) runs before each read and says how many
+    entries it added; with one, a read blocks at most ``feed_every_s``.
+    ``trim_acked`` trims the stream (``XTRIM MINID``) below what every group of it
+    has acknowledged, at most every ``trim_every_s``: the stream holds only what is
+    still to be handled (the rewards stream; never the events stream, which the
+    relay bounds).
 
     Args:
         redis: An asyncio Redis client.
@@ -125,10 +140,17 @@ class StreamConsumer:
                  count: int = 100, claim_idle_ms: int = 30_000,
                  claim_every_s: float | None = None, max_deliveries: int = 5,
                  start_id: str = "0", on_warn: WarnSink | None = None,
-                 name: str | None = None, requires: tuple[str, ...] = ()) -> None:
+                 name: str | None = None, requires: tuple[str, ...] = (),
+                 dead_maxlen: int = DEAD_MAXLEN, dead_field_bytes: int = DEAD_FIELD_BYTES,
+                 feed: Callable[[], Awaitable[int]] | None = None, feed_every_s: float = 0.1,
+                 trim_acked: bool = False, trim_every_s: float = 5.0) -> None:
         if block_ms < 1 or count < 1 or claim_idle_ms < 1 or max_deliveries < 1:
             raise ConfigurationError(
                 "StreamConsumer: block_ms, count, claim_idle_ms and max_deliveries must be >= 1")
+        if dead_maxlen < 1 or dead_field_bytes < 64 or feed_every_s <= 0 or trim_every_s < 0:
+            raise ConfigurationError(
+                "StreamConsumer: dead_maxlen >= 1, dead_field_bytes >= 64, feed_every_s > 0 "
+                "and trim_every_s >= 0")
         self.name = name or f"consumer:{stream}:{group}"
         self.requires = requires
         self.redis = redis
@@ -145,6 +167,15 @@ class StreamConsumer:
         self.max_deliveries = max_deliveries
         self.start_id = start_id
         self.warner = Warner(on_warn)
+        self.dead_maxlen = dead_maxlen
+        self.dead_field_bytes = dead_field_bytes
+        self.feed = feed
+        self.feed_every_s = feed_every_s
+        self.trim_acked = trim_acked
+        self.trim_every_s = trim_every_s
+        self._untrimmed = False
+        self._next_trim = 0.0
+        self.trimmed = 0
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._blocking = False
@@ -202,7 +233,7 @@ class StreamConsumer:
         return {"delivered": self.delivered, "acked": self.acked, "failures": self.failures,
                 "deferred": self.deferred, "claimed": self.claimed,
                 "dead_lettered": dict(self.dead_lettered), "vanished": self.vanished,
-                "errors": self.errors}
+                "errors": self.errors, "trimmed": self.trimmed}
 
     async def pending(self) -> int:
         """Entries of the group delivered and not yet acknowledged (any member)."""
@@ -216,6 +247,10 @@ class StreamConsumer:
             try:
                 if not self._group_ready:
                     await self._ensure_group()
+                if self.feed is not None:
+                    await self.feed()
+                if self.trim_acked and self._untrimmed and time.monotonic() >= self._next_trim:
+                    await self._trim()
                 if time.monotonic() >= self._next_claim:
                     more = await self._claim()
                     self._next_claim = time.monotonic() + (0 if more else self.claim_every_s)
@@ -254,6 +289,8 @@ class StreamConsumer:
 
     async def _read_new(self) -> None:
         wait_ms = int((self._next_claim - time.monotonic()) * 1000)
+        if self.feed is not None:  # what arrives in the feed is moved at the next turn
+            wait_ms = min(wait_ms, int(self.feed_every_s * 1000))
         block = max(1, min(self.block_ms, wait_ms))
         self._blocking = True
         try:
@@ -360,21 +397,69 @@ class StreamConsumer:
         now = str(time.time_ns() // 1_000_000)
         pipe = self.redis.pipeline(transaction=False)
         for entry, reason, detail in dead:
-            fields: dict[Any, Any] = dict(entry.raw)
-            # The detail may quote the entry (an id, a message): bounded, the entry
-            # itself is kept whole beside it.
+            fields = self._excerpt(entry.raw)
+            # The detail may quote the entry (an id, a message): bounded, as the
+            # entry's own fields are.
             fields.update({"dead_reason": reason, "dead_detail": _cut(detail, _DETAIL_CHARS),
                            "dead_stream": self.stream, "dead_id": entry.id,
                            "dead_deliveries": str(entry.deliveries),
                            "dead_consumer": self.consumer, "dead_at": now})
-            pipe.xadd(self.dead_stream, fields)
+            pipe.xadd(self.dead_stream, fields, maxlen=self.dead_maxlen, approximate=True)
         pipe.xack(self.stream, self.group, *acks, *(e.id for e, _, _ in dead))
         # A failure here leaves every entry of the batch pending, to be handled
         # again (handlers are idempotent); a dead letter may then appear twice.
         await pipe.execute()
+        self._untrimmed = True
         self.acked += len(acks)
         for entry, reason, _ in dead:
             self.dead_lettered[reason] += 1
             self._deferred.pop(entry.id, None)
         for eid in acks:
             self._deferred.pop(eid, None)
+
+    def _excerpt(self, raw: Mapping[Any, Any]) -> dict[Any, Any]:
+        """The entry's fields for its dead letter: at most ``DEAD_FIELDS_KEPT``, each at most
+        ``dead_field_bytes``; ``dead_cut`` names what was cut (field: original bytes)."""
+        out: dict[Any, Any] = {}
+        cut: dict[str, int] = {}
+        for index, (key, value) in enumerate(raw.items()):
+            data = value if isinstance(value, bytes) else str(value).encode(
+                "utf-8", "surrogatepass")
+            if index >= DEAD_FIELDS_KEPT:
+                cut[as_text(key)[:200]] = len(data)
+                continue
+            if len(data) > self.dead_field_bytes:
+                cut[as_text(key)[:200]] = len(data)
+                data = data[:self.dead_field_bytes]
+            out[key] = data
+        if cut:
+            out["dead_cut"] = json.dumps(cut, separators=(",", ":"))
+        return out
+
+    async def _trim(self) -> None:
+        """``XTRIM MINID`` below the lowest id some group of the stream still needs: its
+        first pending entry, or what it has not read yet (never an unacknowledged one)."""
+        self._untrimmed = False
+        self._next_trim = time.monotonic() + self.trim_every_s
+        floor: tuple[int, int] | None = None
+        for group in await self.redis.xinfo_groups(self.stream):
+            info = {as_text(k): v for k, v in dict(group).items()}
+            need = _stream_id(as_text(info.get("last-delivered-id", "0-0")))
+            if int(info.get("pending") or 0):
+                summary = await self.redis.xpending(self.stream, as_text(info["name"]))
+                first = summary.get("min") if isinstance(summary, Mapping) else summary[1]
+                if first is not None:
+                    need = min(need, _stream_id(as_text(first)))
+            floor = need if floor is None else min(floor, need)
+        if floor is not None and floor > (0, 0):
+            self.trimmed += int(await self.redis.xtrim(
+                self.stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
+
+
+def _stream_id(text: str) -> tuple[int, int]:
+    """``"ms-seq"`` as a pair that sorts as Redis orders ids."""
+    ms, _, seq = text.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return (0, 0)

@@ -1,7 +1,9 @@
 """Reward messages: the schema producers send, how they are signed, how they are sent.
 
-A producer ``XADD``s one entry per reward to ``fleet:rewards`` with one field,
-``message``: a JSON object with these names (``RewardMessage``)::
+A producer pushes one message per reward onto the inbox ``fleet:rewards:inbox``
+(``LPUSH``, a Redis list: its only right; the attacher moves each onto the
+``fleet:rewards`` stream, ``fleet.streams.inbox``, issue 25 item 2). The message
+is a JSON object with these names (``RewardMessage``)::
 
     execution_id  str    the finished execution the reward is for
     decision_id   str    a decision that execution recorded (ctx.decide)
@@ -42,6 +44,7 @@ import hmac
 import json
 import os
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,8 +60,9 @@ if TYPE_CHECKING:
     from fleet.config import FleetSettings
 
 __all__ = ["MAX_MESSAGE_BYTES", "REJECT_REASONS", "RewardKeyError", "RewardMessage",
-           "canonical_body", "sign_reward", "submit_reward", "submit_reward_from_settings",
-           "submit_reward_sync", "submit_rewards", "verify_reward"]
+           "canonical_body", "reward_id", "sign_reward", "submit_reward",
+           "submit_reward_from_settings", "submit_reward_sync", "submit_rewards",
+           "verify_reward"]
 
 MESSAGE_FIELD = "message"
 #: Why ``verify_reward`` refuses a message (``ValidationError.details["reason"]``).
@@ -214,30 +218,38 @@ def _signed(message: RewardMessage, key: str | bytes | None) -> RewardMessage:
     return message
 
 
-async def submit_reward(redis: aioredis.Redis, stream: str, message: RewardMessage,
+def reward_id(message: RewardMessage) -> str:
+    """How a sent reward is named (what ``submit_reward`` returns): its ``nonce``, else the
+    start of its signature. The attacher's dead letters carry the message, so either
+    finds it there."""
+    return message.nonce or (message.signature or "")[:32]
+
+
+async def submit_reward(redis: aioredis.Redis, inbox: str, message: RewardMessage,
                         key: str | bytes | None) -> str:
-    """Sign ``message`` with ``key`` (None: send it as already signed) and XADD it.
+    """Sign ``message`` with ``key`` (None: send it as already signed) and push it onto the
+    rewards ``inbox`` (``FLEET_REWARDS_INBOX``).
 
     Returns:
-        The stream entry id.
+        The reward's id (``reward_id``).
     """
-    entry = await redis.xadd(stream, {MESSAGE_FIELD: _signed(message, key).to_wire()})
-    return entry.decode() if isinstance(entry, bytes) else str(entry)
+    signed = _signed(message, key)
+    await redis.lpush(inbox, signed.to_wire())
+    return reward_id(signed)
 
 
-async def submit_rewards(redis: aioredis.Redis, stream: str,
+async def submit_rewards(redis: aioredis.Redis, inbox: str,
                          messages: Sequence[RewardMessage], key: str | bytes | None) -> list[str]:
     """``submit_reward`` for many, pipelined (a few round trips per thousand)."""
     ids: list[str] = []
     for start in range(0, len(messages), _BATCH):
-        pipe = redis.pipeline(transaction=False)
-        for message in messages[start:start + _BATCH]:
-            pipe.xadd(stream, {MESSAGE_FIELD: _signed(message, key).to_wire()})
-        ids.extend(e.decode() if isinstance(e, bytes) else str(e) for e in await pipe.execute())
+        signed = [_signed(message, key) for message in messages[start:start + _BATCH]]
+        await redis.lpush(inbox, *(m.to_wire() for m in signed))
+        ids.extend(reward_id(m) for m in signed)
     return ids
 
 
-def submit_reward_sync(redis: sync_redis.Redis, stream: str, message: RewardMessage,
+def submit_reward_sync(redis: sync_redis.Redis, inbox: str, message: RewardMessage,
                        key: str | bytes | None) -> str:
     """``submit_reward`` from synchronous code, on a synchronous client.
 
@@ -254,8 +266,9 @@ def submit_reward_sync(redis: sync_redis.Redis, stream: str, message: RewardMess
         raise ConfigurationError(
             "submit_reward_sync was called inside a running event loop; "
             "use `await submit_reward(...)` there")
-    entry = redis.xadd(stream, {MESSAGE_FIELD: _signed(message, key).to_wire()})
-    return entry.decode() if isinstance(entry, bytes) else str(entry)
+    signed = _signed(message, key)
+    redis.lpush(inbox, signed.to_wire())
+    return reward_id(signed)
 
 
 def submit_reward_from_settings(settings: FleetSettings, *, execution_id: str,
@@ -263,7 +276,7 @@ def submit_reward_from_settings(settings: FleetSettings, *, execution_id: str,
                                 score: float | None = None, success: bool | None = None,
                                 key_file: str | os.PathLike[str] | None = None,
                                 nonce: str | None = None) -> str:
-    """Build, sign and send one reward to ``settings.rewards_stream`` (``fleet reward submit``).
+    """Build, sign and send one reward to ``settings.rewards_inbox`` (``fleet reward submit``).
 
     Everything that can be refused is refused before anything is sent: no key
     for ``producer``, a reward the schema or the attacher would refuse.
@@ -275,7 +288,7 @@ def submit_reward_from_settings(settings: FleetSettings, *, execution_id: str,
             writes to ``.fleet/reward-keys.json``) to take the key from instead.
 
     Returns:
-        The stream entry id.
+        The reward's id: its nonce (one is made when none is given).
 
     Raises:
         RewardKeyError: the keys hold none for ``producer`` (the message names
@@ -300,7 +313,8 @@ def submit_reward_from_settings(settings: FleetSettings, *, execution_id: str,
     try:
         message = RewardMessage(execution_id=execution_id, decision_id=decision_id, key=key,
                                 score=score, success=success, producer=producer,
-                                sent_at=time.time_ns() // 1_000_000, nonce=nonce)
+                                sent_at=time.time_ns() // 1_000_000,
+                                nonce=nonce if nonce is not None else uuid.uuid4().hex)
     except PydanticValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "message"
@@ -320,6 +334,6 @@ def submit_reward_from_settings(settings: FleetSettings, *, execution_id: str,
     client = sync_redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5.0,
                                        socket_timeout=10.0)
     try:
-        return submit_reward_sync(client, settings.rewards_stream, signed, None)
+        return submit_reward_sync(client, settings.rewards_inbox, signed, None)
     finally:
         client.close()

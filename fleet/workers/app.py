@@ -31,8 +31,10 @@ from typing import Any
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import FleetCelery, producer_app
 from fleet.host.celery_api import current_app, is_prefork, process_index, signals
-from fleet.workers import shutdown
+from fleet.host.control import ControlAuth
+from fleet.workers import shutdown, stats
 from fleet.workers.bootstep import FleetStatsStep
+from fleet.workers.consuming import ConsumerWatch
 from fleet.workers.process import close_process, local_process, log, open_process, set_node_name
 from fleet.workers.tasks import register_tasks
 
@@ -54,7 +56,12 @@ def make_app(settings: FleetSettings, *, main: str = "fleet",
         It is the dispatcher's ``producer_app`` (broker, wire format, routes)
         with what a worker adds.
     """
-    app = producer_app(settings, main=main, result_backend=result_backend, consumes_tasks=True)
+    # Its remote control obeys only an operator's signed command (decision 0042); what
+    # it refused is counted where the consumer runs (control_refused).
+    control = ControlAuth.from_settings(settings, signs=False)
+    app = producer_app(settings, main=main, result_backend=result_backend, consumes_tasks=True,
+                       control_auth=control)
+    stats.register_stats_source("control", control.stats)
     app.conf.update(
         task_acks_late=True, task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
@@ -68,6 +75,7 @@ def make_app(settings: FleetSettings, *, main: str = "fleet",
     )
     app.conf.update(conf)
     app.steps["worker"].add(FleetStatsStep)
+    app.steps["consumer"].add(ConsumerWatch)
     register_tasks(app)
     _connect_process_hooks(app)
     return app
@@ -113,6 +121,10 @@ def _on_process_init(**_: Any) -> None:  # a prefork child, or the solo pool
     app = current_app()
     if app not in _apps:
         return
+    if process_index() is not None:
+        # A prefork child: the parent runs the consumer and counts what it refused; the
+        # child's copy of the counter would report 0 (issue 14: never a false zero).
+        stats.unregister_stats_source("control")
     open_process(app.fleet_settings, slot=process_index())
 
 

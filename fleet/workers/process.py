@@ -33,6 +33,8 @@ from typing import Any
 
 from fleet.assembly.roles import Role, open_worker
 from fleet.config import FleetSettings
+from fleet.dispatcher.signing import DispatchVerifier
+from fleet.host.keys import KeySource
 from fleet.host.loop import EventLoopThread
 from fleet.kernel.errors import (
     DuplicateSequenceError,
@@ -48,6 +50,7 @@ from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.spi import EventStore
 from fleet.services.base import Service, start_order
 from fleet.services.counters import PARKS_KEPT
+from fleet.services.health import consuming_problem
 from fleet.workers import shutdown, stats
 
 log = logging.getLogger("fleet.workers")
@@ -162,6 +165,12 @@ class WorkerProcess:
         # At most worker_drives runs at once in this process, however many drives the
         # messages it holds carry (a fleet.drives message carries several).
         self._slots: asyncio.Semaphore | None = None
+        #: Verifies this process's fleet.dispatch messages (its key file watched: one that
+        #: cannot be read accepts nothing, issue 25 item 4).
+        self.verifier = DispatchVerifier.from_settings(settings)
+        #: The operators' keys, watched for the report (the worker's consumer checks them).
+        self.control_keys = KeySource.of(settings.control_keys, settings.control_keys_file,
+                                         setting="FLEET_CONTROL_KEYS")
 
     @property
     def runtime(self) -> Runtime:
@@ -180,6 +189,7 @@ class WorkerProcess:
         board = stats.shared_board()
         if board is not None and self.slot is not None:
             self._base = board.read_row(self.slot)
+        stats.register_stats_source("dispatch", self.verifier.stats)
 
     async def _open(self) -> None:
         # The store, the runtime and the heartbeat: built as
@@ -390,10 +400,28 @@ class WorkerProcess:
             values[name] = values.get(name, 0) + self._base.get(name, 0)
         return {k: float(v) for k, v in values.items()}
 
+    def problems(self) -> list[str]:
+        """What makes this worker unhealthy now: it consumes no fleet queue (its consumer's
+        state, ``fleet.workers.consuming``), a key file that cannot be read."""
+        found: list[str] = []
+        idle = consuming_problem(self.settings)
+        if idle is not None:
+            found.append(idle)
+        for source in (self.verifier.keys, self.control_keys):
+            problem = source.check() if source is not None else None
+            if problem is not None:
+                found.append(problem)
+        return found
+
     def report(self) -> dict[str, Any]:
-        """What it reports to Redis: its totals, and its recent parks on an operator's gate
-        (the Fleet page's "worker" of a diverged execution)."""
-        return {**self.totals(), "parks": list(self.parks)}
+        """What it reports to Redis: its totals, its recent parks on an operator's gate
+        (the Fleet page's "worker" of a diverged execution) and its problems (red)."""
+        pool = self.settings.worker_pool
+        return {**self.totals(), "parks": list(self.parks), "problems": self.problems(),
+                # What `fleet status` shows without inspecting (remote control is the
+                # operator console's alone, decision 0042): Celery's names for the pool.
+                "pool": "thread" if pool == "threads" else pool,
+                "slots": self.settings.worker_drives if pool == "threads" else 1}
 
     def write_stats_row(self) -> None:
         """Write this child's totals to its row of the prefork stats table (if any)."""

@@ -23,8 +23,11 @@ def worker_argv(settings: FleetSettings, *, queues: Sequence[str] = (),
                 hostname: str | None = None, extra: Sequence[str] = ()) -> list[str]:
     """The ``celery worker`` arguments ``run_worker`` passes (queues default to the
     settings' queue)."""
+    # No mingle: it broadcasts on the control channel, which only the operator's
+    # console may publish on (decision 0042); what it syncs (revoked ids, the clock)
+    # fleet does not use.
     argv = ["worker", "--queues", ",".join(queues or [settings.queue]),
-            "--loglevel", loglevel]
+            "--loglevel", loglevel, "--without-mingle"]
     if concurrency is not None:
         argv += ["--concurrency", str(concurrency)]
     if hostname:

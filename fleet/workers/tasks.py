@@ -43,11 +43,9 @@ from typing import Any
 from fleet.dispatcher.dispatcher import Dispatcher
 from fleet.dispatcher.remote import handle_dispatch
 from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK, DRIVES_TASK
-from fleet.dispatcher.signing import DispatchVerifier
 from fleet.host.celery_api import get_exponential_backoff_interval
 from fleet.kernel.errors import StoreUnavailableError
 from fleet.workers.process import HANDED_BACK, REFUSED, DriveResult, open_process
-from fleet.workers.stats import register_stats_source
 
 log = logging.getLogger("fleet.workers")
 
@@ -89,17 +87,12 @@ def register_tasks(app: Any) -> None:
         return [f"{execution_id}: {describe_result(outcome)}"
                 for execution_id, outcome in zip(ids, outcomes, strict=True)]
 
-    verifiers: list[DispatchVerifier] = []  # one per process, made at the first message
-
     def dispatch(*args: Any, **kwargs: Any) -> dict[str, Any]:
         process = open_process(app.fleet_settings)
-        if not verifiers:
-            verifier = DispatchVerifier.from_settings(app.fleet_settings)
-            register_stats_source("dispatch", verifier.stats)
-            verifiers.append(verifier)
         dispatcher = Dispatcher(runtime=process.runtime, app=app)
+        # The process's verifier: its key file watched (unreadable: nothing accepted).
         return handle_dispatch(dispatcher, process.loop.run_coroutine, args, kwargs,
-                               verifiers[0])
+                               process.verifier)
 
     # A store outage is retried a few times (short countdowns, far below the
     # Redis visibility timeout); after that the recovery sweeper re-drives it.

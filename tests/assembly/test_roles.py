@@ -62,8 +62,9 @@ async def test_every_service_role_is_built_from_the_same_settings(tmp_path: Path
         runtime = role.require_runtime()
         assert runtime.on_durable_event is None
         if name == "attacher":
-            # Only the attacher's runtime lets a producer annotate (decision 0011).
-            assert runtime.access_policy.rule_for("annotate") == "any"
+            # Only the attacher's runtime lets a producer annotate (decision 0011), within
+            # its tenants: scoping is the default (issue 25 item 13).
+            assert runtime.access_policy.rule_for("annotate") == "tenant"
             assert role.dispatcher is None
         else:
             assert runtime.access_policy.rule_for("annotate") == "owner"

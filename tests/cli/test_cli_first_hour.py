@@ -318,9 +318,9 @@ def test_outcome_attach_and_reward_submit_take_the_same_success_flags(
     assert both.exit_code == 2
     assert "give --success or --failure, not both" in both.stderr
 
-    stream = prefix() + "rewards"
+    inbox = prefix() + "rewards:inbox"  # where producers send (issue 25 item 2)
     monkeypatch.setenv("FLEET_REDIS_URL", server_url())
-    monkeypatch.setenv("FLEET_REWARDS_STREAM", stream)
+    monkeypatch.setenv("FLEET_REWARDS_INBOX", inbox)
     monkeypatch.setenv("FLEET_REWARD_KEYS", '{"p1": "secret"}')
     client = redis.Redis.from_url(server_url(), decode_responses=True)
     try:
@@ -328,11 +328,12 @@ def test_outcome_attach_and_reward_submit_take_the_same_success_flags(
             result = invoke("reward", "submit", "--execution", eid, "--decision", "reply_style",
                             "--key", f"csat:{flag}", "--producer", "p1", flag, "--json")
             assert result.exit_code == 0, result.output
-            entry = json.loads(result.stdout)["entry"]
-            [(_, fields)] = client.xrange(stream, entry, entry)
-            assert json.dumps(expected) in json.dumps(fields), fields
+            entry = json.loads(result.stdout)["entry"]  # the reward's nonce
+            sent = json.loads(client.lindex(inbox, 0))
+            assert sent["nonce"] == entry
+            assert sent["success"] is expected
     finally:
-        client.delete(stream)
+        client.delete(inbox)
         client.close()
 
 

@@ -356,8 +356,8 @@ def test_worker_takes_the_manifest_arguments_and_passes_the_rest_to_celery(
 
     settings = FleetSettings()
     assert worker_argv(settings, concurrency=8, hostname="n@h", extra=["-E"]) == [
-        "worker", "--queues", "cli-unit", "--loglevel", "INFO", "--concurrency", "8",
-        "--hostname", "n@h", "-E"]
+        "worker", "--queues", "cli-unit", "--loglevel", "INFO", "--without-mingle",
+        "--concurrency", "8", "--hostname", "n@h", "-E"]
     assert worker_settings(settings, concurrency=8).worker_drives == 8
     prefork = worker_settings(settings, pool="prefork", concurrency=4)
     assert (prefork.worker_pool, prefork.worker_drives) == ("prefork", settings.worker_drives)

@@ -141,11 +141,13 @@ def test_the_queues_and_streams_the_manifests_name_are_the_ones_the_acl_grants(
     data = configmap_data(render(overlay))
     settings = FleetSettings(**{k[len("FLEET_"):].lower(): v for k, v in data.items()
                                 if k in ("FLEET_QUEUE", "FLEET_EVENTS_STREAM",
-                                         "FLEET_REWARDS_STREAM", "FLEET_REWARDS_DEAD")})
+                                         "FLEET_REWARDS_STREAM", "FLEET_REWARDS_DEAD",
+                                         "FLEET_REWARDS_INBOX")})
     queues = {settings.queue, *json.loads(data.get("FLEET_ROUTES", "{}")).values()}
     assert all(re.fullmatch(r"fleet\.[^:]+", q) for q in queues), queues
     template = TEMPLATE.read_text()
-    for stream in (settings.events_stream, settings.rewards_stream, settings.rewards_dead):
+    for stream in (settings.events_stream, settings.rewards_stream, settings.rewards_dead,
+                   settings.rewards_inbox):
         assert f"~{stream} " in template, stream
     # kombu names the control channels after the database: the ACL's is 0.
     assert "&/0.celery.pidbox" in template
@@ -228,15 +230,14 @@ ALLOWED: dict[str, list[Command]] = {
         ("ZADD", "unacked_index", "1", "t"), ("ZRANGE", "unacked_index", "0", "-1"),
         ("ZREM", "unacked_index", "t"), ("SET", "unacked_mutex", "x", "NX", "PX", "1000"),
         ("DEL", "unacked_mutex"), ("LPUSH", "t1.reply.celery.pidbox", "r"),
-        ("LLEN", "w@h.celery.pidbox"), ("SMEMBERS", "_kombu.binding.reply.celery.pidbox"),
+        ("LLEN", "w@h.celery.pidbox"), ("DEL", "w@h.celery.pidbox"),
+        ("SMEMBERS", "_kombu.binding.reply.celery.pidbox"),
+        ("SADD", "_kombu.binding.celery.pidbox", "b"),
         ("ZRANGEBYSCORE", "_kombu.binding_deadlines", "-inf", "0"),
-        ("PUBLISH", "/0.celery.pidbox", "c"), ("PUBLISH", "/0.celeryev/worker.heartbeat", "e"),
-        ("TIME",)],
+        ("PUBLISH", "/0.celeryev/worker.heartbeat", "e"), ("TIME",)],
     "client": [
         ("LPUSH", Q, "m"), ("LLEN", Q), ("SADD", "_kombu.binding.fleet.drive", "b"),
-        ("SMEMBERS", "_kombu.binding.fleet.drive"), ("PUBLISH", "/0.celery.pidbox", "c"),
-        ("BRPOP", "t2.reply.celery.pidbox", "t2.reply.celery.pidbox\x06\x163", "0.01"),
-        ("DEL", "t2.reply.celery.pidbox"), ("SADD", "_kombu.binding.reply.celery.pidbox", "b")],
+        ("SMEMBERS", "_kombu.binding.fleet.drive")],
     "timers": [("LPUSH", Q, "m"), ("LLEN", Q), ("SADD", "_kombu.binding.fleet.drive", "b"),
                ("SMEMBERS", "_kombu.binding.fleet.drive")],
     "recovery": [("LPUSH", QP, "m"), ("LLEN", QP), ("SADD", "_kombu.binding.fleet.x", "b")],
@@ -246,7 +247,12 @@ ALLOWED: dict[str, list[Command]] = {
         ("XPENDING", "fleet:rewards", "g"), ("XPENDING", "fleet:rewards", "g", "-", "+", "1"),
         ("XAUTOCLAIM", "fleet:rewards", "g", "c", "0", "0-0"),
         ("XACK", "fleet:rewards", "g", "1-1"),
-        ("XADD", "fleet:rewards:dead", "*", "f", "v")],
+        ("XADD", "fleet:rewards:dead", "*", "f", "v"),
+        # Issue 25 item 2: it moves the inbox onto the stream and trims what was acked.
+        ("LINDEX", "fleet:rewards:inbox", "-1"), ("RPOP", "fleet:rewards:inbox"),
+        ("LLEN", "fleet:rewards:inbox"), ("XADD", "fleet:rewards", "*", "message", "m"),
+        ("XINFO", "GROUPS", "fleet:rewards"), ("XTRIM", "fleet:rewards", "MINID", "1-0"),
+        ("SCRIPT", "EXISTS", "0" * 40)],
     # The relay's publishing script runs XADD; its own EVALSHA is in
     # test_the_relay_and_a_reader_work_on_their_users.
     "relay": [("PING",), ("XADD", "fleet:events", "MAXLEN", "~", "100", "*", "f", "v"),
@@ -254,7 +260,13 @@ ALLOWED: dict[str, list[Command]] = {
               ("HSET", "fleet:events:relay", "published", "1"),
               ("PEXPIRE", "fleet:events:relay", "10000"), ("EXEC",),
               ("SCRIPT", "EXISTS", "0" * 40)],
+    # Issue 25 item 11: the reader reads, and nothing else.
     "reader": [
+        ("XREAD", "COUNT", "1", "STREAMS", "fleet:events", "0"),
+        ("XRANGE", "fleet:events", "-", "+"), ("XREVRANGE", "fleet:events", "+", "-", "COUNT", "1"),
+        ("XLEN", "fleet:events"), ("XINFO", "STREAM", "fleet:events"),
+        ("XINFO", "GROUPS", "fleet:events"), ("HGETALL", "fleet:events:relay")],
+    "consumer": [
         ("XGROUP", "CREATE", "fleet:events", "g", "0", "MKSTREAM"),
         ("XREAD", "COUNT", "1", "STREAMS", "fleet:events", "0"),
         ("XRANGE", "fleet:events", "-", "+"), ("XREVRANGE", "fleet:events", "+", "-", "COUNT", "1"),
@@ -265,7 +277,7 @@ ALLOWED: dict[str, list[Command]] = {
         ("XACK", "fleet:events", "g", "1-1"), ("XADD", "fleet:events:dead", "*", "f", "v"),
         ("HGETALL", "fleet:events:relay"), ("SET", "fleet:events:checkpoint:g", "1-0"),
         ("GET", "fleet:events:checkpoint:g")],
-    "producer": [("XADD", "fleet:rewards", "*", "f", "v")],
+    "producer": [("LPUSH", "fleet:rewards:inbox", "m")],
     "flower": [
         ("LLEN", Q), ("LLEN", QP), ("PUBLISH", "/0.celery.pidbox", "c"),
         ("BRPOP", "t3.reply.celery.pidbox", "0.01"), ("LLEN", "celeryev.x"),
@@ -307,7 +319,8 @@ EVENTS_READ = [("XRANGE", "fleet:events", "-", "+"), ("XREAD", "STREAMS", "fleet
 EVENTS = [("XADD", "fleet:events", "*", "f", "v"), *EVENTS_READ]
 REWARDS = [("XADD", "fleet:rewards", "*", "f", "v"), ("XRANGE", "fleet:rewards", "-", "+"),
            ("XDEL", "fleet:rewards", "1-1"), ("XGROUP", "DESTROY", "fleet:rewards", "g"),
-           ("XADD", "fleet:rewards:dead", "*", "f", "v"), ("DEL", "fleet:rewards")]
+           ("XADD", "fleet:rewards:dead", "*", "f", "v"), ("DEL", "fleet:rewards"),
+           ("LPUSH", "fleet:rewards:inbox", "m"), ("RPOP", "fleet:rewards:inbox")]
 FORGE_EVENT = [("PUBLISH", "/0.celeryev/task.multi", "e")]
 COMMAND_WORKERS = [("PUBLISH", "/0.celery.pidbox", "shutdown")]
 FORGE_REPLY = [("LPUSH", "t4.reply.celery.pidbox", "r"), ("LPUSH", "w@h.celery.pidbox", "c")]
@@ -316,34 +329,64 @@ FORGE_STATS = [("HSET", "fleet:stats:timers:n1", "at", "1"), ("DEL", "fleet:stat
                ("HSET", "fleet:stats:relay:n1", "at", "1")]
 DENIED: dict[str, list[Command]] = {
     "default": [("LLEN", Q), *DISPATCH, *STEAL, *EVENTS, *REWARDS, *COMMAND_WORKERS],
+    # Issue 25 item 1 (decision 0042): no worker may command the others, and the
+    # dispatchers' user has no part in remote control at all.
     "worker": [("DEL", Q), ("LRANGE", Q, "0", "-1"), ("LPUSH", "celery", "m"),
                ("HGETALL", "unacked"), *EVENTS, *FORGE_STATS,
                ("XTRIM", "fleet:events", "MAXLEN", "0"), ("DEL", "fleet:events"), *REWARDS,
-               ("PUBLISH", "/1.celery.pidbox", "c")],
+               ("PUBLISH", "/1.celery.pidbox", "c"), *COMMAND_WORKERS,
+               ("SREM", "_kombu.binding.fleet.drive", "fleet.drive"),
+               ("BRPOP", "t1.reply.celery.pidbox", "0.01"), ("LPUSH", "w@h.celery.pidbox", "c")],
     "client": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *FORGE_REPLY, *FORGE_STATS,
-               ("LPUSH", "celery", "m")],
+               ("LPUSH", "celery", "m"), *COMMAND_WORKERS,
+               ("BRPOP", "t2.reply.celery.pidbox", "0.01"),
+               ("SADD", "_kombu.binding.reply.celery.pidbox", "b"),
+               ("SMEMBERS", "_kombu.binding.reply.celery.pidbox")],
     "timers": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *COMMAND_WORKERS,
                *FORGE_REPLY],
     "recovery": [*STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *COMMAND_WORKERS,
                  *FORGE_REPLY],
     "attacher": [("LLEN", Q), *DISPATCH, *STEAL, *UNACKED, *EVENTS, *COMMAND_WORKERS,
-                 ("XADD", "fleet:rewards", "*", "f", "v"),
                  ("XRANGE", "fleet:rewards:dead", "-", "+"), ("DEL", "fleet:rewards"),
                  ("XGROUP", "DESTROY", "fleet:rewards", "g"),
-                 ("XTRIM", "fleet:rewards", "MAXLEN", "0")],
+                 ("LPUSH", "fleet:rewards:inbox", "m"), ("DEL", "fleet:rewards:inbox"),
+                 ("LRANGE", "fleet:rewards:inbox", "0", "-1")],
     "relay": [("LLEN", Q), *DISPATCH, *STEAL, *UNACKED, *EVENTS_READ, *REWARDS,
               *FORGE_EVENT, *COMMAND_WORKERS, ("XGROUP", "CREATE", "fleet:events", "g2", "$"),
               ("HGETALL", "fleet:events:relay"), ("DEL", "fleet:events:relay"),
               ("XADD", "fleet:eventsX", "*", "f", "v")],
     "reader": [("LLEN", Q), *DISPATCH, *STEAL, *UNACKED, *REWARDS, *FORGE_EVENT,
                *COMMAND_WORKERS, ("XADD", "fleet:events", "*", "f", "v"),
+               ("XGROUP", "CREATE", "fleet:events", "g9", "0", "MKSTREAM"),
+               ("XREADGROUP", "GROUP", "g", "c", "COUNT", "1", "STREAMS", "fleet:events", ">"),
+               ("XACK", "fleet:events", "g", "1-1"), ("XAUTOCLAIM", "fleet:events", "g", "c",
+                                                      "0", "0-0"),
+               ("XPENDING", "fleet:events", "g"), ("XADD", "fleet:events:dead", "*", "f", "v"),
+               ("SET", "fleet:events:checkpoint:g", "9-0"),
+               ("GET", "fleet:events:checkpoint:g"), ("SCRIPT", "LOAD", "return 1"),
                ("XTRIM", "fleet:events", "MAXLEN", "0"), ("XDEL", "fleet:events", "1-1"),
                ("DEL", "fleet:events"), ("XGROUP", "DESTROY", "fleet:events", "g"),
                ("XSETID", "fleet:events", "99999999-0"), ("HSET", "fleet:events:relay", "x", "1"),
                ("SET", "fleet:events:relayx", "1")],
+    "consumer": [("LLEN", Q), *DISPATCH, *STEAL, *UNACKED, *REWARDS, *FORGE_EVENT,
+               *COMMAND_WORKERS, ("XADD", "fleet:events", "*", "f", "v"),
+               ("XTRIM", "fleet:events", "MAXLEN", "0"), ("XDEL", "fleet:events", "1-1"),
+               ("DEL", "fleet:events"), ("XGROUP", "DESTROY", "fleet:events", "g"),
+               ("XSETID", "fleet:events", "99999999-0"), ("HSET", "fleet:events:relay", "x", "1"),
+               ("SET", "fleet:events:relayx", "1")],
+    # Issue 25 item 2: a producer can neither wipe nor jam the rewards: no XADD on the
+    # stream (MAXLEN 0, the largest id), and on its inbox nothing that removes or reads.
     "producer": [("LLEN", Q), *DISPATCH, *STEAL, *EVENTS, ("XRANGE", "fleet:rewards", "-", "+"),
                  ("XREADGROUP", "GROUP", "g", "c", "STREAMS", "fleet:rewards", ">"),
-                 ("XADD", "fleet:rewards:dead", "*", "f", "v"), ("DEL", "fleet:rewards")],
+                 ("XADD", "fleet:rewards:dead", "*", "f", "v"), ("DEL", "fleet:rewards"),
+                 ("XADD", "fleet:rewards", "*", "f", "v"),
+                 ("XADD", "fleet:rewards", "MAXLEN", "0", "*", "f", "v"),
+                 ("XADD", "fleet:rewards", "18446744073709551615-18446744073709551615", "f",
+                  "v"), ("XTRIM", "fleet:rewards", "MAXLEN", "0"),
+                 ("RPOP", "fleet:rewards:inbox"), ("LTRIM", "fleet:rewards:inbox", "1", "0"),
+                 ("LRANGE", "fleet:rewards:inbox", "0", "-1"), ("DEL", "fleet:rewards:inbox"),
+                 ("RPUSH", "fleet:rewards:inbox", "m"), ("LSET", "fleet:rewards:inbox", "0", "m"),
+                 ("FCALL", "anything", "1", "fleet:rewards")],
     "flower": [*DISPATCH, *STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *FORGE_REPLY,
                *FORGE_STATS,
                ("SMEMBERS", "_kombu.binding.fleet.drive")],
@@ -355,6 +398,7 @@ LISTEN_ALLOWED = {"worker": ["/0.celery.pidbox", "/0.celeryev/worker.*"],
 LISTEN_DENIED = {"worker": ["/0.celeryev/*"], "client": ["/0.celeryev/*", "/0.celery.pidbox"],
                  "timers": ["/0.celery.pidbox"], "attacher": ["/0.celeryev/*"],
                  "relay": ["/0.celery.pidbox"], "reader": ["/0.celeryev/*"],
+                 "consumer": ["/0.celeryev/*"],
                  "flower": ["/0.celery.pidbox", "/0.celeryev/worker.*"], "keda": ["*"],
                  "default": ["/0.celery.pidbox"]}
 
@@ -440,7 +484,7 @@ def test_each_user_is_refused_everything_else(server: PrivateRedis, user: str) -
     ("worker", "redis.call('XADD', 'fleet:rewards', '*', 'f', 'v')"),
     ("timers", "redis.call('LPUSH', 'fleet.drive', 'x')"),
     ("relay", "redis.call('XTRIM', 'fleet:events', 'MAXLEN', '0')"),
-    ("reader", "redis.call('XADD', 'fleet:events', '*', 'f', 'v')"),
+    ("consumer", "redis.call('XADD', 'fleet:events', '*', 'f', 'v')"),
 ])
 def test_a_lua_script_cannot_do_what_its_user_may_not(server: PrivateRedis, user: str,
                                                       inside: str) -> None:
@@ -449,13 +493,13 @@ def test_a_lua_script_cannot_do_what_its_user_may_not(server: PrivateRedis, user
     client = server.client(user)
     length = server.admin.llen(Q)
     try:
-        if user == "timers":  # no script at all: timers run none of kombu's
+        if user in ("timers", "client"):  # no script at all: they run none of kombu's
             with pytest.raises(redis.exceptions.NoPermissionError):
                 client.script_load(inside)
             return
         sha = client.script_load(inside)
         key = {"worker": "unacked_mutex", "relay": "fleet:events",
-               "reader": "fleet:events:checkpoint:x"}.get(user, "_kombu.binding_deadlines")
+               "consumer": "fleet:events:checkpoint:x"}.get(user, "_kombu.binding_deadlines")
         refused = r"(?i)user executing the script can't|no permissions|NOPERM"
         with pytest.raises(redis.ResponseError, match=refused):
             client.evalsha(sha, 1, key)
@@ -536,19 +580,16 @@ def test_kombu_ack_emulation_works_as_the_worker_user(server: PrivateRedis) -> N
     assert server.admin.llen("fleet.restore") == 0
 
 
-@pytest.mark.parametrize("user", ["flower", "client"])
-def test_a_monitor_inspects_without_touching_unacked_messages(server: PrivateRedis,
-                                                             user: str) -> None:
-    """Flower and ``fleet status`` consume reply queues; kombu's ack emulation
-    would have them take the restore lock and move other consumers' abandoned
-    messages. Their apps (Flower's ``flower_app``, the status reader's
-    ``broker_app``) leave it to the workers, so their users need no access to
+def test_a_monitor_inspects_without_touching_unacked_messages(server: PrivateRedis) -> None:
+    """Flower consumes reply queues; kombu's ack emulation would have it take the
+    restore lock and move other consumers' abandoned messages. Its app
+    (``flower_app``) leaves that to the workers, so its user needs no access to
     ``unacked*``; an app that takes part in it fails on that user."""
+    user = "flower"
     server.admin.hset("unacked", "abandoned", '[{"body": "x"}, "fleet.drive", "fleet.drive"]')
     server.admin.zadd("unacked_index", {"abandoned": 1.0})  # long past any visibility timeout
     before = server.admin.llen(Q)
-    monitor = (flower_app(_settings(server.url(user))) if user == "flower"
-               else broker_app("fleet-status", server.url(user)))
+    monitor = flower_app(_settings(server.url(user)))
     try:
         assert monitor.control.inspect(timeout=0.5).stats() is None  # no worker answers
     finally:
@@ -570,14 +611,43 @@ def test_a_monitor_inspects_without_touching_unacked_messages(server: PrivateRed
     server.admin.delete("unacked", "unacked_index")
 
 
+@pytest.mark.parametrize("user", ["client", "worker", "timers", "producer", "default"])
+def test_only_the_operators_console_may_broadcast_a_control_command(
+        server: PrivateRedis, user: str) -> None:
+    """Issue 25 item 1: Celery's own broadcast (``shutdown``, ``cancel_consumer``, even
+    ``inspect stats``) on any user but flower's is refused by Redis at the PUBLISH,
+    recorded in ACL LOG; flower's user may (and the workers judge its signature)."""
+    server.reset_denials()
+    app = broker_app("attacker", server.url(user), broker_connection_retry=False)
+    try:
+        for command in ("shutdown", "cancel_consumer"):
+            with pytest.raises((redis.exceptions.NoPermissionError, OperationalError),
+                               match=r"(?i)no permissions|noperm"):
+                app.control.broadcast(command, arguments={"queue": Q}, reply=False)
+        with pytest.raises((redis.exceptions.NoPermissionError, OperationalError),
+                           match=r"(?i)no permissions|noperm"):
+            app.control.inspect(timeout=0.2).stats()
+    finally:
+        app.close()
+    refused = [e for e in server.denials() if e["username"] == user]
+    assert refused, server.denials()
+    console = broker_app("console", server.url("flower"))
+    try:
+        console.control.broadcast("ping", reply=False)  # the console may publish
+    finally:
+        console.close()
+
+
 # -- the events stream on its users ----------------------------------------------------------
 
 
-async def test_the_relay_and_a_reader_work_on_their_users(server: PrivateRedis,
-                                                         tmp_path: Path) -> None:
+async def test_the_relay_a_consumer_and_a_reader_work_on_their_users(
+        server: PrivateRedis, tmp_path: Path) -> None:
     """The relay publishes (its script, its XINFO, its counters) as ``relay``; an
-    EventStreamConsumer with a RedisCheckpoint and ``fleet events status``'s reads work
-    as ``reader``; Redis refuses none of it; the reader cannot add an event."""
+    EventStreamConsumer with a RedisCheckpoint works as ``consumer``; ``fleet events``'s
+    reads (XREAD, XINFO, the relay's counters) as ``reader``. Redis refuses none of it;
+    neither can add an event, and the reader cannot even start a consumer group
+    (issue 25 item 11: reading is all it may do)."""
     import asyncio
 
     import redis.asyncio as aioredis
@@ -593,6 +663,7 @@ async def test_the_relay_and_a_reader_work_on_their_users(server: PrivateRedis,
     server.reset_denials()
     store = SqliteEventStore(tmp_path / "acl.db")
     relay_client = aioredis.Redis.from_url(server.url("relay"))
+    consumer_client = aioredis.Redis.from_url(server.url("consumer"))
     reader_client = aioredis.Redis.from_url(server.url("reader"))
     seen: list[str] = []
 
@@ -600,8 +671,8 @@ async def test_the_relay_and_a_reader_work_on_their_users(server: PrivateRedis,
         seen.append(committed.event.id)
 
     relay = EventRelay(store, relay_client, stream=stream, poll_s=0.02)
-    consumer = EventStreamConsumer(reader_client, handle, stream=stream, group="acl",
-                                   checkpoint=RedisCheckpoint(reader_client,
+    consumer = EventStreamConsumer(consumer_client, handle, stream=stream, group="acl",
+                                   checkpoint=RedisCheckpoint(consumer_client,
                                                               "fleet:events:checkpoint:acl"),
                                    store=store, block_ms=50)
     try:
@@ -617,18 +688,28 @@ async def test_the_relay_and_a_reader_work_on_their_users(server: PrivateRedis,
         assert seen == ["a-0", "a-1", "a-2"]
         bounds = await stream_bounds(reader_client, stream)
         assert bounds.first is not None
+        assert len(await reader_client.xread({stream: "0"})) == 1
+        assert [g["name"] for g in await reader_client.xinfo_groups(stream)] == [b"acl"]
         assert (await reader_client.hgetall("fleet:events:relay"))[b"published"] == b"3"
+        for client in (consumer_client, reader_client):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await client.xadd(stream, {"f": "v"})
         with pytest.raises(redis.exceptions.NoPermissionError):
-            await reader_client.xadd(stream, {"f": "v"})
+            await reader_client.xgroup_create(stream, "mine", id="0")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await reader_client.set("fleet:events:checkpoint:acl", "0-0")
     finally:
         await consumer.stop()
         await relay.stop()
-        await relay_client.aclose()
-        await reader_client.aclose()
+        for client in (relay_client, consumer_client, reader_client):
+            await client.aclose()
         await store.close()
+    assert await asyncio.to_thread(server.admin.get, "fleet:events:checkpoint:acl") \
+        != b"0-0"  # the reader moved no one's position
     # (Valkey knows CLIENT SETINFO, which redis-py sends on connect and shrugs off
     # when refused; Redis 7.0 does not have it.)
-    denied = [e for e in server.denials() if e["username"] in ("relay", "reader")
+    denied = [e for e in server.denials() if e["username"] in ("relay", "consumer", "reader")
               and e["object"] != "client|setinfo"]
-    assert [(e["username"], e["reason"], e["object"]) for e in denied] == [
-        ("reader", "key", "fleet:events")], denied  # the forged XADD, nothing else
+    assert sorted((e["username"], e["reason"], e["object"]) for e in denied) == [
+        ("consumer", "key", "fleet:events"), ("reader", "command", "set"),
+        ("reader", "command", "xadd"), ("reader", "command", "xgroup|create")], denied

@@ -19,6 +19,7 @@ from fleet.dispatcher.signing import (
     REFUSALS,
     DispatchRefusedError,
     DispatchVerifier,
+    KeyRingUnavailableError,
     canonical_dispatch_body,
     sign_dispatch,
 )
@@ -160,8 +161,8 @@ def test_key_rings_refuse_what_would_be_unsafe_and_say_so(tmp_path: Path) -> Non
         KeyRing.loads("{nope")
     with pytest.raises(ConfigurationError, match="not both"):
         KeySource(RING, tmp_path / "keys.json")
-    with pytest.raises(ConfigurationError, match="cannot read"):
-        KeySource(None, tmp_path / "missing.json")
+    with pytest.raises(ConfigurationError, match="must be a JSON object"):
+        KeySource(["not", "a", "ring"])  # a setting's value cannot change: refused at start
 
 
 def test_a_key_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
@@ -175,9 +176,63 @@ def test_a_key_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
     path.write_text(json.dumps({"web-1": RING["web-1"], "web-2": RING["web-2"]}))
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 1_000_000))
     assert check.authenticate(new) is not None  # rotated in without a restart
-    path.write_text("{half a file")
-    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2_000_000))
-    assert check.authenticate(new) is not None  # a broken file keeps the last good ring
+    assert source.problem is None
+
+
+def _touch(path: Path, step_ms: int) -> None:
+    """A new mtime, so the source sees a change even within one clock tick."""
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + step_ms * 1_000_000))
+
+
+@pytest.mark.parametrize("breakage", ["garbled", "deleted", "unreadable", "not a ring",
+                                      "nested too deeply", "not UTF-8"])
+def test_a_key_file_that_cannot_be_read_accepts_nothing(
+        tmp_path: Path, breakage: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 25 item 4: revocation fails closed. Once the file no longer reads as a ring,
+    the keys it held verify nothing (not the last good ring), unsigned messages are
+    refused too, the refusal is retryable and says why, the error is logged once; a
+    good file restores the ring without a restart."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(RING))
+    source = KeySource(None, path, check_every_s=0)
+    check = DispatchVerifier(source, allow_unsigned=True)
+    good = sign_dispatch(CANCEL, key_id="web-1", secret=SECRET)
+    assert check.authenticate(good) is not None
+    assert check.authenticate(dict(CANCEL)) is None  # unsigned, allowed: the ring reads
+    if breakage == "garbled":
+        path.write_text("{half a file")
+    elif breakage == "deleted":
+        path.unlink()
+    elif breakage == "unreadable":
+        path.unlink()
+        path.mkdir()  # read_text on a directory: IsADirectoryError, as root can read any file
+    elif breakage == "not a ring":
+        path.write_text(json.dumps({"web-1": {"client": "web", "secret": "short"}}))
+    elif breakage == "nested too deeply":
+        path.write_text("[" * 10_000 + "]" * 10_000)
+    else:
+        path.write_bytes(b'{"web-1": "\xff\xfe"}')
+    if path.is_file():
+        _touch(path, 5)
+    caplog.clear()
+    for message in (good, dict(CANCEL), good):
+        with pytest.raises(KeyRingUnavailableError, match=r"refused \(no_key_ring\)") as got:
+            check.authenticate(message)
+        assert got.value.retryable
+        assert "no key is accepted until it is fixed" in got.value.message
+    assert source.ring() is None
+    assert source.problem is not None
+    assert str(path) in source.problem
+    assert check.problem() == source.problem
+    errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name == "fleet.keys"]
+    assert len(errors) == 1, errors  # logged once, not once per message
+    if path.is_dir():
+        path.rmdir()
+    path.write_text(json.dumps(RING))
+    _touch(path, 10)
+    assert check.authenticate(good) is not None  # fixed: accepted again, no restart
+    assert source.problem is None
+    assert check.problem() is None
 
 
 def _nested(depth: int) -> list[Any]:
@@ -219,15 +274,22 @@ def test_a_message_nested_too_deeply_is_refused_never_raised() -> None:
     assert check.refused["malformed"] == 1
 
 
-def test_a_key_file_nested_too_deeply_keeps_the_last_ring(tmp_path: Path) -> None:
-    """A ring file that json.loads cannot nest (RecursionError) is a ConfigurationError
-    at start, and a re-read keeps the last good ring, like any broken file."""
+def test_a_key_file_broken_at_start_accepts_nothing_until_it_is_fixed(tmp_path: Path) -> None:
+    """A ring file that cannot be read when the worker starts (missing, nested too deeply
+    for json.loads) does not stop the process (it still drives executions): it accepts
+    no key, and says why."""
     path = tmp_path / "ring.json"
+    missing = KeySource(path=path)
+    assert missing.ring() is None
+    assert missing.problem is not None
+    assert "cannot read" in missing.problem
     path.write_text("[" * 10_000 + "]" * 10_000)
-    with pytest.raises(ConfigurationError, match="is not JSON"):
-        KeySource(path=path)
+    deep = KeySource(path=path, check_every_s=0)
+    assert deep.ring() is None
+    assert deep.problem is not None
+    assert "is not JSON" in deep.problem
     path.write_text(json.dumps(RING))
-    source = KeySource(path=path, check_every_s=0)
-    path.write_text("[" * 10_000 + "]" * 10_001)
-    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
-    assert source.ring().ids() == sorted(RING)
+    _touch(path, 1000)
+    ring = deep.ring()
+    assert ring is not None
+    assert ring.ids() == sorted(RING)

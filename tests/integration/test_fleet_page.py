@@ -434,7 +434,9 @@ def test_a_diverged_run_is_listed_with_its_reason_and_retry_reparks_until_fixed(
 
 def test_retry_on_the_page_needs_the_operator_role_and_the_xsrf_token(
         fleet: Fleet, tmp_path: Path) -> None:
-    base = fleet.start_flower("flower-auth", FLOWER_BASIC_AUTH="ops:pw1,viewer:pw2")
+    # viewer: no role, reads every tenant (FLEET_FLOWER_TENANTS; issue 25 item 11).
+    base = fleet.start_flower("flower-auth", FLOWER_BASIC_AUTH="ops:pw1,viewer:pw2",
+                              FLEET_FLOWER_TENANTS=json.dumps({"viewer": ["*"]}))
     eid, _ = diverge(fleet, tmp_path)
     count = len(fleet.store.read(eid))
     viewer = Browser(base, "viewer:pw2")
@@ -600,9 +602,11 @@ def test_a_stopped_service_turns_stale_with_its_last_values(fleet: Fleet) -> Non
 def test_chromium_renders_the_fleet_page_with_a_diverged_execution(
         fleet: Fleet, tmp_path: Path) -> None:
     eid, _ = diverge(fleet, tmp_path)
-    # A Flower where everyone it lets in is an operator: the Retry button shows.
-    base = fleet.start_flower("flower-shot", "--unauthenticated", FLEET_OPERATORS="*")
-    url = f"{base}/fleet"
+    # A Flower where everyone it lets in is an operator: the Retry button shows. (An
+    # open Flower has no operator, whatever FLEET_OPERATORS says: issue 25 item 5.)
+    base = fleet.start_flower("flower-shot", FLOWER_BASIC_AUTH="shot:pw-shot",
+                              FLEET_OPERATORS="*")
+    url = base.replace("http://", "http://shot:pw-shot@") + "/fleet"
     dom = chromium("--dump-dom", url)
     assert dom.returncode == 0, dom.stderr.decode(errors="replace")[-2000:]
     html = dom.stdout.decode()

@@ -374,7 +374,8 @@ def test_flower_serves_only_behind_authentication(fleet: Fleet) -> None:
     refused = fleet.cli("flower", "--port", str(port), check=False)
     assert refused.returncode == 1
     assert "refuses to serve without authentication" in refused.stderr
-    env = fleet.env_for("flower", FLOWER_BASIC_AUTH="ops:pw")
+    # ops reads every tenant's tasks (the operator role; decision 0043).
+    env = fleet.env_for("flower", FLOWER_BASIC_AUTH="ops:pw", FLEET_OPERATORS="ops")
     proc = Proc("flower", ["flower", "--port", str(port), "--address", "127.0.0.1"], env,
                 fleet.log_dir)
     fleet.procs["flower"] = proc

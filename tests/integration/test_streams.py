@@ -226,21 +226,29 @@ class Rewards:
                  **options: Any) -> None:
         self.redis = redis
         self.stream, self.dead, self.group = f"{ns}rewards", f"{ns}rewards:dead", f"{ns}g"
+        self.inbox = f"{ns}rewards:inbox"
         self.runtime = runtime or Runtime(MemoryEventStore(), flows=[deal, gated],
                                           access_policy=ANNOTATE_ANY)
         options.setdefault("claim_idle_ms", 100)
         options.setdefault("block_ms", 50)
         self.keys: dict[str, str] = options.pop("keys", KEYS)
+        options.setdefault("inbox", self.inbox)
         self.attacher = RewardAttacher(self.runtime, redis, keys=self.keys, stream=self.stream,
                                        group=self.group, dead_stream=self.dead,
                                        consumer="attacher-1", **options)
 
     async def submit(self, message: RewardMessage, key: str | None = None) -> str:
-        return await submit_reward(self.redis, self.stream, message,
+        return await submit_reward(self.redis, self.inbox, message,
                                    self.keys[message.producer] if key is None else key)
 
     async def raw(self, fields: dict[str, Any]) -> str:
+        """An entry on the stream itself (what only the attacher's user may add now: a
+        mangled entry, not a message a producer can send)."""
         return text(await self.redis.xadd(self.stream, fields))
+
+    async def pushed(self, message: str | bytes) -> None:
+        """What a producer sends, as it sends it: anything, onto the inbox."""
+        await self.redis.lpush(self.inbox, message)
 
     def settled(self) -> int:
         s = self.attacher.stats()
@@ -643,7 +651,7 @@ async def test_attacher_from_settings_runs_as_a_service(redis: aioredis.Redis,
                                                       ns: str) -> None:
     settings = FleetSettings(redis_url=server_url(), rewards_stream=f"{ns}rewards",
                              rewards_dead=f"{ns}dead", rewards_group=f"{ns}g",
-                             reward_keys=KEYS)
+                             rewards_inbox=f"{ns}inbox", reward_keys=KEYS)
     rt = Runtime(MemoryEventStore(), flows=[deal], access_policy=ANNOTATE_ANY)
     publisher = EventPublisher(redis, stream=f"{ns}events")
     attacher = RewardAttacher.from_settings(settings, rt, block_ms=50)
@@ -654,7 +662,7 @@ async def test_attacher_from_settings_runs_as_a_service(redis: aioredis.Redis,
 
     async def work() -> None:
         eid = await finished(rt)
-        await submit_reward(redis, settings.rewards_stream, reward(eid, "csat:1"), KEYS["crm"])
+        await submit_reward(redis, settings.rewards_inbox, reward(eid, "csat:1"), KEYS["crm"])
         await eventually(lambda: attacher.stats()["attached"] == 1, 10, "attached")
         await publisher.flush()
         types = [f["type"] for _, f in await entries(redis, f"{ns}events")]
@@ -934,6 +942,63 @@ async def test_scoping_is_refused_where_it_would_be_ignored_or_mistyped(
         FleetSettings()
 
 
+async def test_scoping_is_the_attachers_default(redis: aioredis.Redis, ns: str,
+                                                tmp_path: Path) -> None:
+    """Issue 25 item 13: ``fleet attacher`` with no FLEET_REWARD_TENANTS (the k8s base's
+    case before this change) scopes every producer to no tenant: a reward for any
+    tenant's execution is dead-lettered out_of_scope and writes nothing; one for an
+    execution with no tenant attaches. (Before, its runtime took ``annotate: any`` and
+    the first reward attached to another tenant's run.) ``["*"]`` opts a producer out."""
+    from fleet.assembly.roles import open_attacher
+
+    db = f"sqlite:///{tmp_path / 'fleet.db'}"
+    settings = FleetSettings(database_url=db, redis_url=server_url(),
+                             rewards_stream=f"{ns}rewards", rewards_dead=f"{ns}dead",
+                             rewards_group=f"{ns}g", rewards_inbox=f"{ns}inbox",
+                             reward_keys=KEYS)
+    assert settings.reward_tenants == {}
+    writer = SqliteEventStore(str(tmp_path / "fleet.db"))
+    rt = Runtime(writer, flows=[deal])
+    tenants = [await finished(rt, principal=ALICE), await finished(rt, principal=GINA)]
+    nobodys = await finished(rt, principal=None)
+    before = {eid: [e.to_json() for e in await writer.read(eid)] for eid in tenants}
+    for opted_out in (False, True):
+        chosen = settings.model_copy(update={"reward_tenants": {"survey": ["*"]}}) \
+            if opted_out else settings
+        role = await open_attacher(chosen, heartbeat=False)
+        try:
+            assert role.require_runtime().access_policy.rule_for("annotate") == "tenant"
+            attacher = role.service
+            assert isinstance(attacher, RewardAttacher)
+            assert attacher.stats()["scoped"] is True
+            await attacher.start()
+            producer = "survey" if opted_out else "crm"
+            key = f"csat:{producer}"
+            for eid in (*tenants, nobodys):
+                await submit_reward(redis, chosen.rewards_inbox,
+                                    reward(eid, key, producer=producer), KEYS[producer])
+            want = ((3, {}) if opted_out else (1, {"out_of_scope": 2}))
+
+            def judged(attacher: RewardAttacher = attacher,
+                       want: tuple[int, dict[str, int]] = want) -> bool:
+                stats = attacher.stats()
+                return (stats["attached"], stats["dead_lettered"]) == want
+            await eventually(judged, 10, "the rewards to be judged")
+        finally:
+            if role.service is not None:
+                await role.service.stop()
+            await role.aclose()
+    for eid in tenants:  # crm's rewards wrote nothing; survey (opted out) attached
+        assert [o["recordedBy"] for o in late_outcomes(await writer.read(eid))] == [
+            "producer:survey"]
+        assert [e.to_json() for e in await writer.read(eid)][:len(before[eid])] == before[eid]
+    assert [o["recordedBy"] for o in late_outcomes(await writer.read(nobodys))] == [
+        "producer:crm", "producer:survey"]
+    letters = [f for _, f in await entries(redis, settings.rewards_dead)]
+    assert [d["dead_reason"] for d in letters] == ["out_of_scope", "out_of_scope"]
+    await writer.close()
+
+
 async def test_the_attacher_role_scopes_producers_from_its_settings(
         redis: aioredis.Redis, ns: str, tmp_path: Path) -> None:
     """``fleet attacher`` (the assembly's role) with FLEET_REWARD_TENANTS: its runtime
@@ -943,13 +1008,7 @@ async def test_the_attacher_role_scopes_producers_from_its_settings(
     db = f"sqlite:///{tmp_path / 'fleet.db'}"
     base = FleetSettings(database_url=db, redis_url=server_url(),
                          rewards_stream=f"{ns}rewards", rewards_dead=f"{ns}dead",
-                         rewards_group=f"{ns}g", reward_keys=KEYS)
-    unscoped = await open_attacher(base, heartbeat=False)
-    try:
-        assert unscoped.require_runtime().access_policy.rule_for("annotate") == "any"
-        assert unscoped.stats()["reward-attacher"]["scoped"] is False
-    finally:
-        await unscoped.aclose()
+                         rewards_group=f"{ns}g", rewards_inbox=f"{ns}inbox", reward_keys=KEYS)
     settings = base.model_copy(update={"reward_tenants": {"crm": ["acme"]}})
     role = await open_attacher(settings, heartbeat=False)
     writer = SqliteEventStore(str(tmp_path / "fleet.db"))
@@ -960,9 +1019,9 @@ async def test_the_attacher_role_scopes_producers_from_its_settings(
         before = [e.to_json() for e in await writer.read(theirs)]
         assert role.service is not None
         await role.service.start()
-        await submit_reward(redis, settings.rewards_stream, reward(theirs, "csat:1"),
+        await submit_reward(redis, settings.rewards_inbox, reward(theirs, "csat:1"),
                             KEYS["crm"])
-        await submit_reward(redis, settings.rewards_stream, reward(ours, "csat:1"),
+        await submit_reward(redis, settings.rewards_inbox, reward(ours, "csat:1"),
                             KEYS["crm"])
         attacher = role.service
         assert isinstance(attacher, RewardAttacher)
@@ -1007,14 +1066,19 @@ async def test_fleet_reward_submit_signs_with_the_key_file_fleet_up_writes(
     data_dir.mkdir()
     given = FleetSettings(database_url=f"sqlite:///{data_dir / 'fleet.db'}",
                           redis_url=server_url(), rewards_stream=f"{ns}rewards",
-                          rewards_dead=f"{ns}dead", rewards_group=f"{ns}g")
+                          rewards_dead=f"{ns}dead", rewards_group=f"{ns}g",
+                          rewards_inbox=f"{ns}inbox")
     settings = EmbeddedFleet(given, data_dir=data_dir)._resolve(given)  # what `fleet up` runs
     key_file = data_dir / "reward-keys.json"
     assert settings.reward_keys_file == str(key_file)
     assert list(json.loads(key_file.read_text())) == ["local"]
-    rt = Runtime(MemoryEventStore(), flows=[deal], access_policy=ANNOTATE_ANY)
+    # Scoped by default (issue 25 item 13): fleet up's own producer, for every tenant.
+    assert settings.reward_tenants == {"local": ["*"]}
+    rt = Runtime(MemoryEventStore(), flows=[deal],
+                 access_policy=AccessPolicy(rules={"annotate": "tenant"}))
     attacher = RewardAttacher.from_settings(settings, rt, block_ms=50, claim_idle_ms=100)
-    env = {"FLEET_REDIS_URL": server_url(), "FLEET_REWARDS_STREAM": settings.rewards_stream}
+    env = {"FLEET_REDIS_URL": server_url(), "FLEET_REWARDS_STREAM": settings.rewards_stream,
+           "FLEET_REWARDS_INBOX": settings.rewards_inbox}
     await attacher.start()
     try:
         eid = await finished(rt)
@@ -1034,7 +1098,7 @@ async def test_fleet_reward_submit_signs_with_the_key_file_fleet_up_writes(
         assert code == 0, out
         await eventually(lambda: attacher.stats()["attached"] == 2, 10, "attached")
 
-        sent = await redis.xlen(settings.rewards_stream)
+        sent = await redis.xlen(settings.rewards_stream) + await redis.llen(settings.rewards_inbox)
         raw_secret = tmp_path / "raw.key"
         raw_secret.write_text(json.loads(key_file.read_text())["local"] + "\n")
         refusals = [
@@ -1051,7 +1115,8 @@ async def test_fleet_reward_submit_signs_with_the_key_file_fleet_up_writes(
             assert code == 1, out
             assert message in out, out
             assert len(out.strip().splitlines()) == 1, out  # one line, no traceback
-        assert await redis.xlen(settings.rewards_stream) == sent  # nothing was sent
+        assert await redis.xlen(settings.rewards_stream) + await redis.llen(
+            settings.rewards_inbox) == sent  # nothing was sent
         assert attacher.stats()["dead_lettered"] == {}
     finally:
         await attacher.stop()
@@ -1093,17 +1158,36 @@ async def test_hostile_rewards_are_dead_lettered_on_their_first_delivery(
         ("execution_not_found", {"message": _forge({**body, "execution_id": "x" * 60_000},
                                                    KEYS["crm"])}),
     ]
-    for _, fields in cases:
-        await rewards.raw(fields)
+    for _, fields in cases:  # as a producer sends them: onto the inbox
+        message = fields["message"]
+        await rewards.pushed(message if isinstance(message, bytes)
+                             else message.encode("utf-8", "surrogatepass"))
     await rewards.until_settled(len(cases))
     letters = await rewards.dead_letters_raw()
-    assert [(text(d[b"dead_reason"]), text(d[b"dead_deliveries"])) for d in letters] == [
-        (reason, "1") for reason, _ in cases]
-    for letter, (_, fields) in zip(letters, cases, strict=True):
+    assert Counter(text(d[b"dead_reason"]) for d in letters) == Counter(
+        reason for reason, _ in cases)
+    originals = {reason: [] for reason, _ in cases}  # type: dict[str, list[bytes]]
+    for reason, fields in cases:
+        message = fields["message"]
+        originals[reason].append(message if isinstance(message, bytes)
+                                 else message.encode("utf-8", "surrogatepass"))
+    for letter in letters:
+        reason = text(letter[b"dead_reason"])
         assert 0 < len(letter[b"dead_detail"]) < 2_100
-        original = fields["message"]
-        assert letter[b"message"] == (original if isinstance(original, bytes)
-                                      else original.encode("utf-8", "surrogatepass"))
+        kept = letter[b"message"]
+        (original,) = [o for o in originals[reason] if o.startswith(kept)]
+        # Issue 25 item 2: a bounded excerpt, never the whole entry, and what was cut.
+        if reason == "oversized":  # refused by the inbox's move, before any delivery
+            assert text(letter[b"dead_deliveries"]) == "0"
+            assert kept == original[:4096]
+            assert text(letter[b"dead_sha1"]) == hashlib.sha1(original).hexdigest()
+        else:
+            assert text(letter[b"dead_deliveries"]) == "1"
+            assert kept == original[:8192]
+        if len(original) > len(kept):
+            assert json.loads(letter[b"dead_cut"]) == {"message": len(original)}
+        else:
+            assert b"dead_cut" not in letter
     stats = rewards.attacher.stats()
     assert stats["consumer"]["failures"] == 0  # nothing reached the handler_error path
     assert stats["dead_lettered"] == dict(Counter(reason for reason, _ in cases))
@@ -1119,8 +1203,8 @@ async def test_submit_reward_sync_refuses_a_running_loop_and_works_outside_one(
     client = sync_redis.Redis.from_url(server_url())
     try:
         with pytest.raises(ConfigurationError, match="running event loop"):
-            submit_reward_sync(client, rewards.stream, reward(eid, "csat:1"), KEYS["crm"])
-        entry = await asyncio.to_thread(submit_reward_sync, client, rewards.stream,
+            submit_reward_sync(client, rewards.inbox, reward(eid, "csat:1"), KEYS["crm"])
+        entry = await asyncio.to_thread(submit_reward_sync, client, rewards.inbox,
                                         reward(eid, "csat:1", producer="survey"),
                                         KEYS["survey"])
         assert entry

@@ -1,0 +1,34 @@
+"""docs/security.md names, beside each promise, the test that proves it: every test it
+names exists (a renamed or deleted test fails here, not silently in the document).
+
+A name is a backticked ``test_...`` (with or without ``path::`` or a ``[param]``);
+a backticked ``tests/...py`` path must be a file.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "security.md"
+
+
+def _defined() -> set[str]:
+    names: set[str] = set()
+    for path in (ROOT / "tests").rglob("*.py"):
+        names.update(re.findall(r"^(?:async )?def (test_\w+)\(", path.read_text(), re.M))
+    return names
+
+
+def test_every_test_the_security_model_names_exists() -> None:
+    text = DOC.read_text()
+    cited = re.findall(r"`([^`\s]*test_\w+)(?:\[[^\]]*\])?`", text)
+    assert len(cited) >= 20, "security.md cites its tests in backticks"
+    defined = _defined()
+    missing = sorted({c.rsplit("::", 1)[-1].rsplit("/", 1)[-1] for c in cited
+                      if c.rsplit("::", 1)[-1].rsplit("/", 1)[-1].startswith("test_")}
+                     - defined)
+    assert missing == [], f"docs/security.md names tests that do not exist: {missing}"
+    for path in re.findall(r"`(tests/[\w/]+\.py)(?:::\w+)?`", text):
+        assert (ROOT / path).is_file(), path
