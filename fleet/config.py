@@ -124,6 +124,8 @@ class FleetSettings(BaseSettings):
         10.0, gt=0, description="`fleet health` fails when the heartbeat (written every "
         "second from inside the event loop) is older than this: a stuck loop")
     timer_interval_s: float = Field(0.25, gt=0, description="how often due timers are polled")
+    timer_batch: int = Field(500, ge=1, le=10_000, description="due timers one claim takes "
+                             "(and fires in one write, their drives in one publish)")
     recovery_interval_s: float = Field(2.0, gt=0)
     service_tick_deadline_s: float = Field(
         60.0, gt=0, description="a timer or recovery tick running longer than this makes "

@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
-from fleet.dispatcher.dispatcher import Dispatcher
+from fleet.dispatcher.dispatcher import Dispatcher, DriveOrder
 from fleet.host.celery_api import run_command
 from fleet.host.kernel import build_runtime, holder_name, open_store
 from fleet.kernel.errors import ConfigurationError
@@ -54,6 +54,7 @@ from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import AccessPolicy
 from fleet.kernel.store.factory import StoreOptions, open_event_store
 from fleet.kernel.store.spi import CommitSignal, EventStore, SignalsCommits
+from fleet.kernel.timers import FiredTimer
 from fleet.recovery.sweeper import RecoverySweeper
 from fleet.services.base import PeriodicService, Service, run_services
 from fleet.services.counters import (
@@ -227,11 +228,22 @@ async def _open_enqueuing(settings: FleetSettings, name: str,
     return role
 
 
+def publish_fired(dispatcher: Dispatcher) -> Callable[[Sequence[FiredTimer]], Awaitable[None]]:
+    """The timer service's ``publish``: the drives of a batch of fired timers in one
+    broker round trip, each routed by the flow and tenant its claim read (no index read)."""
+    async def publish(fired: Sequence[FiredTimer]) -> None:
+        await dispatcher.publish([DriveOrder(timer.execution_id, timer.flow_id, timer.tenant)
+                                  for timer in fired])
+    return publish
+
+
 async def open_timers(settings: FleetSettings, *, heartbeat: bool = True) -> Role:
-    """The timer service: fires due timers, enqueues their drives (routed as every drive)."""
+    """The timer service: fires due timers in batches, publishes their drives (routed as
+    every drive) in one round trip per batch (decision 0048)."""
     return await _open_enqueuing(settings, "timers", lambda runtime, dispatcher: TimerService(
-        runtime, enqueue=dispatcher.enqueue_drive, interval_s=settings.timer_interval_s,
-        on_error=_report("timers"), **_bounds(settings)), heartbeat)
+        runtime, publish=publish_fired(dispatcher), interval_s=settings.timer_interval_s,
+        batch=settings.timer_batch, on_error=_report("timers"), **_bounds(settings)),
+        heartbeat)
 
 
 async def open_recovery(settings: FleetSettings, *, heartbeat: bool = True) -> Role:

@@ -1,13 +1,21 @@
 """Durable timers: firing what is due, and the in-process timers of an embedded runtime.
 
 A long ``ctx.sleep`` parks the execution on its timer (``TIMER_SCHEDULED`` holds
-the due time; the store's timer index lists it). ``fire_due`` fires every due
-timer: it takes the execution's fence only if no live lease is held, checks
-that the timer is still unfired and waited on, writes ``TIMER_FIRED`` through
-the one write path and drives the execution (or leaves the drive to the caller:
-the fleet's timer service enqueues it). Each claim is conditional, so several
-replicas never fire one timer twice, and each call returns exactly the timers
-it fired, whatever other calls overlap with it.
+the due time; the store's timer index lists it). ``fire_due`` fires due timers
+in a batch (decision 0048): one claim (``claims.claim_due_timers``) takes the
+fences of the executions parked on a due timer that no live lease holds,
+skipping those another claimer holds, so replicas divide the work; then every
+``TIMER_FIRED`` is written at ``head + 1`` under its grant in one
+``append_many`` that ends each lease, and the caller enqueues the drives (the
+fleet's timer service). With ``drive`` (one process) each claimed execution is
+folded, checked and driven here instead. The append's checks (fence, head) make
+each firing conditional, so several replicas never fire one timer twice, and
+each call returns exactly the timers it fired, whatever other calls overlap.
+
+A timer is ``(execution_id, timer_id)``; it fires when the execution's index
+row says the execution waits on it (``claims.timer_waited_on``: parked, its
+``waiting_on`` the timer id, which ``EXECUTION_SUSPENDED``'s ``condition.on``
+sets). A new kind of timer plugs in by parking on its timer id that way.
 
 With ``local_timers`` a runtime also arms a loop timer when one of its runs
 parks on a sleep, so an embedded runtime needs no timer service.
@@ -16,20 +24,29 @@ parks on a sleep, so an embedded runtime needs no timer service.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fleet.kernel.engine import Engine
 from fleet.kernel.events import EventType
 from fleet.kernel.fold import ExecutionState
+from fleet.kernel.lease import Lease
+from fleet.kernel.store.claims import ClaimedTimer, claim_due_timers
 from fleet.kernel.writes import make_events
 
 
 @dataclass(frozen=True, slots=True)
 class FiredTimer:
-    """A timer this runtime fired: its ``TIMER_FIRED`` is durable."""
+    """A timer this runtime fired: its ``TIMER_FIRED`` is durable.
+
+    ``flow_id`` and ``tenant`` (when the claim read them) route the drive that
+    follows without another read of the index; a timer is its execution and
+    timer ids (equality and hash ignore the route).
+    """
 
     execution_id: str
     timer_id: str
+    flow_id: str | None = field(default=None, compare=False)
+    tenant: str | None = field(default=None, compare=False)
 
 
 class Timers:
@@ -44,21 +61,61 @@ class Timers:
 
     async def fire_due(self, now: int | None = None, *, limit: int = 100,
                        drive: bool = True) -> list[FiredTimer]:
-        """Fire every due timer (at most ``limit``); the ones this call fired."""
+        """Fire due timers (at most ``limit``); the ones this call fired.
+
+        One claim takes the fences of the due timers nobody else holds (decision
+        0048); without ``drive`` every ``TIMER_FIRED`` then goes in one
+        ``append_many`` that also ends each lease, and the caller enqueues the drives.
+        """
         engine = self.engine
         now = engine.clock() if now is None else now
+        claims = await claim_due_timers(engine.store, now, holder=engine.holder,
+                                        lease_ms=engine.lease_ms, limit=limit)
+        if not claims:
+            return []
+        if not drive:
+            return await self._write_fired(claims)
         fired: list[FiredTimer] = []
-        for due in await engine.store.due_timers(now, limit=limit):
-            if await self.fire(due.execution_id, due.timer_id, drive=drive):
-                fired.append(FiredTimer(due.execution_id, due.timer_id))
+        for claim in claims:
+            if await self._fire_under(engine.lease(claim.grant), claim.execution_id,
+                                      claim.timer_id, drive=True):
+                fired.append(FiredTimer(claim.execution_id, claim.timer_id, claim.flow_id,
+                                        claim.tenant))
+        return fired
+
+    async def _write_fired(self, claims: list[ClaimedTimer]) -> list[FiredTimer]:
+        """Each claimed timer's ``TIMER_FIRED`` at ``head + 1`` under its grant, one call."""
+        engine = self.engine
+        at = engine.clock()
+        writes = [(engine.lease(claim.grant),
+                   make_events(claim.execution_id, claim.head, at,
+                               [(EventType.TIMER_FIRED, {"timerId": claim.timer_id})]))
+                  for claim in claims]
+        # A fault of the whole call raises: its fate unknown, the leases expire.
+        answers = await engine.writer.write_releasing_many(writes)
+        fired: list[FiredTimer] = []
+        for claim, (lease, _), answer in zip(claims, writes, answers, strict=True):
+            if answer is None:
+                fired.append(FiredTimer(claim.execution_id, claim.timer_id, claim.flow_id,
+                                        claim.tenant))
+            else:
+                # Moved since the claim (a write between the index read and the lock):
+                # not fired here; the next claim judges it again.
+                await lease.release()
+        engine.stats.timers_fired += len(fired)
         return fired
 
     async def fire(self, execution_id: str, timer_id: str, *, drive: bool = True) -> bool:
         """Fire one timer if it is still due and waited on; True when this call fired it."""
-        engine = self.engine
-        lease = await engine.take_if_free(execution_id)
+        lease = await self.engine.take_if_free(execution_id)
         if lease is None:
             return False
+        return await self._fire_under(lease, execution_id, timer_id, drive=drive)
+
+    async def _fire_under(self, lease: Lease, execution_id: str, timer_id: str, *,
+                          drive: bool) -> bool:
+        """Fire under a taken ``lease`` if the log still waits on the timer (folded)."""
+        engine = self.engine
         async with lease:
             state = await engine.fold(execution_id)
             timer = state.timers.get(timer_id)
