@@ -423,8 +423,7 @@ def test_pods_wait_for_the_schema_the_job_applies(overlay: str) -> None:
             continue
         (gate,) = spec["initContainers"]
         assert gate["name"] == "wait-for-schema"
-        assert "fleet db status --json" in gate["args"][0]
-        assert '[ "$state" = current ] && exit 0' in gate["args"][0]
+        assert "until fleet db status --check; do" in gate["args"][0]
         assert gate["image"] == spec["containers"][0]["image"]
     job = one(objs, "Job", "fleet-db-upgrade")
     annotations = job["metadata"]["annotations"]
