@@ -47,8 +47,9 @@ from fleet.kernel.run_outcome import OutcomeKind, RunOutcome
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.spi import EventStore
 from fleet.services.base import Service, start_order
-from fleet.services.counters import PARKS_KEPT
+from fleet.services.counters import PARKS_KEPT, process_name
 from fleet.workers import shutdown, stats
+from fleet.workers.marks import DriveMarks
 
 log = logging.getLogger("fleet.workers")
 
@@ -162,6 +163,8 @@ class WorkerProcess:
         # At most worker_drives runs at once in this process, however many drives the
         # messages it holds carry (a fleet.drives message carries several).
         self._slots: asyncio.Semaphore | None = None
+        # Taken / done / live marks for the recovery sweeper (decision 0049).
+        self.marks: DriveMarks | None = None
 
     @property
     def runtime(self) -> Runtime:
@@ -184,6 +187,8 @@ class WorkerProcess:
     async def _open(self) -> None:
         # The store, the runtime and the heartbeat: built as
         # every role's are (fleet.assembly.roles), started here on the loop.
+        worker = (_node or process_name()) + (f"#{self.slot}" if self.slot is not None else "")
+        self.marks = DriveMarks.for_settings(self.settings, worker)
         role = await open_worker(self.settings, slot=self.slot,
                                  on_durable_event=self._observe, on_beat=self._poll_drain,
                                  collect=self.report, name=_node)
@@ -213,6 +218,9 @@ class WorkerProcess:
     async def _close(self) -> None:
         if self._runtime is not None:
             await self._runtime.close()
+        marks, self.marks = self.marks, None
+        if marks is not None:
+            await marks.aclose()
         role, self._role = self._role, None
         if role is None:
             return
@@ -263,12 +271,15 @@ class WorkerProcess:
         # A prefork child learns of the parent's SIGTERM here (once a second).
         if not self._draining and shutdown.drain_requested():
             self.begin_drain()
+        if self.marks is not None and not self._draining:
+            self.marks.beat()
 
     # ----------------------------------------------------------------- drive
     def drive(self, execution_id: str) -> DriveResult:
         """Drive ``execution_id`` to the end of its run; how it stopped (sync)."""
         try:
-            return self.loop.run_coroutine(self.drive_async(execution_id))
+            result: DriveResult = self.loop.run_coroutine(self._marked([execution_id]))[0]
+            return result
         finally:
             self.write_stats_row()
 
@@ -278,9 +289,22 @@ class WorkerProcess:
         task retries those). Any other error of one drive is logged and reported as
         ``refused``; the others are driven regardless (sync)."""
         try:
-            return self.loop.run_coroutine(self._drive_many(execution_ids))
+            return self.loop.run_coroutine(self._marked(execution_ids, many=True))
         finally:
             self.write_stats_row()
+
+    async def _marked(self, execution_ids: list[str], *, many: bool = False) -> list[Any]:
+        """The drives of one message, its records marked taken before and done after."""
+        marks = self.marks
+        if marks is not None:
+            marks.taken(execution_ids)
+        try:
+            if many:
+                return await self._drive_many(execution_ids)
+            return [await self.drive_async(execution_ids[0])]
+        finally:
+            if marks is not None:
+                marks.done(execution_ids)
 
     async def _drive_many(self, execution_ids: list[str]) -> list[str | StoreUnavailableError]:
         answers = await asyncio.gather(*(self.drive_async(i) for i in execution_ids),
