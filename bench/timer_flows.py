@@ -2,7 +2,7 @@
 
 ``bench.timers`` runs ``fleet timers`` processes of a checkout (this one, or
 ``--peer DIR``) with this folder on ``PYTHONPATH`` and
-``FLEET_FLOWS=timer_flows:timer_nap``; the parking runs in a child of the same
+``FLEET_FLOWS=timer_flows:timer_nap`` (``bench.sweeper``: ``timer_flows:slow``); the parking runs in a child of the same
 checkout (``python -c "import timer_flows; timer_flows.park(...)"``), so each
 checkout writes its own schema version.
 """
@@ -45,3 +45,35 @@ def park(url: str, count: int, due_at: float) -> None:
     began = time.monotonic()
     asyncio.run(_park(url, count, due_at))
     print(f"{time.monotonic() - began:.3f}", file=sys.stdout, flush=True)
+
+
+@flow("bench-slow", steps=["nap"])
+async def slow(ctx: Context, n: int) -> int:
+    """One step that waits ``SLOW_STEP_S``: a backlog that takes a while to drain."""
+    return int(await ctx.step("nap", _nap, n))
+
+
+SLOW_STEP_S = 0.5
+
+
+async def _nap(n: int) -> int:
+    await asyncio.sleep(SLOW_STEP_S)
+    return n
+
+
+async def _dispatch(count: int) -> None:
+    from fleet.config import FleetSettings
+    from fleet.dispatcher import Dispatcher, Start
+
+    async with Dispatcher(FleetSettings()) as dispatcher:
+        for first in range(0, count, 500):
+            await dispatcher.start_many([Start("bench-slow", n)
+                                         for n in range(first, min(count, first + 500))])
+
+
+def dispatch(count: int) -> None:
+    """Start ``count`` executions of ``bench-slow`` through the dispatcher (the settings
+    from ``FLEET_*``): one backlog, all at once; print the seconds it took."""
+    began = time.monotonic()
+    asyncio.run(_dispatch(count))
+    print(f"{time.monotonic() - began:.3f}", flush=True)

@@ -1,4 +1,4 @@
-"""What the recovery sweeper knows of a drive it might re-send (decisions 0019, 0049).
+"""What the recovery sweeper knows of a drive it might re-send (decisions 0019, 0048).
 
 A drive record (``fleet:drive:<FLEET_QUEUE>:<sha256(id)[:40]>``, a Redis hash beside
 each publish) says when a drive of an execution was last enqueued (``at``) and how

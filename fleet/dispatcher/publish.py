@@ -231,7 +231,7 @@ def _oldest_at(raw: Any) -> int | None:
 async def _read_records(client: Any, execution_ids: Sequence[str],
                         namespace: str) -> dict[str, DriveRecord]:
     """The records of ``execution_ids``, each with the oldest message of its list and
-    whether the worker that took it is live: two pipelines (decision 0049)."""
+    whether the worker that took it is live: two pipelines (decision 0048)."""
     if not execution_ids:
         return {}
     pipe = client.pipeline(transaction=False)

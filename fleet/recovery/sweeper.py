@@ -10,7 +10,7 @@ live lease is held, so a duplicate drive steps aside.
 
 An execution whose drive is merely queued (workers busy with a backlog, or
 catching up after a broker restart) also looks like that. With ``recent``
-(the dispatcher's drive records, decisions 0019 and 0049) the sweeper asks each
+(the dispatcher's drive records, decisions 0019 and 0048) the sweeper asks each
 record for its ``verdict``: a drive a live worker took and has not finished is
 ``held``, one still on its queue (the oldest message there is no younger) is
 ``queued``, and so is one younger than ``grace_ms`` doubled per re-enqueue where

@@ -1,4 +1,4 @@
-"""A worker's marks on the drive records: taken, done, and "I am live" (decision 0049).
+"""A worker's marks on the drive records: taken, done, and "I am live" (decision 0048).
 
 The recovery sweeper must tell a drive that is merely waiting (on its queue, or in
 a worker that took it and has not run it yet) from one that is lost. The queue it

@@ -163,7 +163,7 @@ class WorkerProcess:
         # At most worker_drives runs at once in this process, however many drives the
         # messages it holds carry (a fleet.drives message carries several).
         self._slots: asyncio.Semaphore | None = None
-        # Taken / done / live marks for the recovery sweeper (decision 0049).
+        # Taken / done / live marks for the recovery sweeper (decision 0048).
         self.marks: DriveMarks | None = None
 
     @property

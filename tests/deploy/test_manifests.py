@@ -597,3 +597,17 @@ def test_the_dockerfile_builds_wheels_apart_and_runs_as_the_manifests_expect() -
                 mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
                 assert {"/tmp", "/home/fleet"} <= mounts
                 assert spec["securityContext"]["runAsUser"] == UID
+
+
+def test_the_dockerfile_pins_its_base_image_by_digest() -> None:
+    """Every stage starts FROM a tag pinned by digest (issue 28 item 4): a tag can be
+    moved to other bytes after review, a digest cannot. Both stages on the same base."""
+    froms = [stage[0][1].split()[0] for stage in dockerfile_stages()]
+    assert froms, "no FROM line"
+    for image in froms:
+        name, _, digest = image.partition("@")
+        assert name.startswith("python:3.11-slim"), image
+        assert DIGEST.search("@" + digest), f"{image}: not pinned by @sha256:<64 hex>"
+    assert len(set(froms)) == 1, froms
+    # And a FROM without a digest is what the check catches.
+    assert not DIGEST.search("python:3.11-slim-bookworm")

@@ -9,7 +9,7 @@ branch before this change it re-enqueued every one of them on every tick past
 the grace (about 25 drives each here; ~720 extra drives in the broker-restart
 run the issue reports); now each drive record keeps it off an execution whose
 drive is still in the queue: the oldest message on the queue is no younger than
-the record (decision 0049), so none is re-sent at all. A drive a live worker took
+the record (decision 0048), so none is re-sent at all. A drive a live worker took
 is left alone too; one taken by a worker that is gone, or lost with its queue,
 is re-sent.
 """
@@ -88,7 +88,7 @@ async def test_queued_drives_are_not_sent_again_and_again_but_lost_ones_are(
     stats = await sweep_for(settings, 3.0)
     counts = queued(client, settings.queue)
     # Still on their queue (the oldest message there is as old as each one's record):
-    # never re-sent, however long past the grace (decision 0049; main before decision
+    # never re-sent, however long past the grace (decision 0048; main before decision
     # 0019: ~25 each in 3 s, then up to 4 each).
     assert counts == Counter({eid: 1 for eid in ids})
     assert stats["redriven"] == 0
