@@ -180,6 +180,9 @@ class FleetSettings(BaseSettings):
     stats_ttl_s: int = Field(
         86_400, ge=60, description="how long a stopped process's last report is kept "
         "(shown as stale) before Redis forgets it")
+    health_port: int | None = Field(
+        None, ge=0, le=65535, description="serve GET /livez and /readyz (the checks of "
+        "`fleet health`) on this port, for HTTP probes; unset: off")
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="serve Prometheus /metrics on this port in every "
         "fleet service process (timers, recovery, attacher, relay); unset: none")

@@ -66,6 +66,7 @@ from fleet.services.counters import (
 )
 from fleet.services.health import Heartbeat
 from fleet.services.metrics import FleetCollector
+from fleet.services.probes import serve_probes
 from fleet.streams.attacher import RewardAttacher
 from fleet.streams.redis_client import aioredis
 from fleet.streams.relay import EventRelay, RelayLease
@@ -357,9 +358,12 @@ async def serve(settings: FleetSettings, name: str, *,
              ", ".join(s.name for s in role.services))
     relay = role.service if isinstance(role.service, EventRelay) else None
     metrics = serve_metrics(settings, role)
+    probes = serve_probes(settings, name)
     try:
         await run_services(role.services, until=_first(until, relay))
     finally:
+        if probes is not None:
+            probes.stop()
         if metrics is not None:
             metrics.shutdown()
         await role.aclose()

@@ -31,6 +31,7 @@ from typing import Any
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import FleetCelery, producer_app
 from fleet.host.celery_api import current_app, is_prefork, process_index, signals
+from fleet.services.probes import ProbeServer, serve_probes
 from fleet.workers import shutdown
 from fleet.workers.bootstep import FleetStatsStep
 from fleet.workers.process import close_process, local_process, log, open_process, set_node_name
@@ -98,6 +99,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         return
     shutdown.install()  # before a prefork pool forks: its children inherit the flag
     set_node_name(getattr(sender, "hostname", None))
+    # HTTP probes in the main process (it checks a prefork pool's every child's heartbeat).
+    _probes.append(serve_probes(sender.app.fleet_settings, "worker"))
     if is_prefork(sender.pool_cls):
         return  # prefork: each child opens its own after the fork
     try:
@@ -134,6 +137,13 @@ def _on_worker_shutting_down(**_: Any) -> None:
 def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
     if sender is not None and sender.app in _apps:
         close_process()
+        while _probes:
+            probes = _probes.pop()
+            if probes is not None:
+                probes.stop()
+
+
+_probes: list[ProbeServer | None] = []
 
 
 __all__ = ["FleetCelery", "make_app"]
