@@ -234,7 +234,7 @@ def publish_fired(dispatcher: Dispatcher) -> Callable[[Sequence[FiredTimer]], Aw
     broker round trip, each routed by the flow and tenant its claim read (no index read)."""
     async def publish(fired: Sequence[FiredTimer]) -> None:
         await dispatcher.publish([DriveOrder(timer.execution_id, timer.flow_id, timer.tenant)
-                                  for timer in fired])
+                                  for timer in fired], op="timer")
     return publish
 
 

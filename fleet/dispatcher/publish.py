@@ -60,6 +60,7 @@ from fleet.dispatcher.drive_records import (
     timed_task_id,
 )
 from fleet.dispatcher.routing import DRIVE_TASK, DRIVES_TASK
+from fleet.host.tracing import TRACE_HEADER
 from fleet.kernel.errors import BrokerUnavailableError
 from fleet.streams.redis_client import TRANSIENT, aioredis
 
@@ -109,6 +110,8 @@ class PublishedDrive:
     flow_id: str | None = None
     tenant: str | None = None
     redrive: bool = False
+    # The traceparent of its ``fleet.dispatch`` span (``fleet.host.tracing``), if traced.
+    trace: str | None = None
 
 
 class DrivePublisher(Protocol):
@@ -155,6 +158,11 @@ def batches(drives: Sequence[PublishedDrive], size: int) -> list[list[PublishedD
     return out
 
 
+def trace_header(group: Sequence[PublishedDrive]) -> dict[str, str]:
+    """The ``fleet_trace`` header of a message: each traced execution's traceparent."""
+    return {d.execution_id: d.trace for d in group if d.trace}
+
+
 def task_call(group: Sequence[PublishedDrive]) -> tuple[str, list[Any], dict[str, Any]]:
     """The task, args and kwargs of the message carrying ``group`` (one route)."""
     first = group[0]
@@ -177,6 +185,9 @@ def kombu_envelope(app: Any, drive: PublishedDrive | Sequence[PublishedDrive],
     headers, properties, body, _ = app.amqp.as_task_v2(
         task_id, name, args, kwargs, ignore_result=True, argsrepr=repr(args),
         kwargsrepr=repr(kwargs))
+    traces = trace_header(group)
+    if traces:
+        headers = {**headers, TRACE_HEADER: traces}
     data = json.dumps(body).encode()
     return json.dumps({
         "body": base64.b64encode(data).decode(), "content-encoding": "utf-8",
@@ -434,8 +445,9 @@ def send_drive(app: Any, drive: PublishedDrive | Sequence[PublishedDrive]) -> No
     command deadlines apply)."""
     group = [drive] if isinstance(drive, PublishedDrive) else list(drive)
     name, args, kwargs = task_call(group)
-    app.send_task(name, args=args, kwargs=kwargs,
-                  queue=group[0].queue, retry=True, retry_policy={
+    traces = trace_header(group)
+    app.send_task(name, args=args, kwargs=kwargs, headers={TRACE_HEADER: traces} if traces
+                  else None, queue=group[0].queue, retry=True, retry_policy={
                       "max_retries": 2, "interval_start": 0, "interval_step": 0.2,
                       "interval_max": 0.5})
 
