@@ -48,6 +48,7 @@ from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.dispatcher import Dispatcher, DriveOrder
 from fleet.host.celery_api import run_command
 from fleet.host.kernel import build_runtime, holder_name, open_store
+from fleet.host.tracing import tracing
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.journal import EventObserver
 from fleet.kernel.runtime import Runtime
@@ -354,6 +355,7 @@ async def serve(settings: FleetSettings, name: str, *,
     uses its stream) ends the process with its error.
     """
     role = await open_role(settings, name)
+    tracing(name)  # this process's traces are named for its role (off unless configured)
     log.info("fleet %s (pid %d) running: %s", name, os.getpid(),
              ", ".join(s.name for s in role.services))
     relay = role.service if isinstance(role.service, EventRelay) else None

@@ -261,7 +261,7 @@ _tracing: Tracing | None = None
 _lock = threading.Lock()
 
 
-def tracing(service: str = "fleet") -> Tracing:
+def tracing(service: str = "client") -> Tracing:
     """This process's ``Tracing``, set up on first use (``service`` names it then)."""
     global _tracing
     if _tracing is None:

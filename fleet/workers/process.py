@@ -28,12 +28,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fleet.assembly.roles import Role, open_worker
 from fleet.config import FleetSettings
 from fleet.host.loop import EventLoopThread
+from fleet.host.tracing import tracing
 from fleet.kernel.errors import (
     DuplicateSequenceError,
     ExecutionNotFoundError,
@@ -275,40 +277,49 @@ class WorkerProcess:
             self.marks.beat()
 
     # ----------------------------------------------------------------- drive
-    def drive(self, execution_id: str) -> DriveResult:
-        """Drive ``execution_id`` to the end of its run; how it stopped (sync)."""
+    def drive(self, execution_id: str, *, traces: Mapping[str, str] | None = None,
+              ) -> DriveResult:
+        """Drive ``execution_id`` to the end of its run; how it stopped (sync).
+        ``traces``: the message's traceparents (``fleet.host.tracing``)."""
         try:
-            result: DriveResult = self.loop.run_coroutine(self._marked([execution_id]))[0]
+            result: DriveResult = self.loop.run_coroutine(
+                self._marked([execution_id], traces=traces))[0]
             return result
         finally:
             self.write_stats_row()
 
-    def drive_many(self, execution_ids: list[str]) -> list[str | StoreUnavailableError]:
+    def drive_many(self, execution_ids: list[str], *,
+                   traces: Mapping[str, str] | None = None,
+                   ) -> list[str | StoreUnavailableError]:
         """Drive each of ``execution_ids`` at once on the loop (a ``fleet.drives`` message);
         how each run stopped, or the ``StoreUnavailableError`` that stopped its drive (the
         task retries those). Any other error of one drive is logged and reported as
         ``refused``; the others are driven regardless (sync)."""
         try:
-            return self.loop.run_coroutine(self._marked(execution_ids, many=True))
+            return self.loop.run_coroutine(self._marked(execution_ids, many=True,
+                                                        traces=traces))
         finally:
             self.write_stats_row()
 
-    async def _marked(self, execution_ids: list[str], *, many: bool = False) -> list[Any]:
+    async def _marked(self, execution_ids: list[str], *, many: bool = False,
+                      traces: Mapping[str, str] | None = None) -> list[Any]:
         """The drives of one message, its records marked taken before and done after."""
         marks = self.marks
         if marks is not None:
             marks.taken(execution_ids)
         try:
             if many:
-                return await self._drive_many(execution_ids)
-            return [await self.drive_async(execution_ids[0])]
+                return await self._drive_many(execution_ids, traces or {})
+            return [await self.drive_async(execution_ids[0],
+                                           (traces or {}).get(execution_ids[0]))]
         finally:
             if marks is not None:
                 marks.done(execution_ids)
 
-    async def _drive_many(self, execution_ids: list[str]) -> list[str | StoreUnavailableError]:
-        answers = await asyncio.gather(*(self.drive_async(i) for i in execution_ids),
-                                       return_exceptions=True)
+    async def _drive_many(self, execution_ids: list[str], traces: Mapping[str, str],
+                          ) -> list[str | StoreUnavailableError]:
+        answers = await asyncio.gather(*(self.drive_async(i, traces.get(i))
+                                         for i in execution_ids), return_exceptions=True)
         out: list[str | StoreUnavailableError] = []
         for execution_id, answer in zip(execution_ids, answers, strict=True):
             if isinstance(answer, (StoreUnavailableError, str)):
@@ -323,11 +334,12 @@ class WorkerProcess:
                 raise answer
         return out
 
-    async def drive_async(self, execution_id: str) -> DriveResult:
+    async def drive_async(self, execution_id: str, trace: str | None = None) -> DriveResult:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.settings.worker_drives)
         async with self._slots:
-            return await self._drive_async(execution_id)
+            with tracing("worker").drive(execution_id, trace):
+                return await self._drive_async(execution_id)
 
     async def _drive_async(self, execution_id: str) -> DriveResult:
         runtime = self.runtime
@@ -384,6 +396,9 @@ class WorkerProcess:
         return DriveResult(_REPORTED[outcome.kind], describe(outcome))
 
     def _observe(self, event: EventEnvelope) -> Any:
+        tracer = tracing("worker")
+        if tracer.enabled:
+            tracer.observe(event)  # steps and the run's end as spans (fleet.host.tracing)
         observer = self.event_observer
         if observer is not None:
             return observer(event)
