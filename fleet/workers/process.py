@@ -176,6 +176,7 @@ class WorkerProcess:
 
     def open(self) -> None:
         """Start the loop thread and open the store and the Runtime on it."""
+        tracing("worker")  # this process's traces are the worker's (off unless configured)
         self.loop.start()
         try:
             self.loop.run_coroutine(self._open())
