@@ -45,11 +45,8 @@ async def traced(drives: Sequence[PublishedDrive], *, op: str | None,
     try:
         yield out
     except BaseException as exc:
-        from opentelemetry.trace import Status, StatusCode
-
         for span in spans:
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            tracer.fail(span, exc)
         raise
     finally:
         for span in reversed(spans):

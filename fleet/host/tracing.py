@@ -41,7 +41,6 @@ from its own drive and from ``on_durable_event`` (what the log holds).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
 import logging
 import os
@@ -55,11 +54,6 @@ __all__ = ["TRACE_HEADER", "Tracing", "trace_id_of", "tracing"]
 
 #: The drive message header that carries each execution's traceparent.
 TRACE_HEADER = "fleet_trace"
-
-# The trace id a span started now with no parent takes (ExecutionIdGenerator).
-_trace_for: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "fleet_trace_for", default=None)
-
 
 def trace_id_of(execution_id: str) -> int:
     """The trace id of ``execution_id``'s trace: 128 bits of its sha256, never 0."""
@@ -84,6 +78,7 @@ class Tracing:
         self.tracer = tracer
         self.provider = provider
         self.enabled = tracer is not None
+        self.sdk: Any = None  # fleet.host.otel_sdk, once enabled
         # The ``fleet.drive`` span of each execution this process drives now.
         self._drives: dict[str, Any] = {}
         # STEP_STARTED times (ns) of the steps running in this process.
@@ -96,35 +91,15 @@ class Tracing:
         if not _configured(env):
             return cls()
         try:
-            from opentelemetry import trace
-            from opentelemetry.sdk.resources import OTELResourceDetector, Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+            from fleet.host import otel_sdk
         except ImportError:
             log.warning("OTEL_* asks for traces but OpenTelemetry is not installed: "
                         "pip install 'fleet[otel]' (traces are off)")
             return cls()
-
-        class ExecutionIdGenerator(RandomIdGenerator):
-            """A root span started for an execution takes the execution's trace id."""
-
-            def generate_trace_id(self) -> int:
-                wanted = _trace_for.get()
-                return wanted if wanted is not None else super().generate_trace_id()
-
-        current = trace.get_tracer_provider()
-        provider = None
-        if isinstance(current, TracerProvider):  # the application's own: trace into it
-            current.id_generator = ExecutionIdGenerator()
-        else:
-            resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME")
-                                        or f"fleet-{service}"}).merge(
-                OTELResourceDetector().detect())
-            provider = TracerProvider(resource=resource, id_generator=ExecutionIdGenerator())
-            provider.add_span_processor(BatchSpanProcessor(_exporter(env)))
-            trace.set_tracer_provider(provider)
-        return cls(trace.get_tracer("fleet"), provider)
+        tracer, provider = otel_sdk.make_tracer(service, env)
+        out = cls(tracer, provider)
+        out.sdk = otel_sdk
+        return out
 
     # ------------------------------------------------------------------ spans
     @contextlib.contextmanager
@@ -141,38 +116,22 @@ class Tracing:
             return
         span = self.start(name, execution_id, parent=parent, kind=kind, start_ns=start_ns,
                           attributes=attributes)
-        from opentelemetry import trace
-
-        with trace.use_span(span, end_on_exit=True, record_exception=True,
-                            set_status_on_exception=True):
+        with self.sdk.use_span(span):
             yield span
 
     def start(self, name: str, execution_id: str, *, parent: str | None = None,
               kind: str = "INTERNAL", start_ns: int | None = None,
               attributes: Mapping[str, Any] | None = None) -> Any:
         """Start (not end) a span of ``execution_id``'s trace (see ``span``)."""
-        from opentelemetry import trace
-        from opentelemetry.context import Context
-        from opentelemetry.trace import SpanKind
-        from opentelemetry.trace.propagation.tracecontext import (
-            TraceContextTextMapPropagator,
-        )
+        return self.sdk.start_span(
+            self.tracer, name, trace_id_of(execution_id), parent=parent, kind=kind,
+            start_ns=start_ns,
+            attributes={"fleet.execution_id": execution_id, **(attributes or {})})
 
-        wanted = trace_id_of(execution_id)
-        context: Context | None
-        if parent:
-            context = TraceContextTextMapPropagator().extract({"traceparent": parent})
-        else:
-            current = trace.get_current_span().get_span_context()
-            context = None if current.is_valid and current.trace_id == wanted else Context()
-        token = _trace_for.set(wanted)
-        try:
-            span = self.tracer.start_span(
-                name, context=context, kind=getattr(SpanKind, kind), start_time=start_ns,
-                attributes={"fleet.execution_id": execution_id, **(attributes or {})})
-        finally:
-            _trace_for.reset(token)
-        return span
+    def fail(self, span: Any, exc: BaseException | None = None) -> None:
+        """Mark ``span`` failed."""
+        if span is not None and self.enabled:
+            self.sdk.fail(span, exc)
 
     @staticmethod
     def traceparent(span: Any) -> str | None:
@@ -222,39 +181,18 @@ class Tracing:
 
     def _child(self, name: str, execution_id: str, start_ns: int, end_ns: int,
                attributes: Mapping[str, Any], *, error: bool) -> None:
-        from opentelemetry.trace import Status, StatusCode
-
         drive = self._drives.get(execution_id)
         parent = self.traceparent(drive) if drive is not None else None
         span = self.start(name, execution_id, parent=parent, start_ns=start_ns,
                           attributes=attributes)
         if error:
-            span.set_status(Status(StatusCode.ERROR))
+            self.fail(span)
         span.end(end_time=max(end_ns, start_ns))
 
     def shutdown(self) -> None:
         """Flush and stop this process's exporter (at the process's end)."""
         if self.provider is not None:
             self.provider.shutdown()
-
-
-def _exporter(env: Mapping[str, str]) -> Any:
-    exporter = env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() or "otlp"
-    if exporter == "console":
-        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-        return ConsoleSpanExporter()
-    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore
-            OTLPSpanExporter,
-        )
-
-        return OTLPSpanExporter()
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
-
-    return Http()
 
 
 _tracing: Tracing | None = None

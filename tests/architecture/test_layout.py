@@ -41,6 +41,10 @@ FUNCTION_LEVEL_IMPORTS = {
     # Flower and its Fleet page (Tornado, Flower's app) load only in `fleet flower`,
     # not in the other processes `fleet.cli.processes` starts.
     ("fleet/cli/processes.py", "fleet.flowerui"),
+    # OpenTelemetry (the `otel` extra) loads only when OTEL_* asks for traces
+    # (fleet.host.tracing), and its OTLP exporter only when it is the one named.
+    ("fleet/host/tracing.py", "fleet.host"),
+    ("fleet/host/otel_sdk.py", "opentelemetry.exporter.otlp.proto.http.trace_exporter"),
 }
 
 
