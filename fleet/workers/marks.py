@@ -110,6 +110,10 @@ class DriveMarks:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=_TIMEOUT_S)
         if self._client is not None:
-            await self._beat(1)  # expires at once: this worker is no longer live
+            # A timeout of 0 deletes the key at once (PEXPIRE; no DEL in the ACL):
+            # this worker is no longer live.
+            pipe = self._client.pipeline(transaction=False)
+            pipe.pexpire(self.key, 0)
+            await self._run(pipe)
             await self._client.aclose()
             self._client = None
