@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -29,20 +28,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import RESULTS, ROOT, bench_redis_url, own_database
+from bench._common import (
+    RESULTS,
+    ROOT,
+    bench_redis_url,
+    checkout_env,
+    own_database,
+    start_fleet_process,
+    stop_fleet_processes,
+)
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS = "redis://127.0.0.1:6379"
-
-
-def _env(checkout: Path, url: str, broker: str, queue: str, beats: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update({"PYTHONPATH": os.pathsep.join([str(checkout), str(ROOT / "bench")]),
-                "FLEET_DATABASE_URL": url, "FLEET_BROKER_URL": broker,
-                "FLEET_REDIS_URL": broker, "FLEET_QUEUE": queue,
-                "FLEET_FLOWS": "timer_flows:slow", "FLEET_HEARTBEAT_DIR": str(beats),
-                "C_FORCE_ROOT": "1"})
-    return env
+FLOWS = "timer_flows:slow"
 
 
 def _counters(client: Any, role: str, pids: set[int]) -> dict[str, float]:
@@ -79,27 +77,19 @@ def _row(checkout: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     async def run() -> dict[str, Any]:
         async with own_database(args.url, "fleet_bench_sweep") as url:
-            procs: list[tuple[str, subprocess.Popen[bytes], Any]] = []
             node = f"bench-sweep-{secrets.token_hex(2)}@{socket.gethostname()}"
-            for name, argv in (("worker", ["worker", "-n", node, "--without-mingle",
-                                           "--without-gossip"]),
-                               ("recovery", ["recovery"])):
-                env = _env(checkout, url, broker, queue, logs / f"beats-{name}")
-                log = open(logs / f"{name}.log", "ab")  # noqa: SIM115,ASYNC230
-                procs.append((name, subprocess.Popen(  # noqa: ASYNC220 - once per row
-                    [sys.executable, "-m", "fleet.cli", *argv], env=env, stdout=log,
-                    stderr=subprocess.STDOUT, cwd=str(checkout)), log))
+            names = ("worker", "recovery")
+            procs = [start_fleet_process(checkout, argv, checkout_env(
+                checkout, url=url, broker=broker, queue=queue, flows=FLOWS,
+                beats=logs / f"beats-{name}"), logs / f"{name}.log")
+                for name, argv in zip(names, (["worker", "-n", node, "--without-mingle",
+                                               "--without-gossip"], ["recovery"]),
+                                      strict=True)]
             try:
-                return await _measure(url, checkout, procs, queue, broker, logs, args)
+                return await _measure(url, checkout, list(zip(names, procs, strict=True)),
+                                      queue, broker, logs, args)
             finally:
-                for _, proc, _log in procs:
-                    proc.send_signal(signal.SIGTERM)
-                for _, proc, log in procs:
-                    try:
-                        proc.wait(30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                    log.close()
+                stop_fleet_processes(procs)
                 client = redis.Redis.from_url(broker)
                 client.delete(queue)
                 client.close()
@@ -112,7 +102,7 @@ async def _measure(url: str, checkout: Path, procs: list[Any], queue: str, broke
     import redis
 
     deadline = time.monotonic() + 90
-    for name, proc, _ in procs:
+    for name, (proc, _) in procs:
         while not list((logs / f"beats-{name}").glob("fleet-*.heartbeat")):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"{name} did not start: see {logs}")
@@ -120,7 +110,7 @@ async def _measure(url: str, checkout: Path, procs: list[Any], queue: str, broke
     await asyncio.sleep(3)  # the worker consuming, the sweeper past its first ticks
     load_before = os.getloadavg()
     began = time.monotonic()
-    env = _env(checkout, url, broker, queue, logs)
+    env = checkout_env(checkout, url=url, broker=broker, queue=queue, flows=FLOWS, beats=logs)
     sent = await asyncio.to_thread(
         subprocess.run, [sys.executable, "-c", "import sys, timer_flows; "
                          "timer_flows.dispatch(int(sys.argv[1]))", str(args.runs)],
@@ -136,7 +126,7 @@ async def _measure(url: str, checkout: Path, procs: list[Any], queue: str, broke
     await asyncio.sleep(4)  # the processes report every 2 s
     client = redis.Redis.from_url(broker)
     try:
-        pids = {p.pid for _, p, _ in procs}
+        pids = {p.pid for _, (p, _) in procs}
         sweeper = _counters(client, "recovery", pids)
         worker = _counters(client, "worker", pids)
     finally:

@@ -23,7 +23,6 @@ import base64
 import json
 import os
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,20 +31,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench._common import RESULTS, ROOT, bench_redis_url, cpu_seconds, own_database
+from bench._common import (
+    RESULTS,
+    ROOT,
+    bench_redis_url,
+    checkout_env,
+    cpu_seconds,
+    own_database,
+    start_fleet_process,
+    stop_fleet_processes,
+)
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS = "redis://127.0.0.1:6379"
 FLOWS = "timer_flows:timer_nap"
-
-
-def _env(checkout: Path, url: str, broker: str, queue: str, beats: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update({"PYTHONPATH": os.pathsep.join([str(checkout), str(ROOT / "bench")]),
-                "FLEET_DATABASE_URL": url, "FLEET_BROKER_URL": broker,
-                "FLEET_REDIS_URL": broker, "FLEET_QUEUE": queue, "FLEET_FLOWS": FLOWS,
-                "FLEET_HEARTBEAT_DIR": str(beats)})
-    return env
 
 
 def _drive_ids(client: Any, queue: str) -> list[str]:
@@ -81,24 +80,15 @@ def _row(checkout: Path, replicas: int, args: argparse.Namespace) -> dict[str, A
 
     async def run() -> dict[str, Any]:
         async with own_database(args.url, "fleet_bench_timers") as url:
-            procs = []
-            for n in range(replicas):
-                env = _env(checkout, url, broker, queue, logs / f"beats-{n}")
-                log = open(logs / f"timers-{n}.log", "ab")  # noqa: SIM115,ASYNC230
-                procs.append((subprocess.Popen(  # noqa: ASYNC220 - started once per row
-                    [sys.executable, "-m", "fleet.cli", "timers"], env=env, stdout=log,
-                    stderr=subprocess.STDOUT, cwd=str(checkout)), log))
+            procs = [start_fleet_process(
+                checkout, ["timers"], checkout_env(checkout, url=url, broker=broker,
+                                                   queue=queue, flows=FLOWS,
+                                                   beats=logs / f"beats-{n}"),
+                logs / f"timers-{n}.log") for n in range(replicas)]
             try:
                 return await _measure(url, checkout, procs, queue, broker, replicas, args)
             finally:
-                for proc, _log in procs:
-                    proc.send_signal(signal.SIGTERM)
-                for proc, log in procs:
-                    try:
-                        proc.wait(20)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                    log.close()
+                stop_fleet_processes(procs)
                 client = redis.Redis.from_url(broker)
                 client.delete(queue)
                 client.close()
@@ -119,7 +109,8 @@ async def _measure(url: str, checkout: Path, procs: list[Any], queue: str, broke
                 raise SystemExit(f"replica {n} did not start: see /tmp/bench-timers-{queue}")
             await asyncio.sleep(0.1)
     due_at = time.time() + args.lead
-    env = _env(checkout, url, broker, queue, Path("/tmp"))
+    env = checkout_env(checkout, url=url, broker=broker, queue=queue, flows=FLOWS,
+                       beats=Path("/tmp"))
     parked = await asyncio.to_thread(
         subprocess.run, [sys.executable, "-c", "import sys, timer_flows; "
          "timer_flows.park(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))",
