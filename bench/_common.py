@@ -199,3 +199,40 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# ------------------------------------------- fleet processes of a checkout (--peer)
+def checkout_env(checkout: Path, *, url: str, broker: str, queue: str, flows: str,
+                 beats: Path) -> dict[str, str]:
+    """The environment of a ``fleet ...`` process of ``checkout`` (this one or a
+    ``--peer``): only the bench's ``FLEET_*``, and ``bench/`` on the path for the
+    benches' top-level flow modules (``timer_flows``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env.update({"PYTHONPATH": os.pathsep.join([str(checkout), str(ROOT / "bench")]),
+                "FLEET_DATABASE_URL": url, "FLEET_BROKER_URL": broker,
+                "FLEET_REDIS_URL": broker, "FLEET_QUEUE": queue, "FLEET_FLOWS": flows,
+                "FLEET_HEARTBEAT_DIR": str(beats), "C_FORCE_ROOT": "1"})
+    return env
+
+
+def start_fleet_process(checkout: Path, argv: list[str], env: dict[str, str],
+                        log_path: Path) -> tuple[subprocess.Popen[bytes], Any]:
+    """``python -m fleet.cli <argv>`` of ``checkout``, its output in ``log_path``."""
+    log = open(log_path, "ab")  # noqa: SIM115 - closed by stop_fleet_processes
+    proc = subprocess.Popen([sys.executable, "-m", "fleet.cli", *argv], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, cwd=str(checkout))
+    return proc, log
+
+
+def stop_fleet_processes(procs: list[tuple[subprocess.Popen[bytes], Any]],
+                         timeout: float = 30.0) -> None:
+    """SIGTERM them all at once, then wait for each (SIGKILL past ``timeout``)."""
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc, log in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()

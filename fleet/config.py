@@ -124,6 +124,8 @@ class FleetSettings(BaseSettings):
         10.0, gt=0, description="`fleet health` fails when the heartbeat (written every "
         "second from inside the event loop) is older than this: a stuck loop")
     timer_interval_s: float = Field(0.25, gt=0, description="how often due timers are polled")
+    timer_batch: int = Field(500, ge=1, le=10_000, description="due timers one claim takes "
+                             "(and fires in one write, their drives in one publish)")
     recovery_interval_s: float = Field(2.0, gt=0)
     service_tick_deadline_s: float = Field(
         60.0, gt=0, description="a timer or recovery tick running longer than this makes "
@@ -178,6 +180,9 @@ class FleetSettings(BaseSettings):
     stats_ttl_s: int = Field(
         86_400, ge=60, description="how long a stopped process's last report is kept "
         "(shown as stale) before Redis forgets it")
+    health_port: int | None = Field(
+        None, ge=0, le=65535, description="serve GET /livez and /readyz (the checks of "
+        "`fleet health`) on this port, for HTTP probes; unset: off")
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="serve Prometheus /metrics on this port in every "
         "fleet service process (timers, recovery, attacher, relay); unset: none")

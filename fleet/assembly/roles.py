@@ -45,16 +45,18 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
-from fleet.dispatcher.dispatcher import Dispatcher
+from fleet.dispatcher.dispatcher import Dispatcher, DriveOrder
 from fleet.host.celery_api import run_command
 from fleet.host.control import ControlAuth
 from fleet.host.kernel import build_runtime, holder_name, open_store
+from fleet.host.tracing import tracing
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.journal import EventObserver
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import AccessPolicy
 from fleet.kernel.store.factory import StoreOptions, open_event_store
 from fleet.kernel.store.spi import CommitSignal, EventStore, SignalsCommits
+from fleet.kernel.timers import FiredTimer
 from fleet.recovery.sweeper import RecoverySweeper
 from fleet.services.base import PeriodicService, Service, run_services
 from fleet.services.counters import (
@@ -66,6 +68,7 @@ from fleet.services.counters import (
 )
 from fleet.services.health import Heartbeat
 from fleet.services.metrics import FleetCollector
+from fleet.services.probes import serve_probes
 from fleet.streams.attacher import RewardAttacher
 from fleet.streams.redis_client import aioredis
 from fleet.streams.relay import EventRelay, RelayLease
@@ -228,11 +231,22 @@ async def _open_enqueuing(settings: FleetSettings, name: str,
     return role
 
 
+def publish_fired(dispatcher: Dispatcher) -> Callable[[Sequence[FiredTimer]], Awaitable[None]]:
+    """The timer service's ``publish``: the drives of a batch of fired timers in one
+    broker round trip, each routed by the flow and tenant its claim read (no index read)."""
+    async def publish(fired: Sequence[FiredTimer]) -> None:
+        await dispatcher.publish([DriveOrder(timer.execution_id, timer.flow_id, timer.tenant)
+                                  for timer in fired], op="timer")
+    return publish
+
+
 async def open_timers(settings: FleetSettings, *, heartbeat: bool = True) -> Role:
-    """The timer service: fires due timers, enqueues their drives (routed as every drive)."""
+    """The timer service: fires due timers in batches, publishes their drives (routed as
+    every drive) in one round trip per batch (decision 0048)."""
     return await _open_enqueuing(settings, "timers", lambda runtime, dispatcher: TimerService(
-        runtime, enqueue=dispatcher.enqueue_drive, interval_s=settings.timer_interval_s,
-        on_error=_report("timers"), **_bounds(settings)), heartbeat)
+        runtime, publish=publish_fired(dispatcher), interval_s=settings.timer_interval_s,
+        batch=settings.timer_batch, on_error=_report("timers"), **_bounds(settings)),
+        heartbeat)
 
 
 async def open_recovery(settings: FleetSettings, *, heartbeat: bool = True) -> Role:
@@ -343,13 +357,17 @@ async def serve(settings: FleetSettings, name: str, *,
     uses its stream) ends the process with its error.
     """
     role = await open_role(settings, name)
+    tracing(name)  # this process's traces are named for its role (off unless configured)
     log.info("fleet %s (pid %d) running: %s", name, os.getpid(),
              ", ".join(s.name for s in role.services))
     relay = role.service if isinstance(role.service, EventRelay) else None
     metrics = serve_metrics(settings, role)
+    probes = serve_probes(settings, name)
     try:
         await run_services(role.services, until=_first(until, relay))
     finally:
+        if probes is not None:
+            probes.stop()
         if metrics is not None:
             metrics.shutdown()
         await role.aclose()

@@ -30,7 +30,8 @@ async def _schema_status(url: str | None, *, upgrade: bool) -> Any:
 def _print_schema_status(status: Any, as_json: bool) -> None:
     fields = {"version": status.version, "latest": status.latest, "state": status.state,
               "applied": list(status.applied), "pending": list(status.pending),
-              "schema": status.schema}
+              "schema": status.schema, "oldest_code": status.oldest_code,
+              "compatible": status.compatible}
     if as_json:
         click.echo(json.dumps(fields))
         return
@@ -38,7 +39,8 @@ def _print_schema_status(status: Any, as_json: bool) -> None:
     table.add_column("field")
     table.add_column("value", justify="right")
     for name, value in fields.items():
-        shown = ", ".join(map(str, value)) if isinstance(value, list) else value
+        shown = (", ".join(map(str, value)) if isinstance(value, list)
+                 else ("yes" if value else "no") if isinstance(value, bool) else value)
         table.add_row(name, "" if shown is None else str(shown))
     console.print(table)
 
@@ -59,9 +61,24 @@ def db_upgrade(url: str | None, as_json: bool) -> None:
 @db_group.command("status")
 @_db_url_option
 @click.option("--json", "as_json", is_flag=True)
-def db_status(url: str | None, as_json: bool) -> None:
-    """Print the schema version the database holds and what an upgrade would apply."""
-    _print_schema_status(run_async(lambda: _schema_status(url, upgrade=False)), as_json)
+@click.option("--check", is_flag=True,
+              help="print nothing; exit 0 when this code may run against the database as "
+                   "it is (current, or newer and declaring this code compatible), else 1 "
+                   "with the reason (the pods' wait-for-schema gate)")
+def db_status(url: str | None, as_json: bool, check: bool) -> None:
+    """Print the schema version the database holds, what an upgrade would apply, and the
+    oldest fleet code that may run against it (``oldest_code``; a rollback target must
+    know at least that version)."""
+    status = run_async(lambda: _schema_status(url, upgrade=False))
+    if check:
+        runnable = status.state == "current" or (status.state == "newer" and status.compatible)
+        if not runnable:
+            click.echo(f"fleet schema: version {status.version}, this code knows "
+                       f"{status.latest} and needs it current"
+                       + (f" (the database needs code of version {status.oldest_code})"
+                          if status.state == "newer" else ""), err=True)
+        raise SystemExit(0 if runnable else 1)
+    _print_schema_status(status, as_json)
 
 
 __all__ = ["db_group"]

@@ -30,7 +30,8 @@ class _Host(Protocol):
 
     async def _order(self, runtime: Runtime, execution_id: str) -> Any: ...
 
-    async def _publish_after_write(self, orders: Sequence[Any]) -> None: ...
+    async def _publish_after_write(self, orders: Sequence[Any], op: str,
+                                   began_ns: int | None = None) -> None: ...
 
     def _sync(self, what: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T: ...
 
@@ -49,7 +50,8 @@ class Asking:
 
             async def enqueue(target: str, woke: bool) -> None:
                 if woke:
-                    await self._publish_after_write([await self._order(runtime, target)])
+                    await self._publish_after_write([await self._order(runtime, target)],
+                                                    "update")
 
             return await update(runtime.engine, execution_id, key, payload, timeout=timeout,
                                 update_id=update_id, principal=principal, drive=False,

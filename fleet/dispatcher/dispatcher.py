@@ -51,6 +51,7 @@ from fleet.dispatcher.publish import (
     send_drive,
 )
 from fleet.dispatcher.routing import check_routes, route_queue
+from fleet.dispatcher.traced import traced
 from fleet.host.kernel import build_runtime, open_store
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel import ids as kernel_ids
@@ -234,8 +235,12 @@ class Dispatcher(Asking):
                     self._idle.notify_all()
 
     # ------------------------------------------------------------ publishing
-    async def publish(self, orders: Sequence[DriveOrder], *, redrive: bool = False) -> None:
+    async def publish(self, orders: Sequence[DriveOrder], *, redrive: bool = False,
+                      op: str | None = None, began_ns: int | None = None) -> None:
         """Publish a drive for each order, in one round trip where the broker allows it.
+
+        ``op`` names what caused the drives (``start``, ``timer``...): with tracing on,
+        each gets a ``fleet.<op>`` span from ``began_ns`` (``fleet.dispatcher.traced``).
 
         Raises:
             BrokerUnavailableError: the broker did not take them within
@@ -246,7 +251,9 @@ class Dispatcher(Asking):
             return
         drives = [PublishedDrive(o.execution_id, self.queue_for(o), o.flow_id, o.tenant,
                                  redrive=redrive) for o in orders]
-        await self._publishing().publish(drives)
+        async with traced(drives, op=op or ("redrive" if redrive else None),
+                          began_ns=began_ns) as sent:
+            await self._publishing().publish(sent)
         self.enqueued += len(drives)
 
     async def enqueue_async(self, order: DriveOrder) -> None:
@@ -276,14 +283,16 @@ class Dispatcher(Asking):
                 f"{type(exc).__name__}: {exc}") from exc
         self.enqueued += 1
 
-    async def _publish_after_write(self, orders: Sequence[DriveOrder]) -> None:
-        """Publish after a durable write; a broker fault is counted, not raised.
+    async def _publish_after_write(self, orders: Sequence[DriveOrder], op: str,
+                                   began_ns: int | None = None) -> None:
+        """Publish after a durable write (``op``: ``start``, ``resume``, ``send``, begun at
+        ``began_ns``); a broker fault is counted, not raised.
 
         The write stands, so the execution is running with no lease: the
         recovery sweeper enqueues its drive after its grace period.
         """
         try:
-            await self.publish(orders)
+            await self.publish(orders, op=op, began_ns=began_ns)
         except BrokerUnavailableError as exc:
             self.enqueue_failed += len(orders)
             log.warning("%s; the write stands: the recovery sweeper will drive it", exc)
@@ -382,6 +391,7 @@ class Dispatcher(Asking):
 
     async def _flush_starts(self, items: Sequence[Start]) -> list[str | BaseException]:
         """One group of ``start`` calls: one write, one publish; an answer per call."""
+        began = time.time_ns()
         try:
             orders = await self.write_starts(items)
         except FleetError as exc:
@@ -399,9 +409,11 @@ class Dispatcher(Asking):
                 else:
                     answers.append(order.execution_id)
                     good.append(order)
-            await self._publish_after_write(list({o.execution_id: o for o in good}.values()))
+            await self._publish_after_write(list({o.execution_id: o for o in good}.values()),
+                                            "start", began)
             return answers
-        await self._publish_after_write(list({o.execution_id: o for o in orders}.values()))
+        await self._publish_after_write(list({o.execution_id: o for o in orders}.values()),
+                                        "start", began)
         return [order.execution_id for order in orders]
 
     async def start_many(self, items: Sequence[Start]) -> list[str]:
@@ -412,24 +424,28 @@ class Dispatcher(Asking):
         batch before anything is written.
         """
         with self._call("start_many"):
+            began = time.time_ns()
             orders = await self.write_starts(items)
-            await self._publish_after_write(list({o.execution_id: o for o in orders}.values()))
+            await self._publish_after_write(list({o.execution_id: o for o in orders}.values()),
+                                            "start", began)
             return [order.execution_id for order in orders]
 
     async def resume(self, execution_id: str, gate: str, payload: Any = None, *,
                      principal: Principal | None = None) -> None:
         """Answer the gate a parked execution waits on; a worker drives it on."""
         with self._call("resume"):
+            began = time.time_ns()
             order = await self.write_resume(execution_id, gate, payload, principal=principal)
-            await self._publish_after_write([order])
+            await self._publish_after_write([order], "resume", began)
 
     async def send(self, execution_id: str, key: str, payload: Any = None, *,
                    principal: Principal | None = None) -> bool:
         """Deliver a message to ``ctx.receive(key)``; True when it woke the execution."""
         with self._call("send"):
+            began = time.time_ns()
             order = await self.write_send(execution_id, key, payload, principal=principal)
             if order is not None:
-                await self._publish_after_write([order])
+                await self._publish_after_write([order], "send", began)
             return order is not None
 
     async def send_many(self, items: Sequence[Send]) -> list[bool]:
@@ -438,11 +454,13 @@ class Dispatcher(Asking):
         each woke its execution, in order; the first refusal is raised after the rest
         were written."""
         with self._call("send_many"):
+            began = time.time_ns()
             results = await asyncio.gather(*(
                 self.write_send(s.execution_id, s.key, s.payload, principal=s.principal)
                 for s in items), return_exceptions=True)
             orders = [r for r in results if isinstance(r, DriveOrder)]
-            await self._publish_after_write(list({o.execution_id: o for o in orders}.values()))
+            await self._publish_after_write(list({o.execution_id: o for o in orders}.values()),
+                                            "send", began)
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
@@ -457,7 +475,7 @@ class Dispatcher(Asking):
             order = await self.write_cancel(execution_id, principal=principal, reason=reason,
                                             force=force)
             if order is not None:
-                await self._publish_after_write([order])
+                await self._publish_after_write([order], "cancel")
 
     async def write_cancel(self, execution_id: str, *, principal: Principal | None = None,
                            reason: str = "", force: bool = False) -> DriveOrder | None:

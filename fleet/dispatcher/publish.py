@@ -42,23 +42,33 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
-import hashlib
 import json
 import logging
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fleet.config import FleetSettings
+from fleet.dispatcher.drive_records import (
+    MAX_BACKOFF_MS,
+    RECORD_TTL_MS,
+    DriveRecord,
+    now_ms,
+    record_key,
+    task_id_at,
+    timed_task_id,
+)
 from fleet.dispatcher.routing import DRIVE_TASK, DRIVES_TASK
+from fleet.host.tracing import TRACE_HEADER
 from fleet.kernel.errors import BrokerUnavailableError
 from fleet.streams.redis_client import TRANSIENT, aioredis
 
 log = logging.getLogger("fleet.dispatcher")
 
 __all__ = [
+    "LIVE_TTL_MS",
+    "MAX_BACKOFF_MS",
     "RECORD_TTL_MS",
     "DrivePublisher",
     "DriveRecord",
@@ -67,16 +77,24 @@ __all__ = [
     "RedisDrivePublisher",
     "batches",
     "kombu_envelope",
+    "live_key",
     "open_publisher",
     "record_key",
+    "records_url",
 ]
 
-#: How long a drive record outlives its last enqueue (it carries the count that
-#: spaces the sweeper's re-enqueues of one execution out).
-RECORD_TTL_MS = 15 * 60_000
-#: The longest a record keeps the sweeper off an execution, however many enqueues.
-MAX_BACKOFF_MS = 5 * 60_000
 _REDIS_SCHEMES = ("redis", "rediss", "valkey", "valkeys")
+#: A worker's liveness mark outlives its last beat this long (``fleet.workers.marks``).
+LIVE_TTL_MS = 10_000
+
+
+def live_key(namespace: str, worker: str) -> str:
+    """The key a worker process marks itself live under (in the drive records' space:
+    every fleet Redis user that reads or writes records may touch it)."""
+    return record_key(f"worker:{worker}", namespace)
+
+
+_now_ms = now_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,37 +110,8 @@ class PublishedDrive:
     flow_id: str | None = None
     tenant: str | None = None
     redrive: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class DriveRecord:
-    """When a drive of an execution was last enqueued (epoch ms), and how many in a row."""
-
-    at_ms: int
-    count: int
-
-    def fresh(self, now_ms: int, grace_ms: int) -> bool:
-        """Whether that drive may still be waiting in its queue: younger than
-        ``grace_ms`` doubled for each re-enqueue in a row (at most ``MAX_BACKOFF_MS``)."""
-        doubling: int = 1 << max(0, min(self.count, 20) - 1)
-        wait = min(grace_ms * doubling, max(grace_ms, MAX_BACKOFF_MS))
-        return now_ms - self.at_ms < wait
-
-
-def record_key(execution_id: str, namespace: str) -> str:
-    """The Redis key of an execution's drive record (ids can be long or hostile).
-
-    ``namespace`` is the fleet's default queue (``FLEET_QUEUE``): two fleets that
-    share a Redis database (staging beside production, test runs beside each
-    other) can hold executions of the same id (idempotency keys derive them), and
-    one fleet's fresh record must never make the other's sweeper wait.
-    """
-    digest = hashlib.sha256(execution_id.encode("utf-8", "surrogatepass")).hexdigest()
-    return f"fleet:drive:{namespace}:{digest[:40]}"
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
+    # The traceparent of its ``fleet.dispatch`` span (``fleet.host.tracing``), if traced.
+    trace: str | None = None
 
 
 class DrivePublisher(Protocol):
@@ -169,6 +158,11 @@ def batches(drives: Sequence[PublishedDrive], size: int) -> list[list[PublishedD
     return out
 
 
+def trace_header(group: Sequence[PublishedDrive]) -> dict[str, str]:
+    """The ``fleet_trace`` header of a message: each traced execution's traceparent."""
+    return {d.execution_id: d.trace for d in group if d.trace}
+
+
 def task_call(group: Sequence[PublishedDrive]) -> tuple[str, list[Any], dict[str, Any]]:
     """The task, args and kwargs of the message carrying ``group`` (one route)."""
     first = group[0]
@@ -182,13 +176,18 @@ def kombu_envelope(app: Any, drive: PublishedDrive | Sequence[PublishedDrive],
                    task_id: str | None = None) -> str:
     """The JSON kombu's Redis transport ``LPUSH``es for ``send_task(fleet.drive, ...)``
     (or ``fleet.drives`` for a group of drives of one route)."""
-    task_id = task_id or str(uuid.uuid4())
+    # Its first 48 bits are the enqueue time: the sweeper reads the oldest message's
+    # (``drive_records``) to tell a queued drive from a lost one.
+    task_id = task_id or timed_task_id(_now_ms())
     group = [drive] if isinstance(drive, PublishedDrive) else list(drive)
     name, args, kwargs = task_call(group)
     queue = group[0].queue
     headers, properties, body, _ = app.amqp.as_task_v2(
         task_id, name, args, kwargs, ignore_result=True, argsrepr=repr(args),
         kwargsrepr=repr(kwargs))
+    traces = trace_header(group)
+    if traces:
+        headers = {**headers, TRACE_HEADER: traces}
     data = json.dumps(body).encode()
     return json.dumps({
         "body": base64.b64encode(data).decode(), "content-encoding": "utf-8",
@@ -201,29 +200,90 @@ def kombu_envelope(app: Any, drive: PublishedDrive | Sequence[PublishedDrive],
 
 
 def _record_commands(pipe: Any, drives: Sequence[PublishedDrive], now: int,
-                     namespace: str) -> None:
+                     namespace: str, prefix: str | None = None) -> None:
+    """Each drive's record; with ``prefix`` (a Redis broker) also the list it went on."""
     for drive in drives:
         key = record_key(drive.execution_id, namespace)
+        fields: dict[str, Any] = {"at": now}
+        if prefix is not None:
+            fields["q"] = prefix + drive.queue
         if drive.redrive:
-            pipe.hset(key, "at", now)
+            pipe.hset(key, mapping=fields)
             pipe.hincrby(key, "n", 1)
         else:
-            pipe.hset(key, mapping={"at": now, "n": 1})
+            pipe.hset(key, mapping={**fields, "n": 1})
         pipe.pexpire(key, RECORD_TTL_MS)
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _text(value: Any) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _oldest_at(raw: Any) -> int | None:
+    """The enqueue time a message's task id carries (``drive_records.timed_task_id``)."""
+    if raw is None:
+        return None
+    try:
+        envelope = json.loads(raw)
+        task_id = envelope.get("properties", {}).get("correlation_id") \
+            or envelope.get("headers", {}).get("id")
+    except (ValueError, AttributeError):
+        return None
+    return task_id_at(task_id) if isinstance(task_id, str) else None
 
 
 async def _read_records(client: Any, execution_ids: Sequence[str],
                         namespace: str) -> dict[str, DriveRecord]:
+    """The records of ``execution_ids``, each with the oldest message of its list and
+    whether the worker that took it is live: two pipelines (decision 0048)."""
     if not execution_ids:
         return {}
     pipe = client.pipeline(transaction=False)
     for execution_id in execution_ids:
-        pipe.hmget(record_key(execution_id, namespace), "at", "n")
+        pipe.hmget(record_key(execution_id, namespace), "at", "n", "q", "t", "d", "w")
+    rows: dict[str, tuple[Any, ...]] = {}
+    for execution_id, row in zip(execution_ids, await pipe.execute(), strict=True):
+        if row[0] is not None:
+            rows[execution_id] = tuple(row)
+    queues = sorted({q for row in rows.values() if (q := _text(row[2])) is not None})
+    workers = sorted({w for row in rows.values() if (w := _text(row[5])) is not None})
+    oldest: dict[str, int | None] = {}
+    live: set[str] = set()
+    if queues or workers:
+        pipe = client.pipeline(transaction=False)
+        for name in queues:
+            pipe.lindex(name, -1)  # the tail: the oldest message (LPUSH, BRPOP)
+        for name in workers:
+            pipe.pttl(name)
+        answers = await pipe.execute()
+        oldest = {q: _oldest_at(raw) for q, raw in zip(queues, answers, strict=False)}
+        live = {w for w, ttl in zip(workers, answers[len(queues):], strict=True)
+                if isinstance(ttl, int) and ttl > 0}
     found: dict[str, DriveRecord] = {}
-    for execution_id, (at, n) in zip(execution_ids, await pipe.execute(), strict=True):
-        if at is not None:
-            found[execution_id] = DriveRecord(int(at), int(n or 1))
+    for execution_id, (at, n, q, t, d, w) in rows.items():
+        queue: str | None = _text(q)
+        worker: str | None = _text(w)
+        found[execution_id] = DriveRecord(
+            int(at), _int(n) or 1, queue=queue, taken_ms=_int(t), done_ms=_int(d), by=worker,
+            oldest_queued_ms=oldest.get(queue) if queue else None,
+            list_known=queue is not None and queue in oldest,
+            by_live=worker is not None and worker in live)
     return found
+
+
+def records_url(settings: FleetSettings) -> str | None:
+    """Where the drive records live: the broker when it is Redis (written in the
+    publish's own pipeline), else ``FLEET_REDIS_URL``, else nowhere (decision 0019)."""
+    if is_redis_broker(settings.broker):
+        return settings.broker
+    return settings.redis_url
 
 
 def _redis_client(url: str, settings: FleetSettings) -> Any:
@@ -265,7 +325,7 @@ class RedisDrivePublisher:
         pipe = self._client.pipeline(transaction=False)
         for queue, messages in by_queue.items():
             pipe.lpush(queue, *messages)
-        _record_commands(pipe, drives, _now_ms(), self.namespace)
+        _record_commands(pipe, drives, _now_ms(), self.namespace, self.prefix)
         try:
             await asyncio.wait_for(pipe.execute(), self.timeout)
         except (TimeoutError, *TRANSIENT) as exc:
@@ -385,8 +445,9 @@ def send_drive(app: Any, drive: PublishedDrive | Sequence[PublishedDrive]) -> No
     command deadlines apply)."""
     group = [drive] if isinstance(drive, PublishedDrive) else list(drive)
     name, args, kwargs = task_call(group)
-    app.send_task(name, args=args, kwargs=kwargs,
-                  queue=group[0].queue, retry=True, retry_policy={
+    traces = trace_header(group)
+    app.send_task(name, args=args, kwargs=kwargs, headers={TRACE_HEADER: traces} if traces
+                  else None, queue=group[0].queue, retry=True, retry_policy={
                       "max_retries": 2, "interval_start": 0, "interval_step": 0.2,
                       "interval_max": 0.5})
 

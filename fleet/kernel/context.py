@@ -32,6 +32,7 @@ from fleet.kernel.children import ChildHandle, start_child
 from fleet.kernel.errors import (
     ContinueAsNew,
     DuplicateStepError,
+    ExecutionParked,
     InvalidPropensityError,
     ReservedNameError,
     RunInterrupt,
@@ -41,6 +42,7 @@ from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.flow_log import FlowLogger
 from fleet.kernel.flow_run import RESERVED_PREFIX, FlowRun, Where, check_op_id
 from fleet.kernel.flows import FlowDefinition
+from fleet.kernel.fold import condition_waits
 from fleet.kernel.messaging import deliver, reply, set_value
 from fleet.kernel.security import OUTCOME_FIELDS, check_outcome_shape, guard_userspace_emit
 from fleet.kernel.steps import RetryPolicy, run_step
@@ -77,6 +79,24 @@ class Decision:
     policy: Policy | None = None
     alternatives: Sequence[Any] | None = None
     context: Any = None
+
+
+# What a park of several parallel branches at once can wait on together.
+_TOGETHER = frozenset({"gate", "timer", "message", "child", "first"})
+
+
+def _parked_together(run: FlowRun, scope: str, stops: list[RunInterrupt]) -> RunInterrupt:
+    """What a scope whose branches stopped raises in its parent: one branch's park or other
+    stop as it is, or, when several branches parked on waits, one park on all of them
+    (kind ``first``): whichever comes first wakes the run, and every pending timer of a
+    parked execution is one its park waits on (decision 0033)."""
+    parks = [s for s in stops if isinstance(s, ExecutionParked)
+             and s.condition.get("kind", "gate") in _TOGETHER]
+    if len(parks) < 2 or len(parks) != len(stops):
+        return stops[0]
+    waits = [wait for park in parks for wait in condition_waits(park.condition)]
+    return run.issue(ExecutionParked({"on": f"parallel:{scope}", "kind": "first",
+                                      "waits": waits}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,10 +426,12 @@ class Context:
             # (recorded there too, so the parent's branch has received it).
             owed = cancel_owed(run, where.branch, f"parallel:{scope}", answered=False)
             raise owed or reached[0].cancelled
+        parks = [exc for exc in outcomes if isinstance(exc, RunInterrupt)]
+        if parks:
+            stop = _parked_together(run, scope, parks)
+            run.unwind(stop)
+            raise stop
         for exc in outcomes:
-            if isinstance(exc, RunInterrupt):
-                run.unwind(exc)
-                raise exc
             if isinstance(exc, asyncio.CancelledError):
                 raise exc
         for exc in outcomes:

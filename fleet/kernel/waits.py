@@ -319,11 +319,10 @@ async def first(where: Where, waits: Sequence[Any]) -> tuple[int, Any]:
             order, index, value = min(found, key=lambda item: (item[0], item[1]))
             run.saw_answer(order[0])
             run.journal.commit(EventType.FIRST_RESOLVED, {"name": name, "index": index})
-            result = waits[index].take(value)
             for i, wait in enumerate(waits):
                 if i != index:
-                    wait.withdraw()
-            return index, result
+                    wait.withdraw()  # before the winner's take, which may raise
+            return index, waits[index].take(value)
         remaining = [(r, i) for i, wait in enumerate(waits)
                      if (r := wait.remaining()) is not None]
         if remaining and min(remaining)[0] <= run.inline_sleep_max:

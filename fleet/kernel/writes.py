@@ -31,6 +31,7 @@ from fleet.kernel.observers import Observers
 from fleet.kernel.store.spi import (
     ConditionalAppendResult,
     EventStore,
+    ReleasingAppend,
     TipObservation,
     append_acquiring,
     append_many,
@@ -136,6 +137,28 @@ class LogWriter:
         if stored and self.observers is not None:
             self.observers.stored(stored)
         return answers
+
+    async def write_releasing_many(self, writes: Sequence[tuple[Lease, Sequence[EventEnvelope]]],
+                                   ) -> list[BaseException | None]:
+        """Append each batch under its (taken) lease and end that lease, all in one
+        ``append_many`` (``ReleasingAppend``s: one round trip on Postgres, decision
+        0048); report those stored. An answer per write: None (written, the lease
+        ended) or the store's refusal for it alone (its lease is then still held:
+        the caller releases it, or leaves it to expire if ``Lease.kept`` says so).
+        """
+        answers = await append_many(self.store, [ReleasingAppend(events, fence=lease.token)
+                                                 for lease, events in writes])
+        stored: list[EventEnvelope] = []
+        for (lease, events), answer in zip(writes, answers, strict=True):
+            if answer is None:
+                lease.released_by_write()
+                stored.extend(events)
+            elif isinstance(answer, BaseException):
+                lease.write_failed(answer)
+                self._refused(events, answer)
+        if stored and self.observers is not None:
+            self.observers.stored(stored)
+        return [a if isinstance(a, BaseException) else None for a in answers]
 
     async def observe(self, execution_id: str) -> TipObservation:
         """The tip a conditional write compares (``append_if_unchanged`` with no event)."""

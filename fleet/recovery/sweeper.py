@@ -10,10 +10,13 @@ live lease is held, so a duplicate drive steps aside.
 
 An execution whose drive is merely queued (workers busy with a backlog, or
 catching up after a broker restart) also looks like that. With ``recent``
-(the dispatcher's drive records, decision 0019) the sweeper leaves alone an
-execution whose last drive was enqueued less than ``grace_ms`` ago, doubled for
-each re-enqueue in a row (``queued`` in its stats): a lost message is still
-re-sent, a queued one is not sent again and again.
+(the dispatcher's drive records, decisions 0019 and 0048) the sweeper asks each
+record for its ``verdict``: a drive a live worker took and has not finished is
+``held``, one still on its queue (the oldest message there is no younger) is
+``queued``, and so is one younger than ``grace_ms`` doubled per re-enqueue where
+the queue cannot be read; only a ``lost`` one is re-sent (taken by a worker that
+stopped reporting, gone from its queue untaken, or ended with the run still
+waiting). So a backlog, however long it takes to drain, is never re-sent.
 
 Refused re-drives are surfaced with their ids and reasons (ADR 0113 fix round
 1 item 2). Driving here, the sweeper reports what ``Runtime.recover_abandoned``
@@ -42,9 +45,11 @@ log = logging.getLogger("fleet.recovery")
 
 
 class DriveRecord(Protocol):
-    """When a drive was last enqueued (``fleet.dispatcher.publish.DriveRecord``)."""
+    """What is known of an execution's last drive (``fleet.dispatcher.drive_records``)."""
 
-    def fresh(self, now_ms: int, grace_ms: int) -> bool: ...
+    def verdict(self, now_ms: int, grace_ms: int) -> str:
+        """``held`` (a live worker has it), ``queued`` (still on its queue) or ``lost``."""
+        ...
 
 
 Recent = Callable[[Sequence[str]], Awaitable[Mapping[str, DriveRecord]]]
@@ -81,6 +86,7 @@ class RecoverySweeper(PeriodicService):
         self.redriven = 0
         self.skipped = 0
         self.queued = 0
+        self.held = 0
         self.failed = 0
         # The latest refused re-drive of each execution (driving here), newest last.
         self.failures: dict[str, RecoveryFailure] = {}
@@ -123,7 +129,10 @@ class RecoverySweeper(PeriodicService):
             for row in rows:
                 self.examined += 1
                 record = records.get(row.execution_id)
-                if record is not None and record.fresh(now, self.grace_ms):
+                verdict = record.verdict(now, self.grace_ms) if record is not None else "lost"
+                if verdict == "held":
+                    self.held += 1    # a live worker took its drive and is on it
+                elif verdict == "queued":
                     self.queued += 1  # its drive is still in a queue
                 else:
                     await enqueue(row.execution_id)
@@ -167,7 +176,8 @@ class RecoverySweeper(PeriodicService):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "examined": self.examined, "redriven": self.redriven,
-                "skipped": self.skipped, "queued": self.queued, "failed": self.failed,
+                "skipped": self.skipped, "queued": self.queued, "held": self.held,
+                "failed": self.failed,
                 "failures": [{"executionId": f.execution_id, "error": f.error,
                               "reason": f.reason} for f in self.failures.values()],
                 "diverged": [{"executionId": eid, "reason": reason}

@@ -32,6 +32,7 @@ from fleet.config import FleetSettings
 from fleet.dispatcher.broker import FleetCelery, producer_app
 from fleet.host.celery_api import current_app, is_prefork, process_index, signals
 from fleet.host.control import ControlAuth
+from fleet.services.probes import ProbeServer, serve_probes
 from fleet.workers import shutdown, stats
 from fleet.workers.bootstep import FleetStatsStep
 from fleet.workers.consuming import ConsumerWatch
@@ -106,6 +107,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         return
     shutdown.install()  # before a prefork pool forks: its children inherit the flag
     set_node_name(getattr(sender, "hostname", None))
+    # HTTP probes in the main process (it checks a prefork pool's every child's heartbeat).
+    _probes.append(serve_probes(sender.app.fleet_settings, "worker"))
     if is_prefork(sender.pool_cls):
         return  # prefork: each child opens its own after the fork
     try:
@@ -146,6 +149,13 @@ def _on_worker_shutting_down(**_: Any) -> None:
 def _on_worker_shutdown(sender: Any = None, **_: Any) -> None:
     if sender is not None and sender.app in _apps:
         close_process()
+        while _probes:
+            probes = _probes.pop()
+            if probes is not None:
+                probes.stop()
+
+
+_probes: list[ProbeServer | None] = []
 
 
 __all__ = ["FleetCelery", "make_app"]

@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from fleet.config import FleetSettings
 from fleet.dispatcher.signing import DispatchVerifier
 from fleet.host.keys import KeySource
 from fleet.host.loop import EventLoopThread
+from fleet.host.tracing import tracing
 from fleet.kernel.errors import (
     DuplicateSequenceError,
     ExecutionNotFoundError,
@@ -49,9 +51,10 @@ from fleet.kernel.run_outcome import OutcomeKind, RunOutcome
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.store.spi import EventStore
 from fleet.services.base import Service, start_order
-from fleet.services.counters import PARKS_KEPT
+from fleet.services.counters import PARKS_KEPT, process_name
 from fleet.services.health import consuming_problem
 from fleet.workers import shutdown, stats
+from fleet.workers.marks import DriveMarks
 
 log = logging.getLogger("fleet.workers")
 
@@ -171,6 +174,8 @@ class WorkerProcess:
         #: The operators' keys, watched for the report (the worker's consumer checks them).
         self.control_keys = KeySource.of(settings.control_keys, settings.control_keys_file,
                                          setting="FLEET_CONTROL_KEYS")
+        # Taken / done / live marks for the recovery sweeper (decision 0048).
+        self.marks: DriveMarks | None = None
 
     @property
     def runtime(self) -> Runtime:
@@ -180,6 +185,7 @@ class WorkerProcess:
 
     def open(self) -> None:
         """Start the loop thread and open the store and the Runtime on it."""
+        tracing("worker")  # this process's traces are the worker's (off unless configured)
         self.loop.start()
         try:
             self.loop.run_coroutine(self._open())
@@ -194,6 +200,8 @@ class WorkerProcess:
     async def _open(self) -> None:
         # The store, the runtime and the heartbeat: built as
         # every role's are (fleet.assembly.roles), started here on the loop.
+        worker = (_node or process_name()) + (f"#{self.slot}" if self.slot is not None else "")
+        self.marks = DriveMarks.for_settings(self.settings, worker)
         role = await open_worker(self.settings, slot=self.slot,
                                  on_durable_event=self._observe, on_beat=self._poll_drain,
                                  collect=self.report, name=_node)
@@ -223,6 +231,9 @@ class WorkerProcess:
     async def _close(self) -> None:
         if self._runtime is not None:
             await self._runtime.close()
+        marks, self.marks = self.marks, None
+        if marks is not None:
+            await marks.aclose()
         role, self._role = self._role, None
         if role is None:
             return
@@ -273,28 +284,53 @@ class WorkerProcess:
         # A prefork child learns of the parent's SIGTERM here (once a second).
         if not self._draining and shutdown.drain_requested():
             self.begin_drain()
+        if self.marks is not None and not self._draining:
+            self.marks.beat()
 
     # ----------------------------------------------------------------- drive
-    def drive(self, execution_id: str) -> DriveResult:
-        """Drive ``execution_id`` to the end of its run; how it stopped (sync)."""
+    def drive(self, execution_id: str, *, traces: Mapping[str, str] | None = None,
+              ) -> DriveResult:
+        """Drive ``execution_id`` to the end of its run; how it stopped (sync).
+        ``traces``: the message's traceparents (``fleet.host.tracing``)."""
         try:
-            return self.loop.run_coroutine(self.drive_async(execution_id))
+            result: DriveResult = self.loop.run_coroutine(
+                self._marked([execution_id], traces=traces))[0]
+            return result
         finally:
             self.write_stats_row()
 
-    def drive_many(self, execution_ids: list[str]) -> list[str | StoreUnavailableError]:
+    def drive_many(self, execution_ids: list[str], *,
+                   traces: Mapping[str, str] | None = None,
+                   ) -> list[str | StoreUnavailableError]:
         """Drive each of ``execution_ids`` at once on the loop (a ``fleet.drives`` message);
         how each run stopped, or the ``StoreUnavailableError`` that stopped its drive (the
         task retries those). Any other error of one drive is logged and reported as
         ``refused``; the others are driven regardless (sync)."""
         try:
-            return self.loop.run_coroutine(self._drive_many(execution_ids))
+            return self.loop.run_coroutine(self._marked(execution_ids, many=True,
+                                                        traces=traces))
         finally:
             self.write_stats_row()
 
-    async def _drive_many(self, execution_ids: list[str]) -> list[str | StoreUnavailableError]:
-        answers = await asyncio.gather(*(self.drive_async(i) for i in execution_ids),
-                                       return_exceptions=True)
+    async def _marked(self, execution_ids: list[str], *, many: bool = False,
+                      traces: Mapping[str, str] | None = None) -> list[Any]:
+        """The drives of one message, its records marked taken before and done after."""
+        marks = self.marks
+        if marks is not None:
+            marks.taken(execution_ids)
+        try:
+            if many:
+                return await self._drive_many(execution_ids, traces or {})
+            return [await self.drive_async(execution_ids[0],
+                                           (traces or {}).get(execution_ids[0]))]
+        finally:
+            if marks is not None:
+                marks.done(execution_ids)
+
+    async def _drive_many(self, execution_ids: list[str], traces: Mapping[str, str],
+                          ) -> list[str | StoreUnavailableError]:
+        answers = await asyncio.gather(*(self.drive_async(i, traces.get(i))
+                                         for i in execution_ids), return_exceptions=True)
         out: list[str | StoreUnavailableError] = []
         for execution_id, answer in zip(execution_ids, answers, strict=True):
             if isinstance(answer, (StoreUnavailableError, str)):
@@ -309,11 +345,12 @@ class WorkerProcess:
                 raise answer
         return out
 
-    async def drive_async(self, execution_id: str) -> DriveResult:
+    async def drive_async(self, execution_id: str, trace: str | None = None) -> DriveResult:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.settings.worker_drives)
         async with self._slots:
-            return await self._drive_async(execution_id)
+            with tracing("worker").drive(execution_id, trace):
+                return await self._drive_async(execution_id)
 
     async def _drive_async(self, execution_id: str) -> DriveResult:
         runtime = self.runtime
@@ -370,6 +407,9 @@ class WorkerProcess:
         return DriveResult(_REPORTED[outcome.kind], describe(outcome))
 
     def _observe(self, event: EventEnvelope) -> Any:
+        tracer = tracing("worker")
+        if tracer.enabled:
+            tracer.observe(event)  # steps and the run's end as spans (fleet.host.tracing)
         observer = self.event_observer
         if observer is not None:
             return observer(event)

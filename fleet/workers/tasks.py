@@ -44,6 +44,7 @@ from fleet.dispatcher.dispatcher import Dispatcher
 from fleet.dispatcher.remote import handle_dispatch
 from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK, DRIVES_TASK
 from fleet.host.celery_api import get_exponential_backoff_interval
+from fleet.host.tracing import TRACE_HEADER
 from fleet.kernel.errors import StoreUnavailableError
 from fleet.workers.process import HANDED_BACK, REFUSED, DriveResult, open_process
 
@@ -55,7 +56,8 @@ def register_tasks(app: Any) -> None:
 
     def drive(execution_id: str, flow_id: str | None = None,
               tenant: str | None = None) -> str:
-        outcome = open_process(app.fleet_settings).drive(execution_id)
+        outcome = open_process(app.fleet_settings).drive(
+            execution_id, traces=message_traces(app.current_task.request))
         if outcome == HANDED_BACK:
             requeue_handed_back(app, execution_id, flow_id, tenant)
         # What Flower shows as the task's result: how the run ended, in words.
@@ -68,7 +70,8 @@ def register_tasks(app: Any) -> None:
             log.error("fleet.drives refused: execution_ids must be a list of 1 to %d ids "
                       "(strings); got %s", MAX_BATCH, _describe(execution_ids))
             return [REFUSED]
-        outcomes = open_process(app.fleet_settings).drive_many(ids)
+        outcomes = open_process(app.fleet_settings).drive_many(
+            ids, traces=message_traces(task.request))
         failed = [i for i, o in zip(ids, outcomes, strict=True)
                   if isinstance(o, StoreUnavailableError)]
         for execution_id, outcome in zip(ids, outcomes, strict=True):
@@ -122,6 +125,16 @@ def check_batch(execution_ids: Any) -> list[str] | None:
     if not all(isinstance(i, str) and 0 < len(i) <= _MAX_ID for i in execution_ids):
         return None
     return list(dict.fromkeys(execution_ids))  # one drive per execution
+
+
+def message_traces(request: Any) -> dict[str, str]:
+    """The traceparent of each execution a drive message carries (``fleet_trace``,
+    ``fleet.host.tracing``); {} when it carries none or something else."""
+    found = getattr(request, TRACE_HEADER, None) if request is not None else None
+    if not isinstance(found, dict):
+        return {}
+    return {k: v for k, v in found.items()
+            if isinstance(k, str) and isinstance(v, str) and len(v) <= 128}
 
 
 def describe_result(outcome: object) -> str:

@@ -45,6 +45,10 @@ FUNCTION_LEVEL_IMPORTS = {
     # do not (decision 0041).
     ("fleet/learning/export.py", "pyarrow"),
     ("fleet/learning/export.py", "pyarrow.parquet"),
+    # OpenTelemetry (the `otel` extra) loads only when OTEL_* asks for traces
+    # (fleet.host.tracing), and its OTLP exporter only when it is the one named.
+    ("fleet/host/tracing.py", "fleet.host"),
+    ("fleet/host/otel_sdk.py", "opentelemetry.exporter.otlp.proto.http.trace_exporter"),
 }
 
 

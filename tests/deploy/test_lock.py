@@ -44,7 +44,7 @@ def pins() -> dict[str, str]:
 def test_every_dependency_of_every_extra_is_pinned_within_its_bounds() -> None:
     pinned = pins()
     assert set(PYPROJECT["project"]["optional-dependencies"]) == {
-        "postgres", "fleet", "bench", "dev"}
+        "postgres", "fleet", "otel", "bench", "dev"}
     for requirement in requirements():
         name = canonicalize_name(requirement.name)
         assert name in pinned, f"{name} is not in constraints.txt: run .ci/run-latest --lock"

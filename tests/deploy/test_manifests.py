@@ -307,7 +307,7 @@ def test_no_secret_is_on_a_process_command_line(overlay: str) -> None:
     assert argv_secret_errors(objs) == []
     argvs = [argv for o in objs if o["kind"] in WORKLOADS
              for _, argv in command_lines(pod_template(o)["spec"])]
-    assert len(argvs) >= 20  # every container, probe and gate was looked at
+    assert len(argvs) >= 12  # every container, exec probe and gate was looked at
 
 
 def test_the_command_line_check_catches_a_password_in_argv() -> None:
@@ -364,13 +364,20 @@ def test_processes_run_their_command_and_their_own_health_check(overlay: str) ->
         main = pod_template(obj)["spec"]["containers"][0]
         assert main["args"] == COMMANDS[name], obj["metadata"]["name"]
         if name in HEALTH_CHECKED:
+            # HTTP probes served by the process (fleet.services.probes), never exec:
+            # an exec probe starts an interpreter each time (issue 28 item 4).
+            ports = {p["name"]: p["containerPort"] for p in main.get("ports", [])}
+            assert ports["health"] == int(configmap_data(objs)["FLEET_HEALTH_PORT"]), name
             for probe in ("startupProbe", "readinessProbe"):
-                assert main[probe]["exec"]["command"] == [
-                    "fleet", "health", "--component", name], (name, probe)
+                assert main[probe]["httpGet"] == {"path": "/readyz", "port": "health"}, (
+                    name, probe)
             # Liveness asks only the process's own loop: a store outage must not
             # restart every pod.
-            assert main["livenessProbe"]["exec"]["command"] == [
-                "fleet", "health", "--component", name, "--liveness"], name
+            assert main["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "health"}
+        for c in pod_template(obj)["spec"]["containers"]:
+            if name in HEALTH_CHECKED or name == "flower":
+                assert not any("exec" in c.get(p, {}) for p in
+                               ("startupProbe", "livenessProbe", "readinessProbe")), name
     assert seen == set(COMMANDS)
     assert one(objs, "Deployment", "fleet-timers")["spec"]["replicas"] == 2
     assert one(objs, "Deployment", "fleet-recovery")["spec"]["replicas"] == 2
@@ -423,8 +430,7 @@ def test_pods_wait_for_the_schema_the_job_applies(overlay: str) -> None:
             continue
         (gate,) = spec["initContainers"]
         assert gate["name"] == "wait-for-schema"
-        assert "fleet db status --json" in gate["args"][0]
-        assert '[ "$state" = current ] && exit 0' in gate["args"][0]
+        assert "until fleet db status --check; do" in gate["args"][0]
         assert gate["image"] == spec["containers"][0]["image"]
     job = one(objs, "Job", "fleet-db-upgrade")
     annotations = job["metadata"]["annotations"]
@@ -598,3 +604,17 @@ def test_the_dockerfile_builds_wheels_apart_and_runs_as_the_manifests_expect() -
                 mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
                 assert {"/tmp", "/home/fleet"} <= mounts
                 assert spec["securityContext"]["runAsUser"] == UID
+
+
+def test_the_dockerfile_pins_its_base_image_by_digest() -> None:
+    """Every stage starts FROM a tag pinned by digest (issue 28 item 4): a tag can be
+    moved to other bytes after review, a digest cannot. Both stages on the same base."""
+    froms = [stage[0][1].split()[0] for stage in dockerfile_stages()]
+    assert froms, "no FROM line"
+    for image in froms:
+        name, _, digest = image.partition("@")
+        assert name.startswith("python:3.11-slim"), image
+        assert DIGEST.search("@" + digest), f"{image}: not pinned by @sha256:<64 hex>"
+    assert len(set(froms)) == 1, froms
+    # And a FROM without a digest is what the check catches.
+    assert not DIGEST.search("python:3.11-slim-bookworm")

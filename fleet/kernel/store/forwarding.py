@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.events import EventEnvelope
+from fleet.kernel.store.claims import ClaimedTimer, claim_due_timers
 from fleet.kernel.store.spi import (
     ORIGIN,
     AppendRequest,
@@ -118,6 +119,12 @@ class ForwardingEventStore:
 
     async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
         return await self.inner.due_timers(now_ms, limit=limit)
+
+    async def claim_due_timers(self, now_ms: int, *, holder: str, lease_ms: int,
+                               limit: int = 100) -> list[ClaimedTimer]:
+        """The inner store's claim (one round trip on Postgres), or one timer at a time."""
+        return await claim_due_timers(self.inner, now_ms, holder=holder, lease_ms=lease_ms,
+                                      limit=limit)
 
     async def read_committed(self, *, after: Position = ORIGIN, limit: int = 500,
                              max_bytes: int | None = None) -> list[CommittedEvent]:

@@ -29,7 +29,13 @@ from fleet.kernel.errors import (
     UnstorableValueError,
     ValidationError,
 )
-from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
+from fleet.kernel.store.pg_migrations import (
+    MIGRATIONS,
+    OLDEST_CODE,
+    SCHEMA_VERSION,
+    VERSION_TABLE,
+    VERSION_TABLE_COMPAT,
+)
 
 try:
     import asyncpg as asyncpg  # type: ignore[import-untyped]  # (re-exported to postgres.py)
@@ -107,12 +113,22 @@ class SchemaStatus:
         latest: The newest version this fleet knows (``SCHEMA_VERSION``).
         applied: The migrations this call applied, oldest first (empty for a status).
         schema: The Postgres schema holding the tables (None: the ``search_path``).
+        oldest_code: The oldest code (by the schema version it knows) that may run
+            against the database: the largest ``oldest_code`` its migrations
+            recorded (decision 0049; 0 when it has no schema yet).
     """
 
     version: int
     latest: int
     applied: tuple[int, ...] = ()
     schema: str | None = None
+    oldest_code: int = 0
+
+    @property
+    def compatible(self) -> bool:
+        """Whether this code may run against the database as it is (after ``pending``):
+        not newer, or newer and declaring this code compatible (a rollback)."""
+        return self.version <= self.latest or self.oldest_code <= self.latest
 
     @property
     def pending(self) -> tuple[int, ...]:
@@ -195,11 +211,12 @@ class Database:
         try:
             applied = await self._check_and_migrate(conn, force=True) if upgrade else ()
             version = await self._version(conn)
+            oldest = await self._oldest_code(conn)
         except Exception as exc:
             raise translate(exc) from exc
         finally:
             await conn.close()
-        return SchemaStatus(version, SCHEMA_VERSION, applied, self.schema)
+        return SchemaStatus(version, SCHEMA_VERSION, applied, self.schema, oldest)
 
     async def _check_and_migrate(self, conn: Any, *, force: bool = False) -> tuple[int, ...]:
         """Refuse a newer schema; apply missing migrations (if allowed); what was applied."""
@@ -210,8 +227,8 @@ class Database:
                                          "UTF8 to keep ids and payloads exactly")
             current = await self._version(conn)
             if current > SCHEMA_VERSION:
-                raise SchemaVersionError(f"the database schema is version {current}; this "
-                                         f"fleet knows up to {SCHEMA_VERSION}: upgrade fleet")
+                await self._refuse_newer(conn, current)
+                return ()
             if current < SCHEMA_VERSION:
                 if not (self.migrate or force):
                     raise SchemaVersionError(f"the database schema is version {current}, "
@@ -221,6 +238,31 @@ class Database:
         except Exception as exc:
             raise translate(exc) from exc
         return ()
+
+    async def _refuse_newer(self, conn: Any, current: int) -> None:
+        """A newer schema runs only if every migration above this code declares it
+        compatible (decision 0049); otherwise a clear refusal."""
+        oldest = await self._oldest_code(conn)
+        if oldest <= SCHEMA_VERSION:
+            return
+        raise SchemaVersionError(
+            f"the database schema is version {current} and needs fleet code that knows "
+            f"version {oldest} or later; this fleet knows up to {SCHEMA_VERSION}: upgrade "
+            "fleet (a rollback can only go back to code the schema declares compatible: "
+            "`fleet db status` shows oldest_code; see docs/operations.md, Rolling back)")
+
+    async def _oldest_code(self, conn: Any) -> int:
+        """The database's ``oldest_code`` (decision 0049): a row of a migration applied
+        before the column existed counts as its own version."""
+        if await conn.fetchval("SELECT to_regclass('fleet_schema_version')") is None:
+            return 0
+        has = await conn.fetchval(
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = "
+            "to_regclass('fleet_schema_version') AND attname = 'oldest_code' "
+            "AND NOT attisdropped")
+        column = "coalesce(oldest_code, version)" if has else "version"
+        return int(await conn.fetchval(
+            f"SELECT coalesce(max({column}), 0) FROM fleet_schema_version"))
 
     async def _version(self, conn: Any) -> int:
         if await conn.fetchval("SELECT to_regclass('fleet_schema_version')") is None:
@@ -239,14 +281,21 @@ class Database:
             await conn.execute(VERSION_TABLE)
             current = await self._version(conn)
             if current > SCHEMA_VERSION:
-                raise SchemaVersionError(f"the database schema is version {current}; this "
-                                         f"fleet knows up to {SCHEMA_VERSION}: upgrade fleet")
+                await self._refuse_newer(conn, current)
+                return ()
+            await conn.execute(VERSION_TABLE_COMPAT)
             for version, sql in MIGRATIONS:
                 if version > current:
                     await conn.execute(sql)
-                    await conn.execute("INSERT INTO fleet_schema_version (version) VALUES ($1)",
-                                       version)
+                    await conn.execute("INSERT INTO fleet_schema_version (version, oldest_code) "
+                                       "VALUES ($1, $2)", version, OLDEST_CODE[version])
                     applied.append(version)
+            # Rows applied before decision 0049 learn what this code knows of them.
+            await conn.execute(
+                "UPDATE fleet_schema_version AS s SET oldest_code = u.c "
+                "FROM unnest($1::integer[], $2::integer[]) AS u(v, c) "
+                "WHERE s.version = u.v AND s.oldest_code IS NULL",
+                list(OLDEST_CODE), list(OLDEST_CODE.values()))
         return tuple(applied)
 
     async def release(self) -> None:

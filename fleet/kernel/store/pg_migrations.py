@@ -28,14 +28,25 @@ COMMITTED, which it checks (``FL004``) rather than assumes.
 from __future__ import annotations
 
 from fleet.kernel.store.pg_migration_v6 import MIGRATION_6
+from fleet.kernel.store.pg_migration_v7 import MIGRATION_7, OLDEST_CODE_7
 from fleet.kernel.store.pg_sql import CURRENT_TXID, READ_COMMITTED, RING, edit
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "VERSION_TABLE"]
+__all__ = ["MIGRATIONS", "OLDEST_CODE", "SCHEMA_VERSION", "VERSION_TABLE", "VERSION_TABLE_COMPAT"]
 
+# ``oldest_code``: the oldest code (by the schema version it knows) that may run
+# against the database once this migration is applied (decision 0049). A database's
+# requirement is the largest over its rows (a row without one counts as its own
+# version), so older code reads it from the table without knowing the migration.
 VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS fleet_schema_version (
     version integer PRIMARY KEY,
-    applied_at timestamptz NOT NULL DEFAULT now())
+    applied_at timestamptz NOT NULL DEFAULT now(),
+    oldest_code integer)
+"""
+# A table made before decision 0049 gains the column (and the known values) on the
+# next upgrade; nothing reads it but code that knows it.
+VERSION_TABLE_COMPAT = """
+ALTER TABLE fleet_schema_version ADD COLUMN IF NOT EXISTS oldest_code integer
 """
 
 
@@ -645,6 +656,12 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (4, _V4_APPEND_LEASED),
     (5, _V5_APPEND_MANY_LEASED),
     (6, MIGRATION_6),
+    (7, MIGRATION_7),
 )
+
+#: Per migration, the oldest code that runs against it (decision 0049). 5 and 6 only
+#: add or rewrite functions that version 4 and 5 code keep calling (their comments
+#: say so); 7 adds one function. The older ones are their own: never proved otherwise.
+OLDEST_CODE: dict[int, int] = {1: 1, 2: 2, 3: 3, 4: 4, 5: 4, 6: 5, 7: OLDEST_CODE_7}
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

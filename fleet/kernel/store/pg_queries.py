@@ -35,7 +35,8 @@ from fleet.kernel.store.spi import (
 )
 
 __all__ = ["APPENDS", "APPENDS_IF", "APPENDS_LEASED", "APPEND_IF_SQL", "APPEND_LEASED_SQL",
-           "APPEND_MANY_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL", "DUE_TIMERS_SQL",
+           "APPEND_MANY_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL", "CLAIM_TIMERS_SQL",
+           "DUE_TIMERS_SQL",
            "INLINE_EVENTS", "SUMMARY_SQL", "TIP_SQL", "LeaseOp", "Write", "execution_key",
            "lease_columns", "listing_sql", "many_columns", "parse_event", "refusal", "summary"]
 
@@ -54,6 +55,9 @@ FROM executions AS e LEFT JOIN fences AS f ON f.ekey = e.ekey
 """
 DUE_TIMERS_SQL = ("SELECT execution_id, timer_id, due_at FROM timers WHERE due_at <= $1 "
                   "ORDER BY due_at, execution_id, timer_id LIMIT $2")
+# decision 0048: the fences of up to $2 executions parked on a timer due at $1, taken.
+CLAIM_TIMERS_SQL = ("SELECT execution_id, timer_id, due_at, token, head, flow_id, tenant "
+                    "FROM fleet_claim_timers($1, $2, $3, $4, $5)")
 INLINE_EVENTS = 8  # a write of up to this many events sends their fields as scalars
 
 

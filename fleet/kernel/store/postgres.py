@@ -45,6 +45,7 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, wall_clock_ms
+from fleet.kernel.store.claims import ClaimedTimer
 from fleet.kernel.store.pg_connections import (
     CONNECTION_LOST,
     Database,
@@ -60,6 +61,7 @@ from fleet.kernel.store.pg_queries import (
     APPENDS,
     APPENDS_IF,
     APPENDS_LEASED,
+    CLAIM_TIMERS_SQL,
     DUE_TIMERS_SQL,
     SUMMARY_SQL,
     TIP_SQL,
@@ -586,6 +588,28 @@ class PostgresEventStore(_PostgresBase):
             return []
         rows = await self._call("fetch", DUE_TIMERS_SQL, now_ms, limit, idempotent=True)
         return [DueTimer(row["execution_id"], row["timer_id"], row["due_at"]) for row in rows]
+
+    async def claim_due_timers(self, now_ms: int, *, holder: str, lease_ms: int,
+                               limit: int = 100) -> list[ClaimedTimer]:
+        """``ClaimsTimers``: one statement (``fleet_claim_timers``, decision 0048).
+
+        Not retried on a lost link (as an acquire is not): the tokens may have
+        moved; those leases expire.
+        """
+        check_ms(now_ms, "now_ms")
+        check_limit(limit)
+        check_text(holder, "holder")
+        check_lease_ms(lease_ms)
+        if limit == 0:
+            return []
+        clock = self._clock()
+        expires = check_int64(clock + lease_ms, "lease expiry")
+        rows = await self._call("fetch", CLAIM_TIMERS_SQL, now_ms, limit, holder, expires,
+                                clock, idempotent=False)
+        return [ClaimedTimer(row["execution_id"], row["timer_id"], row["due_at"],
+                             FenceGrant(row["execution_id"], int(row["token"]), holder, expires),
+                             int(row["head"]), row["flow_id"], row["tenant"])
+                for row in sorted(rows, key=lambda r: r["due_at"])]
 
     async def read_committed(self, *, after: Position = ORIGIN, limit: int = 500,
                              max_bytes: int | None = None) -> list[CommittedEvent]:

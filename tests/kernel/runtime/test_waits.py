@@ -293,3 +293,38 @@ async def test_waiting_inline_on_a_manual_clock_does_not_spin(clocked_store: Eve
     handle = await runtime.start("inline")
     assert await asyncio.wait_for(handle.result(), 5) == "slept"
     await runtime.close()
+
+
+async def test_parallel_branches_parked_on_a_gate_and_a_timer_wait_on_both(
+        clocked_store: EventStore, clock: ManualClock) -> None:
+    """The run parks on every branch's wait at once: the timer of one branch wakes it,
+    though another branch waits on a gate (a pending timer of a parked execution is one
+    its park waits on: the timer service may fire it)."""
+    async def gate_branch(ctx: Context) -> Any:
+        return await ctx.wait("a")
+
+    async def sleepy_branch(ctx: Context) -> str:
+        await ctx.sleep(timedelta(minutes=10))
+        return "slept"
+
+    @flow("two-waits")
+    async def body(ctx: Context, _: Any) -> Any:
+        return await ctx.parallel([gate_branch, sleepy_branch])
+
+    runtime = Runtime(clocked_store, flows=[body], clock=clock, local_timers=False)
+    eid = await started(runtime, "two-waits")
+    waiting = (await runtime.load_state(eid)).waiting
+    assert waiting is not None
+    assert (waiting["on"], waiting["kind"]) == ("parallel:/0", "first")
+    assert [(w["kind"], w["on"]) for w in waiting["waits"]] == [("gate", "a"),
+                                                               ("timer", "/0.1:sleep#0")]
+    clock.advance(601)
+    fired = await runtime.fire_due_timers()
+    assert [f.timer_id for f in fired] == ["/0.1:sleep#0"]
+    await settle(runtime)
+    state = await runtime.load_state(eid)
+    assert state.parked
+    assert state.waiting == {"on": "a", "kind": "gate"}  # the sleeper is done
+    await runtime.resume(eid, "a", "A")
+    assert await runtime.result(eid) == ["A", "slept"]
+    await runtime.close()
