@@ -150,6 +150,10 @@ class Dispatcher(Asking):
         self.close_timeout = close_timeout
         self._runtime = runtime
         self._owns_runtime = runtime is None
+        if runtime is not None:
+            # What its runtime wakes or cancels on its own (a parent told of its child's end,
+            # the children of a cancelled parent) is driven by the workers, not here.
+            runtime.family.enqueue = self.enqueue_drive
         self._store: EventStore | None = None
         self._bound: asyncio.AbstractEventLoop | None = None
         self._open_lock: asyncio.Lock | None = None
@@ -197,6 +201,7 @@ class Dispatcher(Asking):
                     store = open_store(self.settings)
                     self._store = store
                     self._runtime = build_runtime(self.settings, store, role="dispatcher")
+                    self._runtime.family.enqueue = self.enqueue_drive
                     self._bound = loop
         return self._runtime
 

@@ -19,7 +19,7 @@ reaches the wait, and a backstop timer re-drives it). Decision 0033.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from fleet.kernel.cancellation import cancel_execution
@@ -55,6 +55,9 @@ class Family:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # Hands a drive to others (a dispatcher's, a timer service's runtime: the workers
+        # drive); None: what this family wakes or cancels is driven here.
+        self.enqueue: Callable[[str], Awaitable[Any]] | None = None
         engine.services = self
         engine.on_ended = self.ended
         engine.on_cancel_requested = self.cancel_requested
@@ -163,13 +166,15 @@ class Family:
                 else:
                     body["error"] = child.error or {"type": "Cancelled", "message": ""}
                 events = [(EventType.CHILD_ENDED, body)]
-                if parent.parked and waits_on(parent.waiting, "child",
-                                              str(record.get("childId"))) \
-                        and engine.flows.versions(parent.flow_id or ""):
+                wakes = parent.parked and waits_on(parent.waiting, "child",
+                                                   str(record.get("childId")))
+                if wakes and self.enqueue is None and engine.flows.versions(parent.flow_id or ""):
                     await engine.answer(parent, lease, events)
                 else:
                     await engine.writer.write(lease, make_events(
-                        parent_id, parent.sequence, engine.clock(), events))
+                        parent_id, parent.sequence, engine.clock(), events), last=True)
+            if wakes and self.enqueue is not None:
+                await self.enqueue(parent_id)
             return
 
     async def close_children(self, parent: ExecutionState, reason: str) -> None:
@@ -183,7 +188,10 @@ class Family:
                 if latest.terminal:
                     continue
                 await cancel_execution(self.engine, latest.execution_id, reason=reason,
-                                       principal=None, force=False, drive=True, system=True)
+                                       principal=None, force=False,
+                                       drive=self.enqueue is None, system=True)
+                if self.enqueue is not None:
+                    await self.enqueue(latest.execution_id)
             except ExecutionFinishedError:
                 continue
             except FleetError as exc:

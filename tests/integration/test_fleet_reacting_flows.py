@@ -92,7 +92,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             "FLEET_RECOVERY_INTERVAL_S": "0.5", "FLEET_TIMER_INTERVAL_S": "0.2",
             "FLEET_EVENTS_STREAM": f"fleet-test:{token}:events",
             "FLEET_TEST_MARKS": str(marks)})
-        os.environ["FLEET_TEST_MARKS"] = str(marks)  # the flows module reads it on import
+        # Were a cleanup ever run in this (the dispatcher's) process, it would mark here too.
+        os.environ["FLEET_TEST_MARKS"] = str(marks)
         settings = FleetSettings(database_url=database_url, broker_url=broker,
                                  redis_url=broker, queue=queue, flows=ALL.split(","),
                                  lease_ms=LEASE_MS)
@@ -141,6 +142,10 @@ def test_cancel_reaches_a_running_step_a_sleep_and_a_child(fleet: Fleet) -> None
     assert len(fleet.mark("c2.cleanup")) == 1
     assert len(fleet.mark("c3.child-cleanup")) == 1
     assert len(fleet.mark("c1.long")) == 1
+    # Every cleanup ran in a worker: the dispatcher only writes and enqueues.
+    workers = {p.proc.pid for p in fleet.procs.values()}
+    for mark in ("c1.cleanup", "c2.cleanup", "c3.child-cleanup"):
+        assert set(fleet.mark(mark)) <= workers, mark
     assert "STEP_CANCELLED" in _types(fleet, running)
     assert "TIMER_CANCELLED" in _types(fleet, sleeping)
 

@@ -16,11 +16,9 @@ from fleet.kernel.context import Context
 from fleet.kernel.flows import flow
 from fleet.kernel.waits import Update
 
-MARKS = Path(os.environ.get("FLEET_TEST_MARKS", "/tmp"))
-
-
 def _mark(name: str) -> str:
-    path = MARKS / name
+    # Read at each call: the test process imports this module before it knows the folder.
+    path = Path(os.environ["FLEET_TEST_MARKS"]) / name
     with path.open("a") as out:  # one line a call: the test counts effects
         out.write(f"{os.getpid()}\n")
     return name
