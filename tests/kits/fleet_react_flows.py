@@ -16,6 +16,7 @@ from fleet.kernel.context import Context
 from fleet.kernel.flows import flow
 from fleet.kernel.waits import Update
 
+
 def _mark(name: str) -> str:
     # Read at each call: the test process imports this module before it knows the folder.
     path = Path(os.environ["FLEET_TEST_MARKS"]) / name
