@@ -126,7 +126,8 @@ class ScheduleLoop:
                 self.spec.next_after(p.last), "lastRun": p.last_run,
                 "lastRunTick": p.last_run_tick, "runs": p.runs, "missed": p.missed,
                 "overlapped": p.overlapped, "duplicates": p.duplicates, "refused": p.refused,
-                "buffered": p.buffered, "generation": p.generation}
+                "buffered": p.buffered, "generation": p.generation, "accounted": p.last,
+                "tracking": self.tracked is not None}
 
     async def run(self) -> dict[str, Any]:
         p, spec = self.progress, self.spec

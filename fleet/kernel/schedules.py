@@ -165,10 +165,14 @@ async def while_busy(call: Callable[[], Awaitable[T]]) -> T:
             delay = min(delay * 2, 0.5)
 
 
-def describe(state: ExecutionState, last_run_status: str | None = None) -> ScheduleInfo:
-    """The ``ScheduleInfo`` of a schedule's run: its settings (the run's input) and what it
-    last published (``ctx.set_value``), or its starting point when it has published
-    nothing yet."""
+def describe(state: ExecutionState, now_ms: int, last_run_status: str | None = None,
+             ) -> ScheduleInfo:
+    """The ``ScheduleInfo`` of a schedule's run at ``now_ms``: its settings (the run's
+    input) and what it last published (``ctx.set_value``), or its starting point when it
+    has published nothing yet. While a skip or buffer_one schedule waits for its run to
+    end it does not wake at each tick (it counts them at the end): the ticks that have
+    fallen since are counted here as skipped already, and the next tick is the next
+    one from now."""
     data = state.input if isinstance(state.input, dict) else {}
     spec = ScheduleSpec.from_log(data.get("spec"))
     progress = Progress.from_log(data.get("progress"))
@@ -183,23 +187,33 @@ def describe(state: ExecutionState, last_run_status: str | None = None) -> Sched
         value = shown.get(key)
         return datetime_from_ms(value) if isinstance(value, int) else None
 
+    overlapped, next_tick = int(shown.get("overlapped") or 0), when("nextTick")
+    accounted = shown.get("accounted")
+    if shown.get("tracking") and not shown.get("paused") and isinstance(accounted, int):
+        fallen, _, _ = spec.due(accounted, now_ms)
+        if fallen and spec.overlap == "buffer_one" and shown.get("buffered") is None:
+            fallen -= 1  # the first waits for the run to end, to run then
+        overlapped += fallen
+        upcoming = spec.next_after(max(accounted, now_ms))
+        next_tick = None if upcoming is None else datetime_from_ms(upcoming)
+
     return ScheduleInfo(
         schedule_id=spec.schedule_id, flow_id=spec.flow_id, input=spec.input, cron=spec.cron,
         every=spec.every, timezone=spec.timezone, overlap=spec.overlap, catchup=spec.catchup,
-        paused=bool(shown.get("paused")), next_tick=when("nextTick"),
+        paused=bool(shown.get("paused")), next_tick=next_tick,
         last_run=shown.get("lastRun"), last_run_at=when("lastRunTick"),
         last_run_status=last_run_status, runs=int(shown.get("runs") or 0),
-        missed=int(shown.get("missed") or 0), overlapped=int(shown.get("overlapped") or 0),
+        missed=int(shown.get("missed") or 0), overlapped=overlapped,
         duplicates=int(shown.get("duplicates") or 0), execution_id=state.execution_id,
         tenant=(state.owner or {}).get("tenant"))
 
 
 async def info_of(engine: Engine, state: ExecutionState) -> ScheduleInfo:
-    info = describe(state)
+    info = describe(state, engine.clock())
     if info.last_run is None:
         return info
     row = await engine.store.get_execution(info.last_run)
-    return describe(state, None if row is None else str(row.status))
+    return describe(state, engine.clock(), None if row is None else str(row.status))
 
 
 async def create(engine: Engine, flows: FlowRegistry, schedule_id: str,

@@ -152,9 +152,13 @@ async def test_skip_counts_a_run_parked_on_a_gate_as_running() -> None:
     assert (await rt.load_state(first)).parked
     # Three ticks fall while it waits on its gate: none runs (the schedule only wakes for
     # the backstop that looks at the run in case its end notice was lost).
-    for _ in range(3):
+    for n in range(1, 4):
         await advance(rt, clock, 60)
         assert await runs(store, "long-job") == [first]
+        # What an operator reads counts them as they fall, and the next tick from now.
+        live = await only(rt)
+        assert (live.overlapped, live.last_run_status) == (n, "parked")
+        assert live.next_tick == at(T0 + (n + 2) * 60_000)
     clock.advance(10)
     await rt.resume(first, "go", "ok")
     await settle(rt)
