@@ -424,8 +424,8 @@ async def test_a_schedule_survives_a_restart_of_its_runtime(tmp_path: Any) -> No
     await store.close()
 
 
-async def test_another_tenant_can_neither_see_nor_steer_nor_take_a_schedule() -> None:
-    store, clock = MemoryEventStore(), ManualClock(T0)
+async def test_another_tenant_can_neither_see_nor_steer_nor_take_a_schedule(stores: Stores) -> None:
+    store, clock = stores[0], ManualClock(T0)
     rt = runtime(store, clock)
     await rt.schedule("private", job, every=timedelta(minutes=1), principal=ALICE)
     await settle(rt)
@@ -444,8 +444,8 @@ async def test_another_tenant_can_neither_see_nor_steer_nor_take_a_schedule() ->
     await rt.close()
 
 
-async def test_a_forged_start_of_the_schedule_flow_starts_nothing() -> None:
-    store, clock = MemoryEventStore(), ManualClock(T0)
+async def test_a_forged_start_of_the_schedule_flow_starts_nothing(stores: Stores) -> None:
+    store, clock = stores[0], ManualClock(T0)
     rt = runtime(store, clock)
     forged = {"spec": {"id": "victim", "flow": "job", "input": None, "cron": None,
                        "everyMs": 1000, "timezone": "UTC", "overlap": "allow",
@@ -460,8 +460,8 @@ async def test_a_forged_start_of_the_schedule_flow_starts_nothing() -> None:
     await rt.close()
 
 
-async def test_a_malformed_control_message_is_counted_and_changes_nothing() -> None:
-    store, clock = MemoryEventStore(), ManualClock(T0)
+async def test_a_malformed_control_message_is_counted_and_changes_nothing(stores: Stores) -> None:
+    store, clock = stores[0], ManualClock(T0)
     rt = runtime(store, clock)
     await rt.schedule("sturdy", job, every=timedelta(minutes=1))
     await settle(rt)
