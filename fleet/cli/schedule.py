@@ -169,7 +169,8 @@ def list_(actor: str | None, tenant: str | None, as_json: bool) -> None:
 
     infos = _through_dispatcher(settings, work)
     if as_json:
-        click.echo(json.dumps([i.to_dict() for i in infos]))
+        for info in infos:  # one JSON object per line, as `fleet list --json`
+            click.echo(json.dumps(info.to_dict()))
         return
     table = Table(title=f"schedules ({len(infos)})")
     id_column(table, "schedule", [i.schedule_id for i in infos])

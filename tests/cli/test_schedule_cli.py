@@ -45,8 +45,7 @@ def run(*args: str) -> tuple[int, str]:
 def listed() -> list[dict[str, Any]]:
     code, out = run("list", "--json")
     assert code == 0, out
-    found: list[dict[str, Any]] = json.loads(out)
-    return found
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
 def drive(db: Path, execution_id: str) -> None:
