@@ -67,6 +67,7 @@ from fleet.kernel.outcomes import OutcomeResult
 from fleet.kernel.recovery import RecoveryReport
 from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.runtime import ExecutionHandle, Runtime
+from fleet.kernel.schedules import ScheduleInfo
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.sqlite import SqliteEventStore
@@ -136,6 +137,7 @@ __all__ = [
     "Runtime",
     "RuntimeOptions",
     "RuntimeStats",
+    "ScheduleInfo",
     "SchemaVersionError",
     "SequenceGapError",
     "SqliteEventStore",

@@ -47,6 +47,7 @@ COMMANDS: dict[str, str] = {
     "resume": "fleet.cli.dispatch:resume",
     "send": "fleet.cli.dispatch:send",
     "cancel": "fleet.cli.dispatch:cancel",
+    "schedule": "fleet.cli.schedule:schedule",
     "reward": "fleet.cli.reward:reward",
     "events": "fleet.cli.events:events",
     "status": "fleet.cli.status:status",

@@ -39,6 +39,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
 from fleet.kernel.runtime import Runtime
+from fleet.kernel.schedules import ScheduleInfo
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.store.spi import EventStore
 
@@ -156,6 +157,14 @@ class Operator:
         async def go() -> list[ParkedExecution]:
             store, runtime = await self._open()
             return await list_parked(store, runtime, gates=gates, limit=limit)
+        return self._thread.run_coroutine(go(), timeout=60)
+
+    def schedules(self) -> list[ScheduleInfo]:
+        """Every schedule (``Runtime.schedules``, read as the system: the page's users are
+        let in by Flower)."""
+        async def go() -> list[ScheduleInfo]:
+            _, runtime = await self._open()
+            return await runtime.schedules(system=True)
         return self._thread.run_coroutine(go(), timeout=60)
 
     def events(self, execution_id: str, *, limit: int = 500) -> list[EventEnvelope]:

@@ -105,6 +105,11 @@ class FleetState:
             parked = self.operator.parked(gates=GATES)
         except Exception as exc:  # noqa: BLE001 - shown on the page, the rest still served
             data["problems"].append(f"store: {type(exc).__name__}: {exc}")
+        try:
+            data["schedules"] = [s.to_dict() for s in self.operator.schedules()]
+        except Exception as exc:  # noqa: BLE001 - shown on the page, the rest still served
+            data["schedules"] = []
+            data["problems"].append(f"schedules: {type(exc).__name__}: {exc}")
         by = counters.parked_by()
         data["parked"] = [{**p.to_dict(), "worker": p.worker or by.get(p.execution_id)}
                           for p in parked]

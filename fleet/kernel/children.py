@@ -167,14 +167,16 @@ class ChildWait(Wait):
 
 
 async def start_child(where: Where, flow: FlowDefinition | str, input: Any, *,
-                      id: str | None, on_parent_close: str) -> ChildHandle:
-    """``ctx.start_child`` (see the module)."""
+                      id: str | None, on_parent_close: str,
+                      kernel_id: bool = False) -> ChildHandle:
+    """``ctx.start_child`` (see the module). ``kernel_id``: ``id`` is one the kernel derived
+    (a schedule's tick, ``fleet.kernel.schedule_flow``), so its reserved form is allowed."""
     run = where.run
     run.check_unwinding()
     if on_parent_close not in PARENT_CLOSE:
         raise ValidationError(f"on_parent_close must be 'cancel' or 'abandon', got "
                               f"{on_parent_close!r}")
-    if id is not None:
+    if id is not None and not kernel_id:
         check_explicit_id(id)
     name = where.name("child")
     recorded = run.state.children.get(name)

@@ -44,6 +44,7 @@ from fleet.kernel.flow_run import RESERVED_PREFIX, FlowRun, Where, check_op_id
 from fleet.kernel.flows import FlowDefinition
 from fleet.kernel.fold import condition_waits
 from fleet.kernel.messaging import deliver, reply, set_value
+from fleet.kernel.schedule_spec import scheduled_at
 from fleet.kernel.security import OUTCOME_FIELDS, check_outcome_shape, guard_userspace_emit
 from fleet.kernel.steps import RetryPolicy, run_step
 from fleet.kernel.typed import encode_input, reader
@@ -129,6 +130,12 @@ class Context:
     @property
     def input(self) -> Any:
         return self._run.state.input
+
+    @property
+    def scheduled_at(self) -> datetime | None:
+        """The tick a schedule started this run for (aware, UTC); None when no schedule did
+        (``runtime.schedule``, ``fleet.kernel.schedule_spec``)."""
+        return scheduled_at(self._run.state)
 
     @property
     def log(self) -> FlowLogger:

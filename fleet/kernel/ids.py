@@ -7,7 +7,9 @@ same successor):
 - **idempotency ids**: ``idem-`` + 40 hex of sha256 over ``[tenant, flow, key]``
   (``Runtime.start(idempotency_key=...)``; the dispatcher starts through it);
 - **successor ids**: ``<id>~<n>`` for the n-th ``continue_as_new`` of ``<id>``;
-- **child ids**: ``<parent>/<branch>child#<n>`` for a child flow started with no id.
+- **child ids**: ``<parent>/<branch>child#<n>`` for a child flow started with no id;
+- **tick ids**: ``<schedule id>@<tick in ISO 8601 UTC>`` for the run a schedule starts
+  at a tick (``fleet.kernel.schedules``, decision 0058).
 
 A predictable id can be squatted: created first, with an explicit id, by
 someone who then receives the victim's later start or continuation. So these
@@ -32,6 +34,8 @@ RESERVED_ID_PREFIX = "__fleet_"
 _SUCCESSOR = re.compile(r"~[0-9]+\Z")
 # A child flow's default id: "<parent>/<branch>child#<n>" (fleet.kernel.children).
 _CHILD = re.compile(r"/[0-9./:]*child#[0-9]+\Z")
+# A schedule tick's run: "<schedule id>@2025-06-01T03:00:00Z" (milliseconds when not 0).
+TICK_SUFFIX = re.compile(r"@(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{3})?Z)\Z")
 
 
 def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
@@ -55,7 +59,8 @@ def is_derived(execution_id: str) -> bool:
     """Whether ``execution_id`` has a form only the kernel derives."""
     return (execution_id.startswith((IDEMPOTENT_PREFIX, RESERVED_ID_PREFIX))
             or _SUCCESSOR.search(execution_id) is not None
-            or _CHILD.search(execution_id) is not None)
+            or _CHILD.search(execution_id) is not None
+            or TICK_SUFFIX.search(execution_id) is not None)
 
 
 def check_explicit_id(execution_id: object) -> str:
@@ -74,6 +79,10 @@ def check_explicit_id(execution_id: object) -> str:
         raise ReservedNameError(
             f"execution id {execution_id[-40:]!r} ends in '/child#<n>', the form of a child "
             "flow's default id; pick another id")
+    if TICK_SUFFIX.search(execution_id) is not None:
+        raise ReservedNameError(
+            f"execution id {execution_id[-40:]!r} ends in '@<time>Z', the form of the id a "
+            "schedule gives the run of a tick; pick another id")
     if _SUCCESSOR.search(execution_id) is not None:
         raise ReservedNameError(
             f"execution id {execution_id[-40:]!r} ends in '~<n>', the form of a "
@@ -81,5 +90,5 @@ def check_explicit_id(execution_id: object) -> str:
     return execution_id
 
 
-__all__ = ["IDEMPOTENT_PREFIX", "RESERVED_ID_PREFIX", "check_explicit_id",
+__all__ = ["IDEMPOTENT_PREFIX", "RESERVED_ID_PREFIX", "TICK_SUFFIX", "check_explicit_id",
            "idempotent_execution_id", "is_derived", "successor_id"]

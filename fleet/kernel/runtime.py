@@ -54,6 +54,8 @@ from fleet.kernel.run import ReplayFrontier as ReplayFrontier
 from fleet.kernel.run import Run as Run
 from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.runtime_counters import StatsAttributes
+from fleet.kernel.schedule_flow import with_schedule_flow
+from fleet.kernel.schedules import ScheduleMethods
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
@@ -67,7 +69,7 @@ DEFAULT_DIVERGENCE: DivergenceMode = "warn"
 _DEFAULTS = {f.name: f.default for f in fields(RuntimeOptions)}
 
 
-class Runtime(StatsAttributes):
+class Runtime(StatsAttributes, ScheduleMethods):
     """Durable execution in one process, over any ``EventStore``.
 
     Args:
@@ -118,7 +120,7 @@ class Runtime(StatsAttributes):
                     f"{both[0]}=...)")
         self.options = options
         self.store = store
-        self.flows = FlowRegistry(flows)
+        self.flows = FlowRegistry(with_schedule_flow(flows))  # fleet.kernel.schedules
         self.snapshots = snapshots
         self.warner = Warner(options.on_warn)
         self.holder = options.holder or \

@@ -28,7 +28,7 @@ EXPECTED = {
     "NondeterminismError", "NotSerializableError", "OutcomeContendedError",
     "OutcomeRefusedError", "OutcomeResult", "PayloadTooLargeError", "Policy",
     "PostgresEventStore", "Principal", "RecoveryReport", "ReplayError", "ReservedNameError",
-    "RetryPolicy", "RunOutcome", "Runtime", "RuntimeOptions", "RuntimeStats",
+    "RetryPolicy", "RunOutcome", "Runtime", "RuntimeOptions", "RuntimeStats", "ScheduleInfo",
     "SchemaVersionError", "SequenceGapError", "SqliteEventStore",
     "SqliteSnapshotStore", "StaleFenceError", "StepFailedError", "StepFailure", "StoreError",
     "StoreUnavailableError", "TooFewSamplesError", "UnstorableValueError", "ValidationError",

@@ -358,6 +358,35 @@ def test_page_and_api_show_a_reward_attached_and_a_timer_fired(fleet: Fleet) -> 
     assert service_counter(page, "timers", "timers_fired") == after["timers_fired"]
 
 
+def test_page_and_api_show_a_schedule_its_next_tick_last_run_and_skipped_ticks(
+        fleet: Fleet) -> None:
+    # Every second, skip: its first run waits on a gate (still running), so the ticks that
+    # fall meanwhile are skipped, and the page counts them as they fall (decision 0058).
+    fleet.cli("schedule", "create", "page-every", "page-gate", "--every", "1s",
+              "--input", "4")
+    browser = Browser(fleet.flower_url)
+
+    def shown() -> dict[str, Any] | None:
+        for s in browser.json("/fleet/api/status")["schedules"]:
+            if s["scheduleId"] == "page-every" and s["runs"] == 1 and s["skipped"] >= 2:
+                return dict(s)
+        return None
+    api = until(shown, "the API to show the schedule's run and skipped ticks")
+    assert api["lastRun"].startswith("page-every@")
+    assert api["lastRunStatus"] == "parked"
+    assert (api["flow"], api["overlap"], api["every"]) == ("page-gate", "skip", 1.0)
+    assert api["nextTick"] is not None
+    _, page = browser.get("/fleet")
+    assert 'id="fleet-schedules"' in page
+    assert f'data-last-run="{api["lastRun"]}"' in page
+    assert cell(page, 'data-schedule="page-every"', "runs") == "1"
+    assert int(cell(page, 'data-schedule="page-every"', "skipped")) >= api["skipped"]
+    fleet.cli("schedule", "delete", "page-every")
+    fleet.cli("resume", api["lastRun"], "approval", "--payload", '"ok"')
+    assert all(s["scheduleId"] != "page-every"
+               for s in browser.json("/fleet/api/status")["schedules"])
+
+
 # -- diverged executions: the list, Retry, the operator role -----------------------------
 
 def diverge(fleet: Fleet, tmp_path: Path) -> tuple[str, Path]:
