@@ -61,6 +61,7 @@ from fleet.kernel.recovery import RecoveryReport
 from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.runtime import ExecutionHandle, Runtime
 from fleet.kernel.security import AccessPolicy, Principal
+from fleet.kernel.store.factory import GroupCommit, open_store
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.sqlite import SqliteEventStore
 from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
@@ -101,6 +102,7 @@ __all__ = [
     "FlowNotFoundError",
     "FlowReplayDivergenceError",
     "GateMismatchError",
+    "GroupCommit",
     "InvalidPropensityError",
     "KernelEventForgeryError",
     "MemoryEventStore",
@@ -139,6 +141,7 @@ __all__ = [
     "flow",
     "fold",
     "fold_log",
+    "open_store",
 ]
 
 

@@ -53,7 +53,13 @@ from fleet.kernel.journal import EventObserver
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import AccessPolicy
 from fleet.kernel.store.factory import StoreOptions, open_event_store
-from fleet.kernel.store.spi import CommitSignal, EventStore, SignalsCommits
+from fleet.kernel.store.spi import (
+    COMMIT_SIGNAL,
+    CommitSignal,
+    EventStore,
+    SignalsCommits,
+    capabilities_of,
+)
 from fleet.recovery.sweeper import RecoverySweeper
 from fleet.services.base import PeriodicService, Service, run_services
 from fleet.services.counters import (
@@ -292,7 +298,8 @@ async def open_relay(settings: FleetSettings, *, heartbeat: bool = True) -> Role
         await store.close()
         raise
     signal: CommitSignal | None = None
-    if settings.relay_notify and isinstance(store, SignalsCommits):
+    if settings.relay_notify and COMMIT_SIGNAL in capabilities_of(store) \
+            and isinstance(store, SignalsCommits):
         signal = store.commit_signal()
     client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0,
                                      socket_timeout=10.0)

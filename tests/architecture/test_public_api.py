@@ -32,6 +32,8 @@ EXPECTED = {
     "SqliteSnapshotStore", "StaleFenceError", "StepFailedError", "StepFailure", "StoreError",
     "StoreUnavailableError", "UnstorableValueError", "ValidationError", "WaitTimeoutError",
     "flow", "fold", "fold_log",
+    # decision 0050: the one way to open a store
+    "GroupCommit", "open_store",
 }
 
 

@@ -74,6 +74,11 @@ from fleet.kernel.store.pg_queries import (
     summary,
 )
 from fleet.kernel.store.spi import (
+    APPEND_LEASED,
+    APPEND_MANY,
+    APPEND_MANY_LEASED,
+    COMMIT_SIGNAL,
+    COUNT_EXECUTIONS,
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
     AcquiringAppend,
@@ -159,7 +164,13 @@ class PostgresEventStore(_PostgresBase):
             ``PayloadTooLargeError`` before anything is written (None: no limit).
         migrate: Apply missing migrations on first use (else refuse to run).
         connect_timeout: Seconds to wait for a connection.
+
+    Built directly, every append is its own transaction: ``fleet.open_store(url)``
+    opens it with group commit (decision 0029), the fast way under concurrency.
     """
+
+    capabilities: frozenset[str] = frozenset({APPEND_MANY, APPEND_LEASED, APPEND_MANY_LEASED,
+                                              COUNT_EXECUTIONS, COMMIT_SIGNAL})
 
     def __init__(self, url: str, *, pool_min: int | None = None, pool_max: int | None = None,
                  schema: str | None = None, clock: Callable[[], int] | None = None,
