@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from fleet.cli.common import (
+    echo,
     json_arg,
     json_option,
     principal_from,
@@ -105,7 +106,7 @@ def start(flow_id: str, input_json: str | None, execution_id: str | None,
             raise flows_hint(exc, settings) from exc
         eid = order.execution_id
         if not as_json:
-            click.echo(eid)  # as soon as it is durable, before the broker is asked
+            echo(eid)  # as soon as it is durable, before the broker is asked
         try:
             enqueue_or_explain(dispatcher, order, f"execution {eid}")
         except NotEnqueuedError:
@@ -153,8 +154,8 @@ def send(execution_id: str, key: str, payload: str | None, actor: str | None,
     if as_json:
         click.echo(json.dumps({"executionId": execution_id, "woke": woke}))
     else:
-        click.echo(f"sent {key} to {execution_id}: "
-                   + ("it woke and is enqueued" if woke else "kept until it receives it"))
+        echo(f"sent {key} to {execution_id}: "
+             + ("it woke and is enqueued" if woke else "kept until it receives it"))
 
 
 @click.command()
