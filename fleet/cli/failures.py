@@ -59,7 +59,9 @@ def as_click_exception(exc: Exception) -> click.ClickException:
     character in it is written as an escape (issue 25.7), as ``terminal_safe`` does."""
     failure = _as_click_exception(exc)
     if not isinstance(failure, SettingsProblem):
-        failure.message = terminal_safe(failure.message)
+        # Final in the stubs, a plain attribute at run time: the same exception (its
+        # class and exit code) with its message made safe.
+        failure.message = terminal_safe(failure.message)  # type: ignore[misc]
     return failure
 
 
