@@ -12,10 +12,12 @@ worker that drove it), and the recorded reason (the park's correlation key,
 drives it. Before the code is fixed the re-run diverges again and parks again;
 ``retry`` waits for that drive and says which (decision 0028).
 
-The operator principal is not the execution's owner, so the runtime it writes
-through lets ``resume`` by anyone (``AccessPolicy(rules={"resume": "any"})``);
-who may ask for it is decided before: the Fleet page's operator role
-(``FLEET_OPERATORS``), the CLI's shell access.
+The operator principal is not the execution's owner: it holds the kernel's
+``operator`` role for every tenant (``Principal(FLEET_OPERATOR, scope={"*"},
+roles={"operator"})``, decision 0051), which the kernel lets read, resume and
+cancel any execution, and nothing more (the runtime keeps the default rules for
+everyone else). Who may act as it is decided before: the Fleet page's operator
+role (``FLEET_OPERATORS``), the CLI's shell access.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
 from fleet.kernel.runtime import Runtime
-from fleet.kernel.security import AccessPolicy, Principal
+from fleet.kernel.security import ALL_TENANTS, OPERATOR, Principal
 from fleet.kernel.store.spi import EventStore
 
 GATES: tuple[str, ...] = (DIVERGED_GATE, INDOUBT_GATE)
@@ -123,6 +125,15 @@ async def list_parked(store: EventStore, runtime: Runtime, *,
     return out
 
 
+def operator_principal(settings: FleetSettings) -> Principal | None:
+    """The principal an operator's action is recorded as (``FLEET_OPERATOR``): the kernel's
+    operator role over every tenant; None when no operator is configured."""
+    if not settings.operator:
+        return None
+    return Principal(settings.operator, scope=frozenset({ALL_TENANTS}),
+                     roles=frozenset({OPERATOR}))
+
+
 class Operator:
     """Lists and retries parked executions as ``settings.operator`` (sync; own loop thread).
 
@@ -134,7 +145,7 @@ class Operator:
     def __init__(self, settings: FleetSettings, *, settle_s: float = 15.0) -> None:
         self.settings = settings
         self.settle_s = settle_s
-        self.principal = Principal(settings.operator) if settings.operator else None
+        self.principal = operator_principal(settings)
         self._thread = EventLoopThread("fleet-operator", event_loop=settings.event_loop)
         self._thread.start()
         self._store: EventStore | None = None
@@ -146,8 +157,7 @@ class Operator:
         if self._store is None or self._runtime is None:
             store = open_store(self.settings)
             self._store = store
-            self._runtime = build_runtime(self.settings, store, role="operator",
-                                          access_policy=AccessPolicy(rules={"resume": "any"}))
+            self._runtime = build_runtime(self.settings, store, role="operator")
         return self._store, self._runtime
 
     def parked(self, *, gates: Sequence[str] = GATES, limit: int = 200
@@ -195,7 +205,7 @@ class Operator:
         if self._dispatcher is None:
             self._app = producer_app(self.settings, main="fleet-operator")
             self._dispatcher = Dispatcher(self.settings, runtime=runtime, app=self._app)
-        await self._dispatcher.resume(execution_id, DIVERGED_GATE, None, principal=principal)
+        await self._dispatcher.retry_diverged(execution_id, principal=principal)
         resumed = await store.get_execution(execution_id)
         head = resumed.head if resumed is not None else row.head
         deadline = time.monotonic() + self.settle_s
@@ -226,4 +236,5 @@ class Operator:
             self._thread.stop()
 
 
-__all__ = ["GATES", "Operator", "ParkedExecution", "RetryResult", "list_parked"]
+__all__ = ["GATES", "Operator", "ParkedExecution", "RetryResult", "list_parked",
+           "operator_principal"]

@@ -58,7 +58,7 @@ from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.timers import FiredTimer, Timers
-from fleet.kernel.values import check_text, ms_from_datetime
+from fleet.kernel.values import check_text, datetime_from_ms, ms_from_datetime
 from fleet.kernel.writes import make_events
 
 # The divergence mode of a runtime built without ``divergence=`` and not strict
@@ -128,7 +128,6 @@ class Runtime(StatsAttributes):
                              holder=self.holder, warner=self.warner)
         self.timers = Timers(self.engine, local=options.local_timers)
         self.stats: RuntimeStats = self.engine.stats
-        self.clock = self.engine.clock
         # The settings in force, as attributes (as before RuntimeOptions): set once
         # here, read by the fleet and by tests; ``options`` holds them all.
         self.divergence: DivergenceMode = self.engine.divergence
@@ -185,7 +184,7 @@ class Runtime(StatsAttributes):
         if not fresh and await self.store.head(execution_id) is not None:
             await self.engine.existing(execution_id, definition.flow_id, principal)
             return ExecutionHandle(self, execution_id)  # an idempotent start
-        now = self.clock()
+        now = self.engine.clock()
         payload: dict[str, Any] = {
             "flowId": definition.flow_id, "flowVersion": definition.version,
             "flowHash": definition.content_hash(self.features), "input": data,
@@ -229,6 +228,7 @@ class Runtime(StatsAttributes):
             if_free: Only if no live lease holds it, with no round trip for the fence:
                 the run's first write takes it (decision 0032: the fleet's workers);
                 else the outcome is ``stepped_aside``, nothing written. Not with grant.
+                Whether it drove: ``(await handle.outcome()).drove`` (decision 0051).
         """
         engine = self.engine
         if if_free and grant is not None:
@@ -242,9 +242,9 @@ class Runtime(StatsAttributes):
             await asyncio.shield(run)
         return ExecutionHandle(self, execution_id, run)
 
-    async def drive_if_free(self, execution_id: str) -> bool:
-        """Drive only when no live lease is held; ``False`` when someone else holds it."""
-        return await self.engine.drive_if_free(execution_id) is not None
+    def now(self) -> datetime:
+        """The runtime's time (its ``clock``), an aware UTC ``datetime`` (decision 0051)."""
+        return datetime_from_ms(self.engine.clock())
 
     # ------------------------------------------------------- resume and send
     async def resume(self, execution_id: str, gate: str, payload: Any = None, *,
@@ -334,7 +334,7 @@ class Runtime(StatsAttributes):
                         drive=drive)
                     return True
                 await engine.writer.write(lease, make_events(execution_id, state.sequence,
-                                                             self.clock(), [message]))
+                                                             self.engine.clock(), [message]))
                 return False
         raise ExecutionBusyError(f"execution {execution_id!r} stayed busy; retry")
 
@@ -361,7 +361,7 @@ class Runtime(StatsAttributes):
                 for step_id, frame in state.frames.items()
                 if frame.status in ("started", "retrying", "indoubt")]
             bodies.append((EventType.EXECUTION_CANCELLED, {"reason": reason}))
-            made = make_events(execution_id, state.sequence, self.clock(), bodies)
+            made = make_events(execution_id, state.sequence, self.engine.clock(), bodies)
             await engine.writer.write(lease, made)
         self.timers.disarm(execution_id)
         engine.results.settle(fold_log(made, state))
