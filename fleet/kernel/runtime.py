@@ -35,6 +35,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventType, ensure_json
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE, ExecutionState, fold_log
+from fleet.kernel.fork import fork
 from fleet.kernel.gates import check_resumable, indoubt_answer
 from fleet.kernel.handle import ExecutionHandle
 from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
@@ -245,6 +246,19 @@ class Runtime(StatsAttributes):
     def now(self) -> datetime:
         """The runtime's time (its ``clock``), an aware UTC ``datetime`` (decision 0051)."""
         return datetime_from_ms(self.engine.clock())
+
+    async def fork(self, execution_id: str, *, from_step: str, version: int | None = None,
+                   principal: Principal | None = None, new_execution_id: str | None = None,
+                   drive: bool = True) -> ExecutionHandle:
+        """A new execution that reuses the recorded outputs before ``from_step`` and runs
+        the rest live, on ``version`` (None: the source's); its origin is in its log
+        (``fleet.kernel.fork``, decision 0052). The handle is the new execution's."""
+        forked = await fork(self.engine, self.flows, self.features, execution_id,
+                            from_step=from_step, version=version, principal=principal,
+                            new_execution_id=new_execution_id)
+        if not drive:
+            return ExecutionHandle(self, forked)
+        return await self.drive(forked, if_free=True)
 
     # ------------------------------------------------------- resume and send
     async def resume(self, execution_id: str, gate: str, payload: Any = None, *,

@@ -69,3 +69,22 @@ async def test_a_decorator_over_open_store_sees_every_write(database_url: str) -
         await witness.close()  # the runtime does not own its store
     assert len(stored) == 8 * 8
     assert sorted(witness.seen) == sorted(stored)
+
+
+async def test_fork_on_postgres_reuses_the_prefix(database_url: str) -> None:
+    """Issue 29.4 on the production store: the fork's copy is one leased write."""
+    store = open_store(_url(database_url))
+    runtime = Runtime(store, flows=[three_steps])
+    try:
+        source = await runtime.start("os3", 10)
+        assert await source.result(timeout=30) == 13
+        forked = await runtime.fork(source.execution_id, from_step="b")
+        assert await forked.result(timeout=30) == 13
+        log = await store.read(forked.execution_id)
+        assert log[0].payload["forkedFrom"]["executionId"] == source.execution_id
+        summary = await store.get_execution(forked.execution_id)
+        assert summary is not None
+        assert (summary.status, summary.holder) == ("completed", None)
+    finally:
+        await runtime.close()
+        await store.close()
