@@ -51,6 +51,7 @@ COMMANDS: dict[str, str] = {
     "events": "fleet.cli.events:events",
     "status": "fleet.cli.status:status",
     "diverged": "fleet.cli.diverged:diverged",
+    "executions": "fleet.cli.bulk:executions",
     "health": "fleet.cli.health:health",
     "up": "fleet.cli.embedded:up",
     "demo": "fleet.cli.embedded:demo",

@@ -33,6 +33,7 @@ from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.dispatcher import Dispatcher
 from fleet.host.kernel import build_runtime, open_store
 from fleet.host.loop import EventLoopThread
+from fleet.kernel.bulk import Action, BulkReport, ExecutionFilter, OnItem, parked_on, run_bulk
 from fleet.kernel.errors import (
     ConfigurationError,
     ExecutionNotFoundError,
@@ -202,10 +203,7 @@ class Operator:
                 f"execution {execution_id!r} is {row.status}"
                 + (f" on {row.waiting_on}" if row.waiting_on else "")
                 + f", not parked on {DIVERGED_GATE}: there is nothing to retry")
-        if self._dispatcher is None:
-            self._app = producer_app(self.settings, main="fleet-operator")
-            self._dispatcher = Dispatcher(self.settings, runtime=runtime, app=self._app)
-        await self._dispatcher.retry_diverged(execution_id, principal=principal)
+        await self._dispatcher_for(runtime).retry_diverged(execution_id, principal=principal)
         resumed = await store.get_execution(execution_id)
         head = resumed.head if resumed is not None else row.head
         deadline = time.monotonic() + self.settle_s
@@ -221,6 +219,57 @@ class Operator:
                 status = now.status if now is not None else "unknown"
                 return RetryResult(execution_id, status, None, "", False)
             await asyncio.sleep(0.1)
+
+    def bulk(self, action: Action, flt: ExecutionFilter, *, gate: str | None = None,
+             payload: Any = None, dry_run: bool = False, rate: float = 20.0,
+             limit: int | None = None, after_id: str | None = None,
+             on_item: OnItem | None = None) -> BulkReport:
+        """A bulk action as the operator (``fleet.kernel.bulk``): each match written and
+        audited as its single call through the dispatcher, which enqueues the drives.
+
+        Raises:
+            ConfigurationError: acting (not a dry run) with no ``FLEET_OPERATOR``.
+        """
+        if self.principal is None and not dry_run:
+            raise ConfigurationError("acting on executions needs an operator principal: set "
+                                     "FLEET_OPERATOR (e.g. operator:oncall); it is recorded "
+                                     "on each log as who acted (--dry-run needs none)")
+        principal = self.principal
+
+        async def go() -> BulkReport:
+            store, runtime = await self._open()
+            dispatcher = self._dispatcher_for(runtime)
+            note = f"bulk cancel by {principal.actor if principal else '?'} ({flt.describe()})"
+            target = flt
+            if action == "retry":
+                target = parked_on(flt, DIVERGED_GATE)
+            elif action == "resume":
+                if not gate:
+                    raise ConfigurationError("a bulk resume needs the gate it answers")
+                target = parked_on(flt, gate)
+            elif flt.empty:
+                raise ConfigurationError("a bulk cancel needs a filter: it would cancel "
+                                         "everything")
+
+            async def act(eid: str) -> object:
+                if action == "cancel":
+                    await dispatcher.cancel(eid, principal=principal, reason=note)
+                elif action == "retry":
+                    await dispatcher.retry_diverged(eid, principal=principal)
+                else:
+                    await dispatcher.resume(eid, str(gate), payload, principal=principal)
+                return None
+            return await run_bulk(store, act, target, action=action,
+                                  read_state=lambda eid: runtime.load_state(eid, system=True),
+                                  now_ms=runtime.engine.clock(), dry_run=dry_run, rate=rate,
+                                  limit=limit, after_id=after_id, on_item=on_item)
+        return self._thread.run_coroutine(go(), timeout=None)
+
+    def _dispatcher_for(self, runtime: Runtime) -> Dispatcher:
+        if self._dispatcher is None:
+            self._app = producer_app(self.settings, main="fleet-operator")
+            self._dispatcher = Dispatcher(self.settings, runtime=runtime, app=self._app)
+        return self._dispatcher
 
     def close(self) -> None:
         async def shut() -> None:
