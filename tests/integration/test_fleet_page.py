@@ -475,6 +475,36 @@ def test_retry_on_the_page_needs_the_operator_role_and_the_xsrf_token(
     assert len(fleet.store.read(gate)) == written
 
 
+def test_retry_all_retries_every_diverged_run_of_a_flow_as_the_operator(
+        fleet: Fleet, tmp_path: Path) -> None:
+    """Issue 29.5: the Fleet page's bulk Retry (each run retried and audited as the single
+    Retry, paced, capped a click), for operators only, with the XSRF token."""
+    base = fleet.start_flower("flower-bulk", FLOWER_BASIC_AUTH="ops:pw1,viewer:pw2")
+    eids = [diverge(fleet, tmp_path)[0] for _ in range(2)]
+    counts = {eid: len(fleet.store.read(eid)) for eid in eids}
+    viewer = Browser(base, "viewer:pw2")
+    assert 'id="fleet-retry-all"' not in viewer.get("/fleet")[1]
+    form = {"_xsrf": viewer.xsrf(), "flow": "page-shape"}
+    assert viewer.post("/fleet/api/diverged/retry", form)[0] == 403
+    ops = Browser(base, "ops:pw1")
+    assert 'id="fleet-retry-all"' in ops.get("/fleet")[1]
+    assert ops.post("/fleet/api/diverged/retry", {"flow": "page-shape"})[0] == 403  # no token
+    assert {eid: len(fleet.store.read(eid)) for eid in eids} == counts  # nothing written
+    status, body, _ = ops.post("/fleet/api/diverged/retry",
+                               {"_xsrf": ops.xsrf(), "flow": "page-shape", "dry_run": "1"})
+    assert status == 200
+    assert json.loads(body)["matched"] >= 2
+    assert {eid: len(fleet.store.read(eid)) for eid in eids} == counts  # a dry run
+    status, body, _ = ops.post("/fleet/api/diverged/retry",
+                               {"_xsrf": ops.xsrf(), "flow": "page-shape"})
+    assert status == 200, body
+    assert json.loads(body)["acted"] >= 2
+    for eid in eids:
+        resumed = [e for e in fleet.store.read(eid) if str(e.type) == "EXECUTION_RESUMED"]
+        assert (resumed[-1].payload["gate"], resumed[-1].payload["by"]) == (
+            "__fleet_diverged__", OPERATOR)
+
+
 # -- tasks an operator can read ---------------------------------------------------------
 
 def test_drive_tasks_in_flower_name_the_execution_and_flow_and_say_how_the_run_ended(
