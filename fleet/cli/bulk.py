@@ -50,7 +50,7 @@ def filter_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--version", "flow_version", type=int, default=None,
                      help="only this flow version"),
         click.option("--status", default=None, help="running, parked, ... (cancel)"),
-        click.option("--waiting-on", "gate", default=None,
+        click.option("--waiting-on", "waiting_on", default=None,
                      help="only executions parked on this gate (cancel)"),
         click.option("--reason", default=None, help="text the parked reason contains"),
         click.option("--tenant", default=None, help="only this tenant's executions"),
@@ -80,7 +80,7 @@ def executions() -> None:
 def _run(action: Action, options: dict[str, Any], *, gate: str | None = None,
          payload: Any = None) -> None:
     flt = ExecutionFilter(flow=options["flow"], version=options["flow_version"],
-                          status=options["status"], gate=options["gate"],
+                          status=options["status"], gate=options["waiting_on"],
                           reason=options["reason"], tenant=options["tenant"],
                           older_than=parse_age(options["older_than"]))
     cursor_file: Path | None = options["cursor_file"]

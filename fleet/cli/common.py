@@ -263,6 +263,26 @@ def log_table(title: str, events: list[EventEnvelope], *,
     return table
 
 
+def execution_id_argument(fn: F) -> F:
+    """``EXECUTION_ID`` as the positional argument every command takes it as (issue 29.7);
+    the older ``--execution ID`` is still read (hidden, deprecated). The command reads
+    the id with ``the_execution_id(execution_id, execution_option)``."""
+    fn = click.option("--execution", "execution_option", default=None, hidden=True,
+                      help="deprecated: give the execution id as the first argument")(fn)
+    return click.argument("execution_id", required=False)(fn)
+
+
+def the_execution_id(positional: str | None, option: str | None) -> str:
+    """The id ``execution_id_argument`` read: positional, or the deprecated option."""
+    if positional is not None and option is not None and positional != option:
+        raise click.UsageError("the execution id is given twice, differently: give it once, "
+                               "as the first argument")
+    execution_id = positional if positional is not None else option
+    if execution_id is None:
+        raise click.UsageError("missing the EXECUTION_ID argument")
+    return execution_id
+
+
 def with_options(options: list[Callable[[F], F]]) -> Callable[[F], F]:
     """Apply several click options at once, in the order given."""
     def apply(fn: F) -> F:
@@ -317,6 +337,7 @@ __all__ = [
     "db_option",
     "echo",
     "err_console",
+    "execution_id_argument",
     "exit_with",
     "id_cell",
     "id_column",
@@ -340,5 +361,6 @@ __all__ = [
     "success_from",
     "success_options",
     "terminal_safe",
+    "the_execution_id",
     "with_options",
 ]

@@ -413,7 +413,7 @@ def test_every_command_that_prints_takes_json_and_prints_json(fleet_env: Path) -
             "cancel": (["cancel", waiting, "--json"], (0,)),
             "status": (["status", "--json", "--inspect-timeout", "0.2"], (0,)),
             "health": (["health", "--component", "timers", "--liveness", "--json"], (1,)),
-            "outcome attach": (["outcome", "attach", "--execution", eid, "--decision",
+            "outcome attach": (["outcome", "attach", eid, "--decision",
                                 "reply_style", "--key", "csat:1", "--score", "0.5",
                                 "--json"], (0,)),
             "learn report": (["learn", "report", "--json"], (0,)),
@@ -423,7 +423,7 @@ def test_every_command_that_prints_takes_json_and_prints_json(fleet_env: Path) -
             "replay export": (["replay", "export", eid, "-o", str(export), "--json"], (0,)),
             "replay check": (["replay", "check", "--flow", "cli_first_hour_flows:two_decisions",
                               "--execution", eid, "--json"], (0,)),
-            "reward submit": (["reward", "submit", "--execution", eid, "--decision",
+            "reward submit": (["reward", "submit", eid, "--decision",
                                "reply_style", "--key", "csat:2", "--score", "1",
                                "--producer", "p1", "--json"], (0,)),
             "events status": (["events", "status", "--json"], (0,)),
@@ -431,6 +431,11 @@ def test_every_command_that_prints_takes_json_and_prints_json(fleet_env: Path) -
                              "--json"], (0,)),
             "db status": (["db", "status", "--db", pg, "--json"], (0,)),
             "db upgrade": (["db", "upgrade", "--db", pg, "--json"], (0,)),
+            "executions cancel": (["executions", "cancel", "--flow", "cli-gate", "--dry-run",
+                                   "--json"], (0,)),
+            "executions retry": (["executions", "retry", "--dry-run", "--json"], (0,)),
+            "executions resume": (["executions", "resume", "approval", "--dry-run", "--json"],
+                                  (0,)),
         }
         json_commands = {path for path in commands if path not in PROCESSES}
         assert set(invocations) | set(COVERED_ELSEWHERE) == json_commands
