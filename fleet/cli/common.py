@@ -263,6 +263,25 @@ def log_table(title: str, events: list[EventEnvelope], *,
     return table
 
 
+def input_options(help_text: str) -> list[Callable[[F], F]]:
+    """``--input JSON``, the one name every command reads its input by (issue 29.7:
+    ``fleet run``, ``start``, ``resume``, ``send``, ``executions resume``); the older
+    ``--payload`` of ``resume`` and ``send`` is still read (hidden). Read the value with
+    ``input_from(input_json, payload)``."""
+    return [click.option("--input", "input_json", default=None, help=help_text),
+            click.option("--payload", "payload", default=None, hidden=True,
+                         help="deprecated: --input")]
+
+
+def input_from(input_json: str | None, payload: str | None) -> Any:
+    """The JSON ``input_options`` read (None when neither was given)."""
+    if input_json is not None and payload is not None:
+        raise click.UsageError("give --input once (--payload is its older name)")
+    if payload is not None:
+        return json_arg(payload, "--payload")
+    return json_arg(input_json, "--input")
+
+
 def execution_id_argument(fn: F) -> F:
     """``EXECUTION_ID`` as the positional argument every command takes it as (issue 29.7);
     the older ``--execution ID`` is still read (hidden, deprecated). The command reads
@@ -341,6 +360,8 @@ __all__ = [
     "exit_with",
     "id_cell",
     "id_column",
+    "input_from",
+    "input_options",
     "json_arg",
     "json_option",
     "load_callable",

@@ -52,10 +52,10 @@ def park_line(execution_id: str, waiting: dict[str, Any], due_ms: int | None,
                 " waiting here for it (Ctrl-C leaves the run parked in the store)")
     if kind == "gate":
         return (f"parked on gate {on!r}: nothing here answers it; `fleet resume {execution_id} "
-                f"{on} --payload JSON` does, on a fleet using this store")
+                f"{on} --input JSON` does, on a fleet using this store")
     if kind == "message":
         key = waiting.get("correlationKey") or on
-        return (f"parked on message {key!r}: `fleet send {execution_id} {key} --payload JSON` "
+        return (f"parked on message {key!r}: `fleet send {execution_id} {key} --input JSON` "
                 "delivers it, on a fleet using this store")
     return f"parked on {kind} {on!r}"
 

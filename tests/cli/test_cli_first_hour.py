@@ -407,6 +407,7 @@ def test_every_command_that_prints_takes_json_and_prints_json(fleet_env: Path) -
             "run": (["run", "--json"], (0,)),
             "log": (["log", eid, "--json"], (0,)),
             "list": (["list", "--json"], (0,)),
+            "describe": (["describe", eid, "--json"], (0,)),
             "start": (["start", "cli-gate", "--input", "2", "--json"], (0,)),
             "resume": (["resume", gated, "approval", "--payload", '"yes"', "--json"], (0,)),
             "send": (["send", waiting, "ping", "--json"], (0,)),

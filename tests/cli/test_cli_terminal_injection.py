@@ -243,3 +243,11 @@ def test_status_prints_a_hostile_worker_name_as_text(
         assert_shown_as_text(out)
     _, out = run("status", "--json", "--inspect-timeout", "0.2", env=env)
     assert [w["name"] for w in json.loads(out)["workers"]] == [worker]
+
+
+def test_describe_prints_hostile_ids_and_payloads_as_text(seeded: tuple[str, str]) -> None:
+    url, eid = seeded
+    code, out = run("describe", eid, "--db", url)
+    assert code == 0, out
+    assert_shown_as_text(out)
+    assert MARKUP in flat(out)
