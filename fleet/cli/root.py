@@ -115,7 +115,7 @@ def import_from_here() -> None:
 @click.group(cls=LazyGroup, lazy=COMMANDS)
 @click.option("--debug", is_flag=True, envvar="FLEET_DEBUG",
               help="print the traceback of an error, not only its one line")
-@click.version_option(package_name="fleet")
+@click.version_option(package_name="fleet-durable")
 def main(debug: bool) -> None:
     """fleet: durable execution for Python."""
     import_from_here()

@@ -77,3 +77,18 @@ def test_a_mistyped_command_is_a_usage_error_naming_the_closest() -> None:
     code, out = run("diverged", "lst")
     assert code == 2
     assert "Did you mean 'list'?" in out
+
+
+def test_the_readme_documents_every_exit_code_the_commands_use() -> None:
+    from fleet.cli.dispatch import NOT_ENQUEUED
+    from fleet.cli.diverged import REPARKED
+    from fleet.cli.failures import SETTINGS_EXIT_CODE
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    codes = readme[readme.index("Exit codes:"):]
+    codes = codes[:codes.index("\n\n")]
+    for code, what in ((0, "done"), (1, "a failure"), (SETTINGS_EXIT_CODE, "a usage error"),
+                       (REPARKED, "diverged again"), (NOT_ENQUEUED, "not enqueued"),
+                       (130, "interrupted")):
+        assert f"{code} " in codes, code
+        assert what in " ".join(codes.split()), what

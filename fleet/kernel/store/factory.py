@@ -5,7 +5,7 @@ Accepted forms::
     memory:                        in process memory (also ``memory://``)
     sqlite:///relative/path.db     a file relative to the working directory
     sqlite:////absolute/path.db    an absolute path (four slashes, as SQLAlchemy)
-    postgresql://user@host/db      Postgres via asyncpg (``pip install 'fleet[postgres]'``)
+    postgresql://user@host/db      Postgres via asyncpg (``pip install 'fleet-durable[postgres]'``)
 
 ``sqlite:///:memory:`` is refused: the SQLite store runs a writer and a reader
 connection, and two connections cannot share one in-memory database; use
@@ -211,7 +211,7 @@ def postgres_event_store_class() -> type[EventStore]:
 def _postgres() -> ModuleType:
     if importlib.util.find_spec("asyncpg") is None:
         raise MissingDependencyError("the Postgres store needs asyncpg: "
-                                     "pip install 'fleet[postgres]'")
+                                     "pip install 'fleet-durable[postgres]'")
     try:
         return importlib.import_module("fleet.kernel.store.postgres")
     except ModuleNotFoundError as exc:

@@ -1,6 +1,6 @@
 """The Postgres store (asyncpg): what a real fleet runs on.
 
-Install with ``pip install 'fleet[postgres]'``; asyncpg is imported by this
+Install with ``pip install 'fleet-durable[postgres]'``; asyncpg is imported by this
 module only. The schema lives in ``pg_migrations`` and is applied on first use
 (``await store.open()`` does it eagerly), recorded in ``fleet_schema_version``;
 a database whose schema is newer than this code is refused.
