@@ -49,6 +49,15 @@ HEADLINE: tuple[str, ...] = ("drives", "completed", "parked", "active", "diverge
                              "outcomes_attached", "outcomes_dead_lettered", "handed_back",
                              "errors")
 REFRESH_S = 5
+#: The worker counters the Workers table shows as columns (the rest, per worker, under
+#: "more": the table fits a 1280 px screen, issue 29.11), with their short headers.
+WORKER_COLUMNS: tuple[str, ...] = (
+    "drives", "completed", "active", "parked", "recovered", "stepped_aside", "failed",
+    "fenced_out", "divergence_warnings", "divergence_parked", "dispatch_refused", "errors")
+SHORT: dict[str, str] = {"stepped_aside": "aside", "fenced_out": "fenced",
+                         "recovered": "recov.", "divergence_warnings": "div. warn",
+                         "divergence_parked": "div. park", "dispatch_refused": "disp. refused",
+                         "completed": "done"}
 #: Most diverged executions one "Retry all" retries (the page says how many remain),
 #: and how many a second (``fleet.kernel.bulk``: the workers get a trickle, not a flood).
 BULK_LIMIT = 200
@@ -191,7 +200,8 @@ class FleetView(_FleetHandler):
         processes = data["processes"]
         self.render("fleet.html", data=data, message=message, message_bad=bad,
                     headline=HEADLINE, alarm_names=frozenset(ALARMS),
-                    worker_counters=WORKER_COUNTERS,
+                    worker_counters=WORKER_COUNTERS, worker_columns=WORKER_COLUMNS,
+                    short=SHORT,
                     workers=[p for p in processes if p["role"] == "worker"],
                     services=[p for p in processes if p["role"] != "worker"],
                     can_retry=can_retry, retry_off=retry_off, refresh_s=REFRESH_S,
@@ -335,6 +345,6 @@ class FleetRetryApi(_Retry):
         self.write(json.dumps(body))
 
 
-__all__ = ["BULK_LIMIT", "BULK_RATE", "FleetBulkRetry", "FleetBulkRetryApi", "FleetLogView",
-           "FleetRetry", "FleetRetryApi", "FleetState", "FleetStatusApi", "FleetView",
-           "flower_user", "has_operator_role"]
+__all__ = ["BULK_LIMIT", "BULK_RATE", "SHORT", "WORKER_COLUMNS", "FleetBulkRetry",
+           "FleetBulkRetryApi", "FleetLogView", "FleetRetry", "FleetRetryApi", "FleetState",
+           "FleetStatusApi", "FleetView", "flower_user", "has_operator_role"]

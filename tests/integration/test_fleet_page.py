@@ -709,3 +709,39 @@ def test_chromium_renders_the_fleet_page_with_a_diverged_execution(
     assert len(set(pixels[::97])) > 20  # a page, not a blank or an error screen
     if os.environ.get("FLEET_UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(shot, ROOT / "docs" / "fleet-page.png")
+
+
+def test_the_workers_and_parked_tables_fit_a_1280_pixel_screen(fleet: Fleet,
+                                                               tmp_path: Path) -> None:
+    """Issue 29.11: at a 1280 px window the Workers table (and the parked list) need no
+    sideways scrolling. Measured in headless Chromium: the page as Flower serves it,
+    with a script after it that writes each table's width and its box's."""
+    diverge(fleet, tmp_path)
+    base = fleet.start_flower("flower-1280", "--unauthenticated", FLEET_OPERATORS="*")
+    with urllib.request.urlopen(f"{base}/fleet", timeout=60) as reply:
+        page = reply.read().decode()
+    probe = ('<script>window.addEventListener("load", () => { const out = {};'
+             ' for (const id of ["fleet-workers", "fleet-parked"]) {'
+             '  const t = document.getElementById(id);'
+             '  out[id] = [t.scrollWidth, t.closest("figure").clientWidth]; }'
+             ' out.page = [document.documentElement.scrollWidth, window.innerWidth];'
+             ' document.body.setAttribute("data-measured", JSON.stringify(out)); });</script>')
+    local = tmp_path / "fleet.html"
+    local.write_text(page.replace("<head>", f'<head><base href="{base}/">', 1)
+                     .replace("</body>", probe + "</body>", 1))
+    dom = chromium("--dump-dom", "--window-size=1280,900", local.as_uri())
+    assert dom.returncode == 0, dom.stderr.decode(errors="replace")[-2000:]
+    found = re.search(r'data-measured="([^"]+)"', dom.stdout.decode())
+    assert found, dom.stdout.decode()[-2000:]
+    measured = json.loads(found.group(1).replace("&quot;", '"'))
+    workers = [p for p in fleet_status(base)["processes"] if p["role"] == "worker"]
+    assert workers  # the table has rows to measure
+    for table in ("fleet-workers", "fleet-parked"):
+        width, box = measured[table]
+        assert width <= box, (table, measured)
+    assert measured["page"][0] <= 1280, measured
+
+
+def fleet_status(base: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{base}/fleet/api/status", timeout=60) as reply:
+        return dict(json.loads(reply.read()))
