@@ -39,13 +39,10 @@ The stages:
 (``agent.uniforms``: a function of the ticket's seed, so a run re-driven after
 the crash or the deploy draws what it drew before) and each customer's reward
 (a generator per ticket) are functions of ``--seed``: the approvals, rewards
-and evaluation are the same on every run with one seed. So is the recovery:
-every run's draft step is held (``agent.draft_reply``'s ``hold`` file) until
-every worker is SIGKILLed with all of them inside it, so every run is orphaned,
-in doubt and recovered on the replacement worker, every time. What still varies
-is when things happened: the ids, the pids, the stages' seconds, and the
-counters of drives that stepped aside or were enqueued again while leases
-expired; wall-clock time reaches only the rewards' ``sent_at``.
+and evaluation are the same on every run with one seed, and so is the recovery:
+every draft is held (``HOLD_FILE``) until every worker is SIGKILLed with all runs
+inside it. Only ids, pids, seconds and the counters of drives that stepped aside
+or were enqueued again vary; wall-clock time reaches only the rewards' ``sent_at``.
 
 With ``FLEET_REDIS_URL`` set (a Redis other things use) the demo keeps to a
 queue and streams of its own (``fleet.demo.<run>``, ``fleet:demo:<run>:*``)
@@ -91,6 +88,8 @@ CHANGED_FLOW = "fleet.examples.agent_changed:support_reply"
 FLOW_ID = "support-reply"
 PRODUCER = "demo"
 TENANT = "demo"  # the tenant the demo's operator starts every run in
+#: In the data directory: while it exists every run's draft goes on (``agent.draft_reply``).
+HOLD_FILE = "hold-drafts"
 Progress = Callable[[int, str], None]
 
 
@@ -315,7 +314,7 @@ class _Demo:
 
     async def start(self, fleet: EmbeddedFleet) -> None:
         effects = str(fleet.data_dir / "effects.jsonl")
-        hold = self.hold_path(fleet)
+        hold = fleet.data_dir / HOLD_FILE
         hold.write_text("every run's draft waits until the crash (fleet demo)\n")
         with self.timed("start"):
             for i in range(self.options.executions):
@@ -339,12 +338,6 @@ class _Demo:
               f"({self.options.draft_s:g} s) -> sleep {self.options.cool_off_s:g} s -> decide "
               "discount -> approval gate -> send | escalate"]])
 
-    @staticmethod
-    def hold_path(fleet: EmbeddedFleet) -> Path:
-        """While this file exists every run's draft step goes on (``agent.draft_reply``):
-        the crash finds every run inside it, so the same runs recover on every run."""
-        return fleet.data_dir / "hold-drafts"
-
     async def crash(self, fleet: EmbeddedFleet) -> dict[str, str | None]:
         effects = fleet.data_dir / "effects.jsonl"
         total = len(self.ids)
@@ -358,32 +351,26 @@ class _Demo:
             await self.wait_until("runs reaching the slow draft step", want, drafting, 0.1)
             stats = await fleet.astats(timeout=1.0)
             active = sum(w["fleet"].get("active", 0) for w in stats["workers"] if w["alive"])
-            # Every worker at once (a node lost): every run is inside its draft, so the
-            # same runs are orphaned and recovered on every run of one seed.
-            victims = [fleet.kill_worker(i) for i, w in enumerate(fleet.workers)
-                       if w.alive()]
-            # Who held what, read now: once the leases expire (the replacement may take
-            # longer than a lease to start) the sweeper hands the runs on.
+            # Every worker (a node lost), every run inside its draft; who held what is
+            # read at once (a lease may expire before the replacement is up).
+            victims = [fleet.kill_worker(i) for i, w in enumerate(fleet.workers) if w.alive()]
             runtime = await fleet.dispatcher.runtime()
             rows = [await runtime.store.get_execution(eid) for eid in self.ids]
             replacement = await asyncio.to_thread(fleet.start_worker)
-            self.hold_path(fleet).unlink(missing_ok=True)  # recovered drafts go on
+            (fleet.data_dir / HOLD_FILE).unlink(missing_ok=True)  # recovered drafts go on
         # The runs whose lease a dead worker held: they are what must recover.
         dead = {victim.pid for victim in victims}
         orphans = {row.execution_id: row.holder for row in rows
                    if row is not None and _holder_pid(row.holder) in dead}
         names = ", ".join(victim.name for victim in victims)
-        self.summary["crash"] = {"worker": names, "pid": victims[0].pid,
-                                 "pids": sorted(dead), "replacement": replacement.name,
-                                 "active_at_kill": active, "orphaned": sorted(orphans)}
-        self.reporter.stage(
-            f"3. SIGKILL {names} (pids {', '.join(map(str, sorted(dead)))}) mid-run",
-            ["what", "value"],
-            [["runs they were driving", str(active)],
-             ["leases they held (now dead)", str(len(orphans))],
-             ["what happens next", f"{replacement.name} (pid {replacement.pid}) starts; the "
-              f"leases expire ({fleet.settings.lease_ms} ms) and the recovery sweeper "
-              "re-drives the runs on it"]])
+        self.summary["crash"] = {"worker": names, "pid": victims[0].pid, "pids": sorted(dead),
+                                 "replacement": replacement.name, "active_at_kill": active,
+                                 "orphaned": sorted(orphans)}
+        self.reporter.stage(f"3. SIGKILL {names} (pids {sorted(dead)}) mid-run",
+                            ["what", "value"], [
+            ["runs they were driving", str(active)], ["leases held (dead)", str(len(orphans))],
+            ["what happens next", f"{replacement.name} (pid {replacement.pid}) starts; leases "
+             f"expire ({fleet.settings.lease_ms} ms); the sweeper re-drives the runs on it"]])
         return orphans
 
     async def statuses(self, runtime: Runtime) -> list[Any]:
@@ -689,9 +676,7 @@ class _Demo:
                  ["drives enqueued (dispatcher, timers, sweeper)",
                   stats["dispatcher"]["enqueued"]],
                  ["events committed to the store (every writer)", committed],
-                 [f"{fleet.settings.events_stream} length (the relay, each once)", events],
-                 ["(the same every run of a seed but", "stepped_aside and the drives "
-                  "enqueued and re-enqueued: they count when leases happened to expire)"]]
+                 [f"{fleet.settings.events_stream} length (the relay, each once)", events]]
         self.reporter.stage("9. Counters (the killed worker's own are gone with it)",
                             ["counter", "value"], rows)
 
