@@ -83,6 +83,9 @@ APPEND_MANY = "append_many"
 APPEND_LEASED = "append_leased"
 #: ``append_many_leased`` (``AppendsManyLeased``): plain and leased writes in one round trip.
 APPEND_MANY_LEASED = "append_many_leased"
+#: ``claim_due_timers`` (decision 0048's ``ClaimsTimers``): due timers claimed, and their
+#: ``TIMER_FIRED`` written, in one round trip.
+CLAIM_TIMERS = "claim_due_timers"
 #: ``count_executions`` (``CountsExecutions``).
 COUNT_EXECUTIONS = "count_executions"
 #: ``commit_signal`` (``SignalsCommits``).
@@ -94,6 +97,7 @@ WRITE_CAPABILITIES: dict[str, tuple[str, ...]] = {
     APPEND_MANY: ("append_many",),
     APPEND_LEASED: ("append_acquiring", "append_releasing"),
     APPEND_MANY_LEASED: ("append_many_leased",),
+    CLAIM_TIMERS: ("claim_due_timers",),
 }
 #: Every capability a store may declare.
 CAPABILITIES = frozenset({*WRITE_CAPABILITIES, COUNT_EXECUTIONS, COMMIT_SIGNAL})
