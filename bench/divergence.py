@@ -89,7 +89,7 @@ async def replay_once(definition: FlowDefinition, state: ExecutionState, mode: s
     runtime = Runtime(store, flows=[definition], divergence=mode, local_timers=False)
     live = ExecutionState.from_dict(state.to_dict())  # untimed: the fold's copy
     began = time.perf_counter()
-    journal = Journal(store, live, fence=None, clock=runtime.clock, warner=runtime.warner)
+    journal = Journal(store, live, fence=None, clock=runtime.engine.clock, warner=runtime.warner)
     run = Run(runtime.engine, definition, journal)
     try:
         await definition.body(Context(run), live.input)

@@ -6,10 +6,12 @@ Run: ``python -m bench.kernel [--n 2000] [--dbos-n 500]
 Rows (each measured sequentially and with 32 executions in flight, after a warm-up):
 
 - ``memory``, ``sqlite``: the embedded stores;
-- ``postgres``: ``open_event_store(url)`` with its defaults (decision 0029: group
-  commit on, the default pool), in a schema of its own (dropped at the end);
-- ``postgres-nogc``: the same with group commit off (``StoreOptions(group_commit=False)``),
-  to show what group commit adds;
+- ``postgres``: ``fleet.open_store(url)``, exactly as the README opens a store
+  (decision 0050; group commit on, decision 0029, the default pool), in a schema of
+  its own (the URL's ``?schema=``, dropped at the end);
+- ``postgres-nogc``: ``open_store(url, group_commit=False)``, every append its own
+  transaction (what ``PostgresEventStore(url)`` built directly does), to show what
+  group commit adds;
 - ``dbos``: DBOS Transact on the same server, in a database of its own
   (``fleet_bench_dbos``, dropped at the end), run in a child process
   (``bench.dbos_kernel``) through its async API and its sync API. fleet/DBOS
@@ -49,12 +51,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fleet import open_store
 from fleet.host.loop import loop_name, run_loop
 from fleet.kernel.context import Context
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.flows import flow
 from fleet.kernel.runtime import Runtime
-from fleet.kernel.store.factory import StoreOptions, open_event_store
 from fleet.kernel.store.spi import EventStore, FenceGrant, append_acquiring, append_releasing
 
 RESULTS = Path(__file__).parent / "results"
@@ -141,13 +143,16 @@ async def _measure(inner: EventStore, n: int, concurrency: int) -> dict[str, Any
 
 def _open(kind: str, url: str, tmp: str, schema: str, args: argparse.Namespace) -> EventStore:
     if kind == "memory":
-        return open_event_store("memory:")
+        return open_store("memory:")
     if kind == "sqlite":
-        return open_event_store(f"sqlite:///{tmp}/bench-{time.monotonic_ns()}.db")
+        return open_store(f"sqlite:///{tmp}/bench-{time.monotonic_ns()}.db")
     sep = "&" if "?" in url else "?"
-    options = StoreOptions(pool_max=args.pool_max,
-                           group_commit=False if kind == "postgres-nogc" else None)
-    return open_event_store(f"{url}{sep}schema={schema}", options)
+    url = f"{url}{sep}schema={schema}"
+    if kind == "postgres-nogc":
+        return open_store(url, group_commit=False, pool_max=args.pool_max)
+    if args.pool_max is not None:
+        return open_store(url, pool_max=args.pool_max)
+    return open_store(url)  # the README's way, as written
 
 
 async def _admin(url: str, sql: str) -> None:

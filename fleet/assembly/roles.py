@@ -55,7 +55,13 @@ from fleet.kernel.journal import EventObserver
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import AccessPolicy
 from fleet.kernel.store.factory import StoreOptions, open_event_store
-from fleet.kernel.store.spi import CommitSignal, EventStore, SignalsCommits
+from fleet.kernel.store.spi import (
+    COMMIT_SIGNAL,
+    CommitSignal,
+    EventStore,
+    SignalsCommits,
+    capabilities_of,
+)
 from fleet.kernel.timers import FiredTimer
 from fleet.recovery.sweeper import RecoverySweeper
 from fleet.services.base import PeriodicService, Service, run_services
@@ -308,7 +314,8 @@ async def open_relay(settings: FleetSettings, *, heartbeat: bool = True) -> Role
         await store.close()
         raise
     signal: CommitSignal | None = None
-    if settings.relay_notify and isinstance(store, SignalsCommits):
+    if settings.relay_notify and COMMIT_SIGNAL in capabilities_of(store) \
+            and isinstance(store, SignalsCommits):
         signal = store.commit_signal()
     client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0,
                                      socket_timeout=10.0)

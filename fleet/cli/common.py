@@ -21,6 +21,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from fleet.cli.text import terminal_safe
 from fleet.config import FleetSettings
 from fleet.host.kernel import open_store, open_store_to_read
 from fleet.host.loop import run_loop
@@ -33,8 +34,35 @@ from fleet.kernel.store.spi import EventStore, SnapshotStore
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
-console = Console()
-err_console = Console(stderr=True)
+def plain(value: object, style: str = "") -> Text:
+    """User data (an id, a name, a payload, an error message) as rich text: never read
+    as markup, every control character escaped (``terminal_safe``)."""
+    return Text(terminal_safe(value), style=style)
+
+
+class SafeConsole(Console):
+    """The CLI's consoles: a string is printed as the text it is. No markup (an id
+    ``evil[/bold]x`` or ``[link=...]`` is text, issue 25.7), no emoji codes, and every
+    string a table, a title or ``print`` renders passes ``terminal_safe`` first, so no
+    escape sequence of a user's data reaches the terminal. Styles are given as
+    ``Text(..., style=)`` (``plain``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(markup=False, emoji=False, **kwargs)
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        kwargs["markup"] = False
+        kwargs["emoji"] = False
+        return super().render_str(terminal_safe(text), **kwargs)
+
+
+console = SafeConsole()
+err_console = SafeConsole(stderr=True)
+
+
+def echo(message: object, *, err: bool = False) -> None:
+    """``click.echo`` of a line that may hold user data: ``terminal_safe`` first."""
+    click.echo(terminal_safe(message), err=err)
 
 
 def run_async(coro_fn: Callable[[], Awaitable[T]]) -> T:
@@ -42,7 +70,7 @@ def run_async(coro_fn: Callable[[], Awaitable[T]]) -> T:
     try:
         return run_loop(coro_fn())  # type: ignore[arg-type]
     except FleetError as exc:
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+        raise click.ClickException(terminal_safe(f"{type(exc).__name__}: {exc}")) from exc
 
 
 def store_url(db: str | None) -> str:
@@ -143,9 +171,14 @@ def read_store_url(db: str | None) -> str:
 
 def id_column(table: Table, header: str, ids: list[str]) -> None:
     """A column of ids that is never cut nor folded: an id must copy whole into the
-    next command. The other columns give way."""
+    next command. The other columns give way. Give its cells as ``id_cell``."""
     table.add_column(header, no_wrap=True, overflow="ignore",
-                     min_width=max([len(header), *map(len, ids)]))
+                     min_width=max([len(header), *(len(id_cell(i)) for i in ids)]))
+
+
+def id_cell(value: str) -> Text:
+    """An id as a table cell: on one line, every control character escaped."""
+    return Text(terminal_safe(value, newlines=False))
 
 
 def natural_width(renderable: Any, *, minimum: bool = False) -> int:
@@ -164,13 +197,13 @@ def print_fitting(table: Table, rows: list[list[str]]) -> None:
         return
     headers = [str(column.header) for column in table.columns]
     if table.title:
-        console.print(Text(str(table.title), style="italic"))
+        console.print(plain(table.title, "italic"))
     for row in rows:
-        console.print(Text(f"{headers[0]} {row[0]}"))
-        pairs = " ".join(f"{h.replace(' ', '_')}={v}" for h, v in zip(headers[1:], row[1:],
-                                                                      strict=True) if v != "")
+        console.print(plain(f"{headers[0]} {terminal_safe(row[0], newlines=False)}"))
+        pairs = " ".join(f"{h.replace(' ', '_')}={terminal_safe(v, newlines=False)}"
+                         for h, v in zip(headers[1:], row[1:], strict=True) if v != "")
         if pairs:
-            console.print(Padding(Text(pairs), (0, 0, 0, 2)))
+            console.print(Padding(plain(pairs), (0, 0, 0, 2)))
 
 
 def json_arg(value: str | None, option: str) -> Any:
@@ -204,17 +237,69 @@ def exit_with(code: int) -> None:
         sys.exit(code)
 
 
-def log_table(title: str, events: list[EventEnvelope]) -> Table:
-    """A log as a table: sequence, type, payload (cut at 160 characters)."""
-    table = Table(title=title)
+#: How much of a payload ``fleet log`` shows in its table unless told (--width, --full).
+PAYLOAD_WIDTH = 400
+
+
+def cut(text: str, width: int | None) -> str:
+    """``text`` cut at ``width`` characters, saying how much was left out (None: whole)."""
+    if width is None or len(text) <= width:
+        return text
+    return f"{text[:width]}… (+{len(text) - width} characters; --full shows all)"
+
+
+def log_table(title: str, events: list[EventEnvelope], *,
+              width: int | None = PAYLOAD_WIDTH) -> Table:
+    """A log as a table: sequence, type, payload (JSON, verbatim and escaped: user data
+    is text, never markup; cut at ``width`` characters, saying so; None: whole)."""
+    table = Table(title=plain(title))
     table.add_column("seq", justify="right", no_wrap=True)
     table.add_column("type", no_wrap=True,
                      min_width=max([4, *(len(str(e.type)) for e in events)]))
     table.add_column("payload", overflow="fold")
     for event in events:
-        table.add_row(str(event.sequence), str(event.type),
-                      json.dumps(event.payload, ensure_ascii=False)[:160])
+        table.add_row(str(event.sequence), plain(event.type),
+                      plain(cut(json.dumps(event.payload, ensure_ascii=False), width)))
     return table
+
+
+def input_options(help_text: str) -> list[Callable[[F], F]]:
+    """``--input JSON``, the one name every command reads its input by (issue 29.7:
+    ``fleet run``, ``start``, ``resume``, ``send``, ``executions resume``); the older
+    ``--payload`` of ``resume`` and ``send`` is still read (hidden). Read the value with
+    ``input_from(input_json, payload)``."""
+    return [click.option("--input", "input_json", default=None, help=help_text),
+            click.option("--payload", "payload", default=None, hidden=True,
+                         help="deprecated: --input")]
+
+
+def input_from(input_json: str | None, payload: str | None) -> Any:
+    """The JSON ``input_options`` read (None when neither was given)."""
+    if input_json is not None and payload is not None:
+        raise click.UsageError("give --input once (--payload is its older name)")
+    if payload is not None:
+        return json_arg(payload, "--payload")
+    return json_arg(input_json, "--input")
+
+
+def execution_id_argument(fn: F) -> F:
+    """``EXECUTION_ID`` as the positional argument every command takes it as (issue 29.7);
+    the older ``--execution ID`` is still read (hidden, deprecated). The command reads
+    the id with ``the_execution_id(execution_id, execution_option)``."""
+    fn = click.option("--execution", "execution_option", default=None, hidden=True,
+                      help="deprecated: give the execution id as the first argument")(fn)
+    return click.argument("execution_id", required=False)(fn)
+
+
+def the_execution_id(positional: str | None, option: str | None) -> str:
+    """The id ``execution_id_argument`` read: positional, or the deprecated option."""
+    if positional is not None and option is not None and positional != option:
+        raise click.UsageError("the execution id is given twice, differently: give it once, "
+                               "as the first argument")
+    execution_id = positional if positional is not None else option
+    if execution_id is None:
+        raise click.UsageError("missing the EXECUTION_ID argument")
+    return execution_id
 
 
 def with_options(options: list[Callable[[F], F]]) -> Callable[[F], F]:
@@ -262,13 +347,21 @@ snapshots_option = click.option(
 
 
 __all__ = [
+    "PAYLOAD_WIDTH",
     "CallableSpec",
+    "SafeConsole",
     "console",
+    "cut",
     "database_missing",
     "db_option",
+    "echo",
     "err_console",
+    "execution_id_argument",
     "exit_with",
+    "id_cell",
     "id_column",
+    "input_from",
+    "input_options",
     "json_arg",
     "json_option",
     "load_callable",
@@ -277,6 +370,7 @@ __all__ = [
     "open_reader_at",
     "open_snapshots",
     "open_store_at",
+    "plain",
     "principal_from",
     "principal_options",
     "read_store_url",
@@ -287,5 +381,7 @@ __all__ = [
     "store_url",
     "success_from",
     "success_options",
+    "terminal_safe",
+    "the_execution_id",
     "with_options",
 ]

@@ -17,6 +17,9 @@ from typing import Any
 import click
 
 from fleet.cli.common import (
+    echo,
+    input_from,
+    input_options,
     json_arg,
     json_option,
     principal_from,
@@ -105,7 +108,7 @@ def start(flow_id: str, input_json: str | None, execution_id: str | None,
             raise flows_hint(exc, settings) from exc
         eid = order.execution_id
         if not as_json:
-            click.echo(eid)  # as soon as it is durable, before the broker is asked
+            echo(eid)  # as soon as it is durable, before the broker is asked
         try:
             enqueue_or_explain(dispatcher, order, f"execution {eid}")
         except NotEnqueuedError:
@@ -119,13 +122,13 @@ def start(flow_id: str, input_json: str | None, execution_id: str | None,
 @click.command()
 @click.argument("execution_id")
 @click.argument("gate")
-@click.option("--payload", default=None, help="the answer, as JSON")
+@with_options(input_options("the answer, as JSON"))
 @with_options(principal_options)
 @json_option
-def resume(execution_id: str, gate: str, payload: str | None, actor: str | None,
-           tenant: str | None, as_json: bool) -> None:
+def resume(execution_id: str, gate: str, input_json: str | None, payload: str | None,
+           actor: str | None, tenant: str | None, as_json: bool) -> None:
     """Answer the GATE a parked execution waits on; a worker drives it on."""
-    data = json_arg(payload, "--payload")
+    data = input_from(input_json, payload)
     who = principal_from(actor, tenant)
     with Dispatcher(existing_store()) as dispatcher:
         order = dispatcher.write_resume_sync(execution_id, gate, data, principal=who)
@@ -137,13 +140,13 @@ def resume(execution_id: str, gate: str, payload: str | None, actor: str | None,
 @click.command()
 @click.argument("execution_id")
 @click.argument("key")
-@click.option("--payload", default=None, help="the message, as JSON")
+@with_options(input_options("the message, as JSON"))
 @with_options(principal_options)
 @json_option
-def send(execution_id: str, key: str, payload: str | None, actor: str | None,
-         tenant: str | None, as_json: bool) -> None:
+def send(execution_id: str, key: str, input_json: str | None, payload: str | None,
+         actor: str | None, tenant: str | None, as_json: bool) -> None:
     """Deliver a message to the execution's ctx.receive(KEY)."""
-    data = json_arg(payload, "--payload")
+    data = input_from(input_json, payload)
     who = principal_from(actor, tenant)
     with Dispatcher(existing_store()) as dispatcher:
         order = dispatcher.write_send_sync(execution_id, key, data, principal=who)
@@ -153,8 +156,8 @@ def send(execution_id: str, key: str, payload: str | None, actor: str | None,
     if as_json:
         click.echo(json.dumps({"executionId": execution_id, "woke": woke}))
     else:
-        click.echo(f"sent {key} to {execution_id}: "
-                   + ("it woke and is enqueued" if woke else "kept until it receives it"))
+        echo(f"sent {key} to {execution_id}: "
+             + ("it woke and is enqueued" if woke else "kept until it receives it"))
 
 
 @click.command()

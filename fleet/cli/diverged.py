@@ -17,7 +17,7 @@ import time
 import click
 from rich.table import Table
 
-from fleet.cli.common import console, json_option
+from fleet.cli.common import echo, id_cell, id_column, json_option, plain, print_fitting
 from fleet.config import FleetSettings
 from fleet.dispatcher.operator import GATES, Operator
 from fleet.services.counters import CountersReader
@@ -52,14 +52,22 @@ def list_(all_gates: bool, limit: int, as_json: bool) -> None:
             click.echo(json.dumps(p.to_dict()))
         return
     table = Table(title=f"parked ({len(parked)})")
-    for col in ("execution", "gate", "flow", "version", "worker", "parked", "reason"):
-        table.add_column(col, overflow="fold")
-    for p in parked:
-        table.add_row(p.execution_id, p.kind, p.flow_id,
-                      "" if p.flow_version is None else str(p.flow_version), p.worker or "",
-                      time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(p.parked_at / 1000)),
-                      p.reason)
-    console.print(table)
+    # The ids copy whole into `fleet diverged retry`: never folded nor cut; the reason
+    # gives way (print_fitting prints records when even that does not fit).
+    id_column(table, "execution", [p.execution_id for p in parked])
+    table.add_column("gate", no_wrap=True)
+    id_column(table, "flow", [p.flow_id for p in parked])
+    table.add_column("version", no_wrap=True, justify="right")
+    id_column(table, "worker", [p.worker or "" for p in parked])
+    table.add_column("parked (UTC)", no_wrap=True)
+    table.add_column("reason", overflow="fold", min_width=12)
+    cells = [[p.execution_id, p.kind, p.flow_id,
+              "" if p.flow_version is None else str(p.flow_version), p.worker or "",
+              time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(p.parked_at / 1000)),
+              p.reason] for p in parked]
+    for cell in cells:
+        table.add_row(*(id_cell(value) for value in cell[:-1]), plain(cell[-1]))
+    print_fitting(table, cells)
 
 
 def _parked_by(settings: FleetSettings) -> dict[str, str]:
@@ -88,7 +96,7 @@ def retry(execution_id: str, wait: float, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(result.to_dict()))
     else:
-        click.echo(result.message)
+        echo(result.message)
     if result.reparked:
         sys.exit(REPARKED)
 

@@ -30,8 +30,9 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
-from fleet.cli.common import console, err_console
+from fleet.cli.common import console, err_console, plain, terminal_safe
 from fleet.embedded import EmbeddedFleet
 from fleet.embedded.children import redact
 from fleet.embedded.finished import TRANSIENT, FinishedWatcher
@@ -129,22 +130,23 @@ def _run_until(stop: threading.Event, fleet: EmbeddedFleet, as_json: bool) -> No
             try:
                 finished = watcher.poll() if time.monotonic() >= quiet_until else []
             except TRANSIENT as exc:  # Redis went away: say so once in a while, go on
-                err_console.print(f"[yellow]cannot read the events stream: {exc}[/yellow]")
+                err_console.print(plain(f"cannot read the events stream: {exc}", "yellow"))
                 quiet_until = time.monotonic() + 30
                 finished = []
             for done in finished:
                 click.echo(json.dumps({"finished": done.execution_id, "status": done.status,
                                        "flow": done.flow_id, "tookS": done.took_s,
                                        "atMs": done.at_ms, "detail": done.detail})
-                           if as_json else done.line())
+                           if as_json else terminal_safe(done.line()))
             if not finished:
                 stop.wait(0.2 if time.monotonic() >= quiet_until else 1.0)
             for worker in fleet.workers:
                 if not worker.alive() and not worker.killed and worker.pid not in reported:
                     reported.add(worker.pid)
-                    err_console.print(f"[red]{worker.name} (pid {worker.pid}) exited with "
-                                      f"{worker.proc.returncode}[/red]; its log: "
-                                      f"{worker.log_path}")
+                    err_console.print(Text.assemble(
+                        plain(f"{worker.name} (pid {worker.pid}) exited with "
+                              f"{worker.proc.returncode}", "red"),
+                        plain(f"; its log: {worker.log_path}")))
     finally:
         watcher.close()
 
@@ -288,10 +290,10 @@ def _print_verdict(summary: dict[str, Any]) -> None:
                                    if "estimated_value" in style.get("dr", {}) else ""),
         f"{summary['elapsed_s']:.1f} s in all"]
     if summary["ok"]:
-        console.print("[bold green]demo finished:[/bold green] " + "; ".join(lines))
+        console.print(Text.assemble(("demo finished: ", "bold green"), "; ".join(lines)))
     else:
-        console.print("[bold red]demo finished with problems:[/bold red] "
-                      + "; ".join(summary["problems"]))
+        console.print(Text.assemble(("demo finished with problems: ", "bold red"),
+                                    plain("; ".join(summary["problems"]))))
 
 
 __all__ = ["RichReporter", "demo", "up"]

@@ -12,6 +12,7 @@ import click
 
 from fleet.cli.common import (
     db_option,
+    echo,
     json_option,
     open_reader_at,
     read_store_url,
@@ -70,7 +71,7 @@ def tail(start: str | None, execution_id: str | None, types: tuple[str, ...],
             click.echo(json.dumps(committed_to_json(committed), ensure_ascii=False))
         else:
             event = committed.event
-            click.echo(f"{committed.position}  {event.execution_id}  #{event.sequence}  "
+            echo(f"{committed.position}  {event.execution_id}  #{event.sequence}  "
                        f"{event.type.value}  {committed.tenant or '-'}")
 
     with contextlib.suppress(BrokenPipeError):  # `fleet events tail | head` ends quietly
@@ -90,13 +91,13 @@ def status(as_json: bool) -> None:
         click.echo(json.dumps(report))
         return
     relay = report["relay"]
-    click.echo(f"stream {report['stream']}: {report['length']} entries, first "
+    echo(f"stream {report['stream']}: {report['length']} entries, first "
                f"{report['first'] or '-'}, last {report['last']}, {report['removed']} trimmed")
     for group in report["groups"]:
-        click.echo(f"  group {group['name']}: lag {group['lag']}, pending {group['pending']}, "
+        echo(f"  group {group['name']}: lag {group['lag']}, pending {group['pending']}, "
                    f"last delivered {group['last_delivered']}")
     if relay:
-        click.echo(f"relay {relay.get('holder') or '-'}: published {relay.get('published')}, "
+        echo(f"relay {relay.get('holder') or '-'}: published {relay.get('published')}, "
                    f"position {relay.get('position') or '-'}, lag {relay.get('lag_ms')} ms, "
                    f"errors {relay.get('errors')} ({relay.get('age_s')} s ago)")
     else:
@@ -173,7 +174,7 @@ async def _tail(settings: FleetSettings, after: Position | None, wanted: EventFi
                 try:
                     committed = parse_entry(cursor, fields)
                 except ValidationError as exc:
-                    click.echo(f"skipping {cursor}: {exc}", err=True)
+                    echo(f"skipping {cursor}: {exc}", err=True)
                     continue
                 if show(committed):
                     return

@@ -11,15 +11,20 @@ from typing import Any
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from fleet.cli.common import (
+    PAYLOAD_WIDTH,
     OptionType,
     console,
+    echo,
+    id_cell,
     id_column,
     json_arg,
     log_table,
     open_reader_at,
     open_store_at,
+    plain,
     print_fitting,
     read_store_url,
     run_async,
@@ -47,10 +52,10 @@ def park_line(execution_id: str, waiting: dict[str, Any], due_ms: int | None,
                 " waiting here for it (Ctrl-C leaves the run parked in the store)")
     if kind == "gate":
         return (f"parked on gate {on!r}: nothing here answers it; `fleet resume {execution_id} "
-                f"{on} --payload JSON` does, on a fleet using this store")
+                f"{on} --input JSON` does, on a fleet using this store")
     if kind == "message":
         key = waiting.get("correlationKey") or on
-        return (f"parked on message {key!r}: `fleet send {execution_id} {key} --payload JSON` "
+        return (f"parked on message {key!r}: `fleet send {execution_id} {key} --input JSON` "
                 "delivers it, on a fleet using this store")
     return f"parked on {kind} {on!r}"
 
@@ -90,7 +95,7 @@ def run(definition: FlowDefinition, input_json: str, db: str | None, as_json: bo
     started: list[str] = []
 
     def say(line: str) -> None:
-        click.echo(line, err=as_json)
+        echo(line, err=as_json)
 
     async def go() -> tuple[str, list[EventEnvelope], Any, str | None]:
         loop = asyncio.get_running_loop()
@@ -149,8 +154,8 @@ def run(definition: FlowDefinition, input_json: str, db: str | None, as_json: bo
         eid, events, output, stopped = run_async(go)
     except KeyboardInterrupt:
         where = f"execution {started[0]} stays" if started else "the execution stays"
-        click.echo(f"interrupted: {where} parked in {url}; a fleet on this store carries it "
-                   "on (`fleet up`, or `fleet timers` and a worker)", err=True)
+        echo(f"interrupted: {where} parked in {url}; a fleet on this store carries it "
+             "on (`fleet up`, or `fleet timers` and a worker)", err=True)
         sys.exit(130)
     if as_json:
         for event in events:
@@ -161,16 +166,25 @@ def run(definition: FlowDefinition, input_json: str, db: str | None, as_json: bo
     if failed:
         raise click.ClickException(f"execution {eid} failed: {stopped}")
     if not as_json:
-        console.print(f"[bold]{stopped}[/bold]" if stopped else
-                      f"[bold]result:[/bold] {json.dumps(output, ensure_ascii=False)}")
+        console.print(plain(stopped, "bold") if stopped else
+                      Text.assemble(("result: ", "bold"),
+                                    plain(json.dumps(output, ensure_ascii=False))))
 
 
 @click.command()
 @click.argument("execution_id")
 @click.option("--db", default=None, help="store URL")
-@click.option("--json", "as_json", is_flag=True, help="one JSON object per event")
-def log(execution_id: str, db: str | None, as_json: bool) -> None:
-    """Print one execution's log."""
+@click.option("--json", "as_json", is_flag=True,
+              help="one JSON object per event, each whole (the stored event)")
+@click.option("--width", type=click.IntRange(min=1), default=PAYLOAD_WIDTH, show_default=True,
+              help="cut each payload in the table at this many characters (saying so)")
+@click.option("--full", is_flag=True, help="every payload whole in the table")
+def log(execution_id: str, db: str | None, as_json: bool, width: int, full: bool) -> None:
+    """Print one execution's log.
+
+    Payloads are printed as the JSON they are: text in square brackets stays,
+    and control characters are written as escapes (\\x1b).
+    """
     url = read_store_url(db)
 
     async def go() -> list[EventEnvelope]:
@@ -187,7 +201,7 @@ def log(execution_id: str, db: str | None, as_json: bool) -> None:
         for event in events:
             click.echo(event.to_json())
         return
-    console.print(log_table(execution_id, events))
+    console.print(log_table(execution_id, events, width=None if full else width))
 
 
 @click.command("list")
@@ -228,7 +242,7 @@ def list_(db: str | None, status: str | None, flow_id: str | None, limit: int,
     cells = [[row.execution_id, row.flow_id, row.status,
               *(getattr(row, attr) or "" for _, attr in extra)] for row in rows]
     for cell in cells:
-        table.add_row(*cell)
+        table.add_row(*(id_cell(value) for value in cell))
     print_fitting(table, cells)
 
 

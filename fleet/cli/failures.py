@@ -28,6 +28,7 @@ from typing import IO, Any
 
 import click
 
+from fleet.cli.text import terminal_safe
 from fleet.config import describe_settings_error
 from fleet.kernel.errors import FleetError
 
@@ -52,7 +53,19 @@ class SettingsProblem(click.ClickException):
 
 
 def as_click_exception(exc: Exception) -> click.ClickException:
-    """The one-line ``ClickException`` that ends the command for ``exc`` (see above)."""
+    """The one-line ``ClickException`` that ends the command for ``exc`` (see above).
+
+    Its message may quote user data (an id, a gate, a worker's name): every control
+    character in it is written as an escape (issue 25.7), as ``terminal_safe`` does."""
+    failure = _as_click_exception(exc)
+    if not isinstance(failure, SettingsProblem):
+        # Final in the stubs, a plain attribute at run time: the same exception (its
+        # class and exit code) with its message made safe.
+        failure.message = terminal_safe(failure.message)  # type: ignore[misc]
+    return failure
+
+
+def _as_click_exception(exc: Exception) -> click.ClickException:
     if isinstance(exc, click.ClickException):
         return exc
     lines = describe_settings_error(exc)

@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from fleet.cli.common import json_option
+from fleet.cli.common import echo, json_option
 from fleet.config import FleetSettings
 from fleet.services.health import COMPONENTS, check_health
 
@@ -37,9 +37,9 @@ def health(component: str, liveness: bool, timeout: float, max_age: float | None
     if as_json:
         click.echo(json.dumps(report.to_dict()))
     elif report.ok:
-        click.echo(f"ok: {component}: {report.reason}")
+        echo(f"ok: {component}: {report.reason}")
     else:
-        click.echo(f"unhealthy: {component}: {report.reason}", err=True)
+        echo(f"unhealthy: {component}: {report.reason}", err=True)
     if not report.ok:
         sys.exit(1)
 

@@ -8,11 +8,13 @@ from typing import Any
 import click
 
 from fleet.cli.common import (
+    execution_id_argument,
     open_store_at,
     require_database,
     run_async,
     success_from,
     success_options,
+    the_execution_id,
     with_options,
 )
 from fleet.config import FleetSettings
@@ -26,7 +28,7 @@ def outcome() -> None:
 
 
 @outcome.command("attach")
-@click.option("--execution", "execution_id", required=True)
+@execution_id_argument
 @click.option("--decision", "decision_id", required=True)
 @click.option("--key", required=True, help="a namespaced reward key, e.g. csat:1")
 @click.option("--score", type=float, default=None)
@@ -35,10 +37,12 @@ def outcome() -> None:
 @click.option("--tenant", default=None)
 @click.option("--db", default=None, help="store URL")
 @click.option("--json", "as_json", is_flag=True)
-def outcome_attach(execution_id: str, decision_id: str, key: str, score: float | None,
-                   success: bool | None, failure: bool, actor: str | None, tenant: str | None,
-                   db: str | None, as_json: bool) -> None:
-    """Record a late outcome (authorised as `annotate` for --actor/--tenant)."""
+def outcome_attach(execution_id: str | None, execution_option: str | None, decision_id: str,
+                   key: str, score: float | None, success: bool | None, failure: bool,
+                   actor: str | None, tenant: str | None, db: str | None,
+                   as_json: bool) -> None:
+    """Record a late outcome on EXECUTION_ID (authorised as `annotate` for --actor/--tenant)."""
+    eid = the_execution_id(execution_id, execution_option)
     success = success_from(success, failure)
     settings = FleetSettings()
     url = require_database(db or settings.database_url)
@@ -48,7 +52,7 @@ def outcome_attach(execution_id: str, decision_id: str, key: str, score: float |
         store = open_store_at(url)
         try:
             runtime = Runtime(store, strict=settings.strict)
-            return await runtime.record_outcome(execution_id, decision_id=decision_id,
+            return await runtime.record_outcome(eid, decision_id=decision_id,
                                                 key=key, score=score, success=success,
                                                 principal=principal)
         finally:

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from fleet.cli.common import (
     db_option,
+    echo,
     id_column,
     open_reader_at,
     open_snapshots,
@@ -78,7 +79,7 @@ def export(execution_id: str, output: Path | None, db: str | None,
         click.echo(json.dumps({"executionId": execution_id, "events": len(doc["log"]),
                                "snapshot": "snapshot" in doc, "path": str(output)}))
         return
-    click.echo(f"wrote {len(doc['log'])} events of {execution_id}"
+    echo(f"wrote {len(doc['log'])} events of {execution_id}"
                f"{' and its snapshot' if 'snapshot' in doc else ''} to {output}", err=True)
 
 

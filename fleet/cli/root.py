@@ -17,6 +17,7 @@ The group runs every command the same way:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -32,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "run": "fleet.cli.executions:run",
     "log": "fleet.cli.executions:log",
     "list": "fleet.cli.executions:list_",
+    "describe": "fleet.cli.describe:describe",
     "learn": "fleet.cli.learn:learn",
     "repair": "fleet.cli.repair:repair",
     "outcome": "fleet.cli.outcome:outcome",
@@ -52,6 +54,7 @@ COMMANDS: dict[str, str] = {
     "events": "fleet.cli.events:events",
     "status": "fleet.cli.status:status",
     "diverged": "fleet.cli.diverged:diverged",
+    "executions": "fleet.cli.bulk:executions",
     "health": "fleet.cli.health:health",
     "up": "fleet.cli.embedded:up",
     "demo": "fleet.cli.embedded:demo",
@@ -77,6 +80,18 @@ class LazyGroup(click.Group):
             return command
         return super().get_command(ctx, cmd_name)
 
+    def resolve_command(self, ctx: click.Context, args: list[str],
+                        ) -> tuple[str | None, click.Command | None, list[str]]:
+        """A mistyped command is a usage error (exit 2) that names the closest commands."""
+        name = str(args[0]) if args else ""
+        if name and not name.startswith("-") and not ctx.resilient_parsing \
+                and self.get_command(ctx, name) is None:
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=3, cutoff=0.6)
+            hint = (" Did you mean " + " or ".join(repr(c) for c in close) + "?") if close \
+                else " `fleet --help` lists the commands."
+            ctx.fail(f"No such command {name!r}.{hint}")
+        return super().resolve_command(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -101,7 +116,7 @@ def import_from_here() -> None:
 @click.group(cls=LazyGroup, lazy=COMMANDS)
 @click.option("--debug", is_flag=True, envvar="FLEET_DEBUG",
               help="print the traceback of an error, not only its one line")
-@click.version_option(package_name="fleet")
+@click.version_option(package_name="fleet-durable")
 def main(debug: bool) -> None:
     """fleet: durable execution for Python."""
     import_from_here()

@@ -8,18 +8,20 @@ import time
 from typing import Any
 
 import click
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
-from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
 from fleet.cli.common import (
+    SafeConsole,
     console,
+    id_cell,
     id_column,
     json_option,
     natural_width,
+    plain,
     require_database,
 )
 from fleet.config import FleetSettings
@@ -39,26 +41,36 @@ SERVICE_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _cell(name: str, value: float) -> str:
+def _cell(name: str, value: float) -> Text:
     text = str(int(value)) if float(value).is_integer() else f"{value:.1f}"
-    return f"[bold red]{text}[/bold red]" if name in _ALARM and value > 0 else text
+    return Text(text, style="bold red" if name in _ALARM and value > 0 else "")
 
 
-def _age(age_s: float | None, stale: bool) -> str:
+def _age(age_s: float | None, stale: bool) -> Text:
     if age_s is None:
-        return ""
-    return f"[red]stale {age_s:.0f}s[/red]" if stale else f"{age_s:.0f}s"
+        return Text("")
+    return Text(f"stale {age_s:.0f}s", style="red") if stale else Text(f"{age_s:.0f}s")
+
+
+def _counters(values: Any, names: Any) -> Text:
+    """``name=value`` pairs, an alarm's value in red."""
+    out = Text()
+    for i, name in enumerate(names):
+        out.append(("" if i == 0 else " ") + f"{name}=")
+        out.append_text(_cell(name, values.get(name, 0)))
+    return out
 
 
 def _workers_table(status: Any, wide: bool) -> Table:
     """Every worker a row, every counter a column (needs about 120 columns)."""
     workers = Table(title=f"workers ({len(status.workers)})")
-    id_column(workers, "worker", [w.name for w in status.workers])
+    id_column(workers, "worker", [w.name for w in status.workers])  # cells: id_cell
     for col in ("pool", "slots", *WORKER_FIELDS, "seen"):
         workers.add_column(col if wide else _SHORT.get(col, col), justify="right",
                            no_wrap=True)
     for w in status.workers:
-        workers.add_row(w.name, w.pool, "" if w.concurrency is None else str(w.concurrency),
+        workers.add_row(id_cell(w.name), plain(w.pool),
+                        "" if w.concurrency is None else str(w.concurrency),
                         *(_cell(name, w.fleet.get(name, 0)) for name in WORKER_FIELDS),
                         _age(w.age_s, w.stale))
     return workers
@@ -71,11 +83,10 @@ def _workers_lines(status: Any) -> list[Any]:
     for w in status.workers:
         slots = "" if w.concurrency is None else f", {w.concurrency} slots"
         pool = f"{w.pool}{slots}" if w.pool else "(did not answer inspect)"
-        seen = f", seen {_age(w.age_s, w.stale)}" if w.age_s is not None else ""
-        lines.append(Text.from_markup(f"  {escape(w.name)}: {pool}{seen}"))
-        counters = " ".join(f"{name}={_cell(name, w.fleet.get(name, 0))}"
-                            for name in WORKER_FIELDS)
-        lines.append(Padding(Text.from_markup(counters), (0, 0, 0, 4)))
+        seen = Text.assemble(", seen ", _age(w.age_s, w.stale)) if w.age_s is not None \
+            else Text("")
+        lines.append(Text.assemble("  ", id_cell(w.name), ": ", plain(pool), seen))
+        lines.append(Padding(_counters(w.fleet, WORKER_FIELDS), (0, 0, 0, 4)))
     return lines
 
 
@@ -84,11 +95,10 @@ def _services_lines(services: Any) -> Group:
     counters ``SERVICE_FIELDS`` names (--json has all of them)."""
     lines: list[Any] = [Text(f"services ({len(services)})", style="italic")]
     for p in services:
-        lines.append(Text.from_markup(f"  {p.role} {escape(p.name)}: seen "
-                                      f"{_age(p.age_s, p.stale)}"))
-        counters = " ".join(f"{name}={_cell(name, p.counters.get(name, 0))}"
-                            for name in SERVICE_FIELDS.get(p.role, ()))
-        lines.append(Padding(Text.from_markup(counters), (0, 0, 0, 4)))
+        lines.append(Text.assemble(f"  {p.role} ", id_cell(p.name), ": seen ",
+                                   _age(p.age_s, p.stale)))
+        lines.append(Padding(_counters(p.counters, SERVICE_FIELDS.get(p.role, ())),
+                             (0, 0, 0, 4)))
     return Group(*lines)
 
 
@@ -104,14 +114,14 @@ def _status_view(status: Any, *, wide: bool = False, width: int | None = None) -
     services = status.services
     if services:
         parts.append(_services_lines(services))
-    parts += [Text(problem, style="red") for problem in status.problems]
+    parts += [plain(problem, "red") for problem in status.problems]
     parts.append(time.strftime("at %H:%M:%S", time.localtime(status.at)))
     return Group(*parts)
 
 
 def _print(view: Group, wide: bool) -> None:
     # --wide: as wide as the table needs (the terminal wraps it), never squeezed.
-    out = Console(width=max(console.width, natural_width(view))) if wide else console
+    out = SafeConsole(width=max(console.width, natural_width(view))) if wide else console
     out.print(view)
 
 

@@ -66,6 +66,7 @@ from fleet.kernel.errors import (
     WaitTimeoutError,
 )
 from fleet.kernel.events import TERMINAL_STATUSES
+from fleet.kernel.fold import DIVERGED_GATE
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import Principal
 from fleet.kernel.starts import StartRequest
@@ -443,6 +444,14 @@ class Dispatcher(Asking):
             order = await self.write_resume(execution_id, gate, payload, principal=principal)
             await self._publish_after_write([order], "resume", began)
 
+    async def retry_diverged(self, execution_id: str, *,
+                             principal: Principal | None = None) -> None:
+        """Re-drive an execution parked by the divergence detector (``Runtime.retry_diverged``
+        on a worker): written and audited as ``resume`` of ``__fleet_diverged__`` (the
+        log says ``by`` whom), then a worker drives it; a re-run that still diverges
+        parks again."""
+        await self.resume(execution_id, DIVERGED_GATE, None, principal=principal)
+
     async def send(self, execution_id: str, key: str, payload: Any = None, *,
                    principal: Principal | None = None) -> bool:
         """Deliver a message to ``ctx.receive(key)``; True when it woke the execution."""
@@ -646,6 +655,12 @@ class Dispatcher(Asking):
         """``resume`` for code without an event loop (refused inside one)."""
         self._sync("resume_sync", lambda: self.resume(execution_id, gate, payload,
                                                       principal=principal))
+
+    def retry_diverged_sync(self, execution_id: str, *,
+                            principal: Principal | None = None) -> None:
+        """``retry_diverged`` from sync code."""
+        self._sync("retry_diverged_sync",
+                   lambda: self.retry_diverged(execution_id, principal=principal))
 
     def send_sync(self, execution_id: str, key: str, payload: Any = None, *,
                   principal: Principal | None = None) -> bool:

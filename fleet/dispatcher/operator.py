@@ -12,10 +12,12 @@ worker that drove it), and the recorded reason (the park's correlation key,
 drives it. Before the code is fixed the re-run diverges again and parks again;
 ``retry`` waits for that drive and says which (decision 0028).
 
-The operator principal is not the execution's owner, so the runtime it writes
-through lets ``resume`` by anyone (``AccessPolicy(rules={"resume": "any"})``);
-who may ask for it is decided before: the Fleet page's operator role
-(``FLEET_OPERATORS``), the CLI's shell access.
+The operator principal is not the execution's owner: it holds the kernel's
+``operator`` role for every tenant (``Principal(FLEET_OPERATOR, scope={"*"},
+roles={"operator"})``, decision 0051), which the kernel lets read, resume and
+cancel any execution, and nothing more (the runtime keeps the default rules for
+everyone else). Who may act as it is decided before: the Fleet page's operator
+role (``FLEET_OPERATORS``), the CLI's shell access.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.dispatcher import Dispatcher
 from fleet.host.kernel import build_runtime, open_store
 from fleet.host.loop import EventLoopThread
+from fleet.kernel.bulk import Action, BulkReport, ExecutionFilter, OnItem, parked_on, run_bulk
 from fleet.kernel.errors import (
     ConfigurationError,
     ExecutionNotFoundError,
@@ -40,7 +43,7 @@ from fleet.kernel.events import EventEnvelope
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.schedules import ScheduleInfo
-from fleet.kernel.security import AccessPolicy, Principal
+from fleet.kernel.security import ALL_TENANTS, OPERATOR, Principal
 from fleet.kernel.store.spi import EventStore
 
 GATES: tuple[str, ...] = (DIVERGED_GATE, INDOUBT_GATE)
@@ -124,6 +127,15 @@ async def list_parked(store: EventStore, runtime: Runtime, *,
     return out
 
 
+def operator_principal(settings: FleetSettings) -> Principal | None:
+    """The principal an operator's action is recorded as (``FLEET_OPERATOR``): the kernel's
+    operator role over every tenant; None when no operator is configured."""
+    if not settings.operator:
+        return None
+    return Principal(settings.operator, scope=frozenset({ALL_TENANTS}),
+                     roles=frozenset({OPERATOR}))
+
+
 class Operator:
     """Lists and retries parked executions as ``settings.operator`` (sync; own loop thread).
 
@@ -135,7 +147,7 @@ class Operator:
     def __init__(self, settings: FleetSettings, *, settle_s: float = 15.0) -> None:
         self.settings = settings
         self.settle_s = settle_s
-        self.principal = Principal(settings.operator) if settings.operator else None
+        self.principal = operator_principal(settings)
         self._thread = EventLoopThread("fleet-operator", event_loop=settings.event_loop)
         self._thread.start()
         self._store: EventStore | None = None
@@ -147,8 +159,7 @@ class Operator:
         if self._store is None or self._runtime is None:
             store = open_store(self.settings)
             self._store = store
-            self._runtime = build_runtime(self.settings, store, role="operator",
-                                          access_policy=AccessPolicy(rules={"resume": "any"}))
+            self._runtime = build_runtime(self.settings, store, role="operator")
         return self._store, self._runtime
 
     def parked(self, *, gates: Sequence[str] = GATES, limit: int = 200
@@ -215,10 +226,7 @@ class Operator:
                 f"execution {execution_id!r} is {row.status}"
                 + (f" on {row.waiting_on}" if row.waiting_on else "")
                 + f", not parked on {DIVERGED_GATE}: there is nothing to retry")
-        if self._dispatcher is None:
-            self._app = producer_app(self.settings, main="fleet-operator")
-            self._dispatcher = Dispatcher(self.settings, runtime=runtime, app=self._app)
-        await self._dispatcher.resume(execution_id, DIVERGED_GATE, None, principal=principal)
+        await self._dispatcher_for(runtime).retry_diverged(execution_id, principal=principal)
         resumed = await store.get_execution(execution_id)
         head = resumed.head if resumed is not None else row.head
         deadline = time.monotonic() + self.settle_s
@@ -235,6 +243,57 @@ class Operator:
                 return RetryResult(execution_id, status, None, "", False)
             await asyncio.sleep(0.1)
 
+    def bulk(self, action: Action, flt: ExecutionFilter, *, gate: str | None = None,
+             payload: Any = None, dry_run: bool = False, rate: float = 20.0,
+             limit: int | None = None, after_id: str | None = None,
+             on_item: OnItem | None = None) -> BulkReport:
+        """A bulk action as the operator (``fleet.kernel.bulk``): each match written and
+        audited as its single call through the dispatcher, which enqueues the drives.
+
+        Raises:
+            ConfigurationError: acting (not a dry run) with no ``FLEET_OPERATOR``.
+        """
+        if self.principal is None and not dry_run:
+            raise ConfigurationError("acting on executions needs an operator principal: set "
+                                     "FLEET_OPERATOR (e.g. operator:oncall); it is recorded "
+                                     "on each log as who acted (--dry-run needs none)")
+        principal = self.principal
+
+        async def go() -> BulkReport:
+            store, runtime = await self._open()
+            dispatcher = self._dispatcher_for(runtime)
+            note = f"bulk cancel by {principal.actor if principal else '?'} ({flt.describe()})"
+            target = flt
+            if action == "retry":
+                target = parked_on(flt, DIVERGED_GATE)
+            elif action == "resume":
+                if not gate:
+                    raise ConfigurationError("a bulk resume needs the gate it answers")
+                target = parked_on(flt, gate)
+            elif flt.empty:
+                raise ConfigurationError("a bulk cancel needs a filter: it would cancel "
+                                         "everything")
+
+            async def act(eid: str) -> object:
+                if action == "cancel":
+                    await dispatcher.cancel(eid, principal=principal, reason=note)
+                elif action == "retry":
+                    await dispatcher.retry_diverged(eid, principal=principal)
+                else:
+                    await dispatcher.resume(eid, str(gate), payload, principal=principal)
+                return None
+            return await run_bulk(store, act, target, action=action,
+                                  read_state=lambda eid: runtime.load_state(eid, system=True),
+                                  now_ms=runtime.engine.clock(), dry_run=dry_run, rate=rate,
+                                  limit=limit, after_id=after_id, on_item=on_item)
+        return self._thread.run_coroutine(go(), timeout=None)
+
+    def _dispatcher_for(self, runtime: Runtime) -> Dispatcher:
+        if self._dispatcher is None:
+            self._app = producer_app(self.settings, main="fleet-operator")
+            self._dispatcher = Dispatcher(self.settings, runtime=runtime, app=self._app)
+        return self._dispatcher
+
     def close(self) -> None:
         async def shut() -> None:
             if self._dispatcher is not None:
@@ -249,4 +308,5 @@ class Operator:
             self._thread.stop()
 
 
-__all__ = ["GATES", "Operator", "ParkedExecution", "RetryResult", "list_parked"]
+__all__ = ["GATES", "Operator", "ParkedExecution", "RetryResult", "list_parked",
+           "operator_principal"]

@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,6 +105,14 @@ async def draft_reply(ticket: dict[str, Any], style: str, attempt_of: str) -> st
     # The slow part, like a model call; a worker killed here leaves the step in doubt.
     record_effect(ticket.get("effects"), execution=attempt_of, step="draft")
     await asyncio.sleep(float(ticket.get("draft_s", 1.5)))
+    # ``hold``: a file whose presence keeps the draft going (``fleet demo`` crashes its
+    # workers while every run is inside this step, so the same runs recover every time).
+    hold = ticket.get("hold")
+    deadline = time.monotonic() + 120
+    # Another process ends the hold (it removes the file): no asyncio.Event reaches
+    # here from there, so a stat every 50 ms.
+    while hold and os.path.exists(str(hold)) and time.monotonic() < deadline:  # noqa: ASYNC110, ASYNC240
+        await asyncio.sleep(0.05)
     return f"[{style}] re: {ticket.get('text', '')}"
 
 
@@ -178,7 +187,8 @@ def better_discount(context: Any, choice: Any, alternatives: Any) -> float:
 
 
 def make_ticket(i: int, rng: random.Random, *, effects: str | None, draft_s: float,
-                cool_off_s: float, seed: int | str | None = None) -> dict[str, Any]:
+                cool_off_s: float, seed: int | str | None = None,
+                hold: str | None = None) -> dict[str, Any]:
     """The ``i``-th demo ticket (with ``seed``: its decisions' draws, see ``uniforms``)."""
     segment = SEGMENTS[i % len(SEGMENTS)]
     text = rng.choice(("checkout is down", "how do I export invoices?",
@@ -189,6 +199,8 @@ def make_ticket(i: int, rng: random.Random, *, effects: str | None, draft_s: flo
         ticket["effects"] = effects
     if seed is not None:
         ticket["seed"] = seed
+    if hold is not None:
+        ticket["hold"] = hold
     return ticket
 
 

@@ -11,8 +11,8 @@ The stages:
 1. **up**: ``EmbeddedFleet`` with short leases (a crash is noticed in seconds).
 2. **start**: ``executions`` tickets of ``fleet.examples.agent:support_reply``
    through the ``Dispatcher`` (written first, then enqueued).
-3. **crash**: once most runs are inside the slow ``draft`` step, the worker
-   holding the most runs is SIGKILLed.
+3. **crash**: once every run is inside the slow ``draft`` step (held there),
+   every worker is SIGKILLed and a new one started.
 4. **recover**: its leases expire; the recovery sweeper re-drives its runs on
    the surviving worker, which logs ``RECOVERED`` and, for the step that was in
    flight, ``EFFECT_INDOUBT`` before running it again. Every run sleeps on a
@@ -40,9 +40,10 @@ The stages:
 (``agent.uniforms``: a function of the ticket's seed, so a run re-driven after
 the crash or the deploy draws what it drew before) and each customer's reward
 (a generator per ticket) are functions of ``--seed``: the approvals, rewards
-and evaluation are the same on every run with one seed. What may vary is the
-recovery: which worker is killed, which runs it held and which steps were in
-doubt; wall-clock time reaches only the rewards' ``sent_at``.
+and evaluation are the same on every run with one seed, and so is the recovery:
+every draft is held (``HOLD_FILE``) until every worker is SIGKILLed with all runs
+inside it. Only ids, pids, seconds and the counters of drives that stepped aside
+or were enqueued again vary; wall-clock time reaches only the rewards' ``sent_at``.
 
 With ``FLEET_REDIS_URL`` set (a Redis other things use) the demo keeps to a
 queue and streams of its own (``fleet.demo.<run>``, ``fleet:demo:<run>:*``)
@@ -89,6 +90,8 @@ CHANGED_FLOW = "fleet.examples.agent_changed:support_reply"
 FLOW_ID = "support-reply"
 PRODUCER = "demo"
 TENANT = "demo"  # the tenant the demo's operator starts every run in
+#: In the data directory: while it exists every run's draft goes on (``agent.draft_reply``).
+HOLD_FILE = "hold-drafts"
 Progress = Callable[[int, str], None]
 
 
@@ -302,12 +305,14 @@ class _Demo:
 
     async def start(self, fleet: EmbeddedFleet) -> None:
         effects = str(fleet.data_dir / "effects.jsonl")
+        hold = fleet.data_dir / HOLD_FILE
+        hold.write_text("every run's draft waits until the crash (fleet demo)\n")
         with self.timed("start"):
             for i in range(self.options.executions):
                 ticket = agent.make_ticket(i, self.rng, effects=effects,
                                            draft_s=self.options.draft_s,
                                            cool_off_s=self.options.cool_off_s,
-                                           seed=f"{self.options.seed}:{i}")
+                                           seed=f"{self.options.seed}:{i}", hold=str(hold))
                 execution_id = await fleet.dispatcher.start(FLOW_ID, ticket,
                                                             principal=self.principal)
                 self.ids.append(execution_id)
@@ -327,7 +332,7 @@ class _Demo:
     async def crash(self, fleet: EmbeddedFleet) -> dict[str, str | None]:
         effects = fleet.data_dir / "effects.jsonl"
         total = len(self.ids)
-        want = max(1, math.ceil(total * 0.8))
+        want = total  # every run is held inside its draft until the crash
 
         async def drafting() -> tuple[int, str]:
             n = len({e["execution"] for e in _effects(effects) if e["step"] == "draft"})
@@ -336,24 +341,27 @@ class _Demo:
         with self.timed("crash"):
             await self.wait_until("runs reaching the slow draft step", want, drafting, 0.1)
             stats = await fleet.astats(timeout=1.0)
-            alive = [w for w in stats["workers"] if w["alive"]]
-            target = max(alive, key=lambda w: w["fleet"].get("active", 0))
-            index = next(i for i, w in enumerate(fleet.workers) if w.pid == target["pid"])
-            victim = fleet.kill_worker(index)
+            active = sum(w["fleet"].get("active", 0) for w in stats["workers"] if w["alive"])
+            # Every worker (a node lost), every run inside its draft; who held what is
+            # read at once (a lease may expire before the replacement is up).
+            victims = [fleet.kill_worker(i) for i, w in enumerate(fleet.workers) if w.alive()]
             runtime = await fleet.dispatcher.runtime()
             rows = [await runtime.store.get_execution(eid) for eid in self.ids]
-        # The runs whose lease the dead worker held: they are what must recover.
+            replacement = await asyncio.to_thread(fleet.start_worker)
+            (fleet.data_dir / HOLD_FILE).unlink(missing_ok=True)  # recovered drafts go on
+        # The runs whose lease a dead worker held: they are what must recover.
+        dead = {victim.pid for victim in victims}
         orphans = {row.execution_id: row.holder for row in rows
-                   if row is not None and _holder_pid(row.holder) == victim.pid}
-        self.summary["crash"] = {"worker": victim.name, "pid": victim.pid,
-                                 "active_at_kill": target["fleet"].get("active", 0),
+                   if row is not None and _holder_pid(row.holder) in dead}
+        names = ", ".join(victim.name for victim in victims)
+        self.summary["crash"] = {"worker": names, "pid": victims[0].pid, "pids": sorted(dead),
+                                 "replacement": replacement.name, "active_at_kill": active,
                                  "orphaned": sorted(orphans)}
-        self.reporter.stage(
-            f"3. SIGKILL {victim.name} (pid {victim.pid}) mid-run", ["what", "value"],
-            [["runs it was driving", str(target["fleet"].get("active", 0))],
-             ["leases it held (now dead)", str(len(orphans))],
-             ["what happens next", f"the leases expire ({fleet.settings.lease_ms} ms); the "
-              "recovery sweeper re-drives the runs on a live worker"]])
+        self.reporter.stage(f"3. SIGKILL {names} (pids {sorted(dead)}) mid-run",
+                            ["what", "value"], [
+            ["runs they were driving", str(active)], ["leases held (dead)", str(len(orphans))],
+            ["what happens next", f"{replacement.name} (pid {replacement.pid}) starts; leases "
+             f"expire ({fleet.settings.lease_ms} ms); the sweeper re-drives the runs on it"]])
         return orphans
 
     async def statuses(self, runtime: Runtime) -> list[Any]:

@@ -35,6 +35,8 @@ from tornado.web import url
 from fleet.config import FleetSettings
 from fleet.flowerui.roles import guard_handlers
 from fleet.flowerui.views import (
+    FleetBulkRetry,
+    FleetBulkRetryApi,
     FleetLogView,
     FleetRetry,
     FleetRetryApi,
@@ -89,6 +91,9 @@ def handlers(state: FleetState) -> list[Any]:
     return [url(r"/fleet", FleetView, kwargs, name="fleet"),
             url(r"/fleet/api/status", FleetStatusApi, kwargs, name="fleet-api-status"),
             url(r"/fleet/execution/(.+)", FleetLogView, kwargs, name="fleet-log"),
+            url(r"/fleet/diverged/retry", FleetBulkRetry, kwargs, name="fleet-retry-all"),
+            url(r"/fleet/api/diverged/retry", FleetBulkRetryApi, kwargs,
+                name="fleet-api-retry-all"),
             url(r"/fleet/diverged/(.+)/retry", FleetRetry, kwargs, name="fleet-retry"),
             url(r"/fleet/api/diverged/(.+)/retry", FleetRetryApi, kwargs,
                 name="fleet-api-retry")]

@@ -6,6 +6,9 @@
 ``/fleet/execution/<id>``       GET     an execution's log
 ``/fleet/diverged/<id>/retry``  POST    Retry (a form; redirects to the page)
 ``/fleet/api/diverged/<id>/retry`` POST Retry, answered as JSON
+``/fleet/diverged/retry``       POST    Retry all diverged (of a flow), at most
+                                        ``BULK_LIMIT`` a click, ``BULK_RATE`` a second
+``/fleet/api/diverged/retry``   POST    the same as JSON (``dry_run=1``: list only)
 ==============================  ======  ==============================================
 
 Every handler is a Flower handler: Flower's authentication applies (basic
@@ -35,6 +38,7 @@ from tornado.ioloop import IOLoop
 from fleet.config import FleetSettings
 from fleet.dispatcher.operator import GATES, Operator, ParkedExecution, RetryResult
 from fleet.flowerui.roles import Viewer, flower_user, has_operator_role, viewer_of
+from fleet.kernel.bulk import BulkReport, ExecutionFilter
 from fleet.kernel.errors import FleetError
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
 from fleet.services.counters import ALARMS, WORKER_COUNTERS, CountersReader, FleetCounters
@@ -47,6 +51,19 @@ HEADLINE: tuple[str, ...] = ("drives", "completed", "parked", "active", "diverge
                              "outcomes_attached", "outcomes_dead_lettered", "handed_back",
                              "errors")
 REFRESH_S = 5
+#: The worker counters the Workers table shows as columns (the rest, per worker, under
+#: "more": the table fits a 1280 px screen, issue 29.11), with their short headers.
+WORKER_COLUMNS: tuple[str, ...] = (
+    "drives", "completed", "active", "parked", "recovered", "stepped_aside", "failed",
+    "fenced_out", "divergence_warnings", "divergence_parked", "dispatch_refused", "errors")
+SHORT: dict[str, str] = {"stepped_aside": "aside", "fenced_out": "fenced",
+                         "recovered": "recov.", "divergence_warnings": "div. warn",
+                         "divergence_parked": "div. park", "dispatch_refused": "disp. refused",
+                         "completed": "done"}
+#: Most diverged executions one "Retry all" retries (the page says how many remain),
+#: and how many a second (``fleet.kernel.bulk``: the workers get a trickle, not a flood).
+BULK_LIMIT = 200
+BULK_RATE = 20.0
 
 
 class FleetState:
@@ -177,7 +194,8 @@ class FleetView(_FleetHandler):
         processes = data["processes"]
         self.render("fleet.html", data=data, message=message, message_bad=bad,
                     headline=HEADLINE, alarm_names=frozenset(ALARMS),
-                    worker_counters=WORKER_COUNTERS,
+                    worker_counters=WORKER_COUNTERS, worker_columns=WORKER_COLUMNS,
+                    short=SHORT,
                     workers=[p for p in processes if p["role"] == "worker"],
                     services=[p for p in processes if p["role"] != "worker"],
                     can_retry=can_retry, retry_off=retry_off, refresh_s=REFRESH_S,
@@ -226,12 +244,12 @@ class _Retry(_FleetHandler):
         self.set_header("Content-Type", "text/plain; charset=UTF-8")
         self.finish(message or self._reason)
 
-    async def act(self, execution_id: str) -> tuple[int, dict[str, Any]]:
+    def refusal(self, what: str) -> tuple[int, dict[str, Any]] | None:
+        """Why this user may not retry (403: no operator role; 409: no operator principal)."""
         settings = self.state.settings
         user = flower_user(self)  # only a user Flower authenticated: never a forged header
         if not has_operator_role(user, settings.operators):
-            log.warning("fleet: retry of %s refused: %r lacks the operator role",
-                        execution_id, user)
+            log.warning("fleet: retry of %s refused: %r lacks the operator role", what, user)
             return 403, {"error": "operator_role_required", "message": (
                 f"retrying needs the operator role: {user or 'an unauthenticated user'} is "
                 "not in FLEET_OPERATORS")}
@@ -239,6 +257,14 @@ class _Retry(_FleetHandler):
             return 409, {"error": "no_operator_principal", "message": (
                 "retrying needs an operator principal: set FLEET_OPERATOR (recorded on the "
                 "log as who resumed)")}
+        return None
+
+    async def act(self, execution_id: str) -> tuple[int, dict[str, Any]]:
+        settings = self.state.settings
+        user = flower_user(self)
+        refused = self.refusal(execution_id)
+        if refused is not None:
+            return refused
         try:
             result: RetryResult = await self.blocking(self.state.operator.retry, execution_id)
         except FleetError as exc:
@@ -259,6 +285,56 @@ class FleetRetry(_Retry):
         self.redirect(self.reverse_url("fleet") + f"?result={token}", status=303)
 
 
+class _BulkRetry(_Retry):
+    """Retry every diverged execution (of one flow, ``flow=``), as ``fleet executions
+    retry`` does: each as the single Retry, audited, paced, at most ``BULK_LIMIT``."""
+
+    async def act_all(self) -> tuple[int, dict[str, Any]]:
+        flow = self.get_argument("flow", "").strip() or None
+        dry_run = self.get_argument("dry_run", "") in ("1", "true", "on")
+        refused = None if dry_run else self.refusal(f"all diverged ({flow or 'every flow'})")
+        if refused is not None:
+            return refused
+        try:
+            report: BulkReport = await self.blocking(
+                lambda: self.state.operator.bulk("retry", ExecutionFilter(flow=flow),
+                                                 dry_run=dry_run, rate=BULK_RATE,
+                                                 limit=BULK_LIMIT))
+        except FleetError as exc:
+            return 409, {"error": exc.code, "message": exc.message}
+        body = report.to_dict()
+        scope = f"flow {flow}" if flow else "every flow"
+        if dry_run:
+            body["message"] = f"{report.matched} diverged execution(s) of {scope} would be retried"
+        else:
+            more = " (more remain: retry all again)" if report.stopped else ""
+            body["message"] = (f"retried {report.acted} diverged execution(s) of {scope}; "
+                               f"{report.skipped} done already, {report.failed} failed{more}")
+            log.info("fleet: %s retried all diverged of %s as %s: %s",
+                     flower_user(self) or "(open)", scope, self.state.settings.operator,
+                     body["message"])
+        return 200, body
+
+
+class FleetBulkRetry(_BulkRetry):
+    @tornado.web.authenticated
+    async def post(self) -> None:
+        status, body = await self.act_all()
+        if status == 403:
+            raise tornado.web.HTTPError(403, body["message"])
+        token = self.state.remember(body["message"], status != 200 or bool(body.get("failed")))
+        self.redirect(self.reverse_url("fleet") + f"?result={token}", status=303)
+
+
+class FleetBulkRetryApi(_BulkRetry):
+    @tornado.web.authenticated
+    async def post(self) -> None:
+        status, body = await self.act_all()
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json; charset=UTF-8")
+        self.write(json.dumps(body))
+
+
 class FleetRetryApi(_Retry):
     @tornado.web.authenticated
     async def post(self, execution_id: str) -> None:
@@ -268,5 +344,6 @@ class FleetRetryApi(_Retry):
         self.write(json.dumps(body))
 
 
-__all__ = ["FleetLogView", "FleetRetry", "FleetRetryApi", "FleetState", "FleetStatusApi",
-           "FleetView"]
+__all__ = ["BULK_LIMIT", "BULK_RATE", "SHORT", "WORKER_COLUMNS", "FleetBulkRetry",
+           "FleetBulkRetryApi", "FleetLogView", "FleetRetry", "FleetRetryApi", "FleetState",
+           "FleetStatusApi", "FleetView"]

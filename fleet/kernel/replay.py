@@ -96,7 +96,7 @@ async def replay_check(events: Sequence[EventEnvelope], flows: Sequence[FlowDefi
         # A step waiting out a retry backoff restarts live, which is the
         # frontier: a dry replay never sleeps until its retryAt.
         frame.retry_at = None
-    journal = Journal(store, live, fence=None, clock=runtime.clock, warner=runtime.warner)
+    journal = Journal(store, live, fence=None, clock=runtime.engine.clock, warner=runtime.warner)
     run = Run(runtime.engine, definition, journal)
     run.stop_at_frontier = True
     try:

@@ -81,6 +81,13 @@ class RunOutcome:
     next_execution_id: str | None = None      # continued
 
     @property
+    def drove(self) -> bool:
+        """Whether this drive ran the flow here: False when it ``stepped_aside`` (another
+        holder's live lease, or its slot taken: nothing written) or found
+        ``nothing_to_do`` (decision 0051: what ``Runtime.drive_if_free`` answered)."""
+        return self.kind not in ("stepped_aside", "nothing_to_do")
+
+    @property
     def ended(self) -> bool:
         """Whether this run wrote the execution's end (completed, failed or continued)."""
         return self.kind in ("completed", "failed", "continued")

@@ -35,6 +35,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.family import Family
 from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import DIVERGED_GATE, ExecutionState
+from fleet.kernel.fork import fork
 from fleet.kernel.handle import ExecutionHandle
 from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
 from fleet.kernel.migration import resume_as
@@ -61,7 +62,7 @@ from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.timers import FiredTimer, Timers
 from fleet.kernel.typed import encode_input, from_log, return_adapter
-from fleet.kernel.values import ms_from_datetime
+from fleet.kernel.values import datetime_from_ms, ms_from_datetime
 
 # The divergence mode of a runtime built without ``divergence=`` and not strict
 # (ADR 0113 D3: warn first). Tests can force it (FLEET_TEST_DIVERGENCE=fail).
@@ -132,7 +133,6 @@ class Runtime(StatsAttributes, ScheduleMethods):
         # Child flows and messages between executions (fleet.kernel.family).
         self.family = Family(self.engine)
         self.stats: RuntimeStats = self.engine.stats
-        self.clock = self.engine.clock
         # The settings in force, as attributes (as before RuntimeOptions): set once
         # here, read by the fleet and by tests; ``options`` holds them all.
         self.divergence: DivergenceMode = self.engine.divergence
@@ -189,7 +189,7 @@ class Runtime(StatsAttributes, ScheduleMethods):
         if not fresh and await self.store.head(execution_id) is not None:
             await self.engine.existing(execution_id, definition.flow_id, principal)
             return ExecutionHandle(self, execution_id)  # an idempotent start
-        now = self.clock()
+        now = self.engine.clock()
         payload: dict[str, Any] = {
             "flowId": definition.flow_id, "flowVersion": definition.version,
             "flowHash": definition.content_hash(self.features), "input": data,
@@ -233,6 +233,7 @@ class Runtime(StatsAttributes, ScheduleMethods):
             if_free: Only if no live lease holds it, with no round trip for the fence:
                 the run's first write takes it (decision 0032: the fleet's workers);
                 else the outcome is ``stepped_aside``, nothing written. Not with grant.
+                Whether it drove: ``(await handle.outcome()).drove`` (decision 0051).
         """
         engine = self.engine
         if if_free and grant is not None:
@@ -246,9 +247,22 @@ class Runtime(StatsAttributes, ScheduleMethods):
             await asyncio.shield(run)
         return ExecutionHandle(self, execution_id, run)
 
-    async def drive_if_free(self, execution_id: str) -> bool:
-        """Drive only when no live lease is held; ``False`` when someone else holds it."""
-        return await self.engine.drive_if_free(execution_id) is not None
+    def now(self) -> datetime:
+        """The runtime's time (its ``clock``), an aware UTC ``datetime`` (decision 0051)."""
+        return datetime_from_ms(self.engine.clock())
+
+    async def fork(self, execution_id: str, *, from_step: str, version: int | None = None,
+                   principal: Principal | None = None, new_execution_id: str | None = None,
+                   drive: bool = True) -> ExecutionHandle:
+        """A new execution that reuses the recorded outputs before ``from_step`` and runs
+        the rest live, on ``version`` (None: the source's); its origin is in its log
+        (``fleet.kernel.fork``, decision 0052). The handle is the new execution's."""
+        forked = await fork(self.engine, self.flows, self.features, execution_id,
+                            from_step=from_step, version=version, principal=principal,
+                            new_execution_id=new_execution_id)
+        if not drive:
+            return ExecutionHandle(self, forked)
+        return await self.drive(forked, if_free=True)
 
     # ------------------------------------------------------- resume and send
     async def resume(self, execution_id: str, gate: str, payload: Any = None, *,

@@ -5,6 +5,15 @@ Ops: ``start``, ``read``, ``resume``, ``send``, ``cancel``, ``annotate``. Rules:
 tenant), ``any``. Defaults: ``owner`` for every op on an existing execution,
 except ``read`` which is ``tenant``. ``start`` is open to any principal (it
 records the owner); under ``strict`` every op needs a principal.
+
+Roles (decision 0051). A principal holding the ``operator`` role
+(``Principal("oncall", scope={"*"}, roles={"operator"})``) may also do the ops of
+``AccessPolicy.operator_ops`` (``read``, ``resume``, ``cancel``: retry a diverged
+run, answer an in-doubt one, cancel, and the bulk actions) on every execution of
+a tenant it acts for (``Principal.acts_for``: its tenant, or its scope), whoever
+owns it. Roles are given by the process that builds the principal (the fleet's
+``FLEET_OPERATOR``, Flower's operator users); no message, header or log field
+carries one, so a client cannot claim it.
 """
 
 from __future__ import annotations
@@ -33,6 +42,12 @@ MAX_SCORE = 1e9
 
 #: In a ``Principal.scope``: every tenant, and executions with no tenant.
 ALL_TENANTS = "*"
+#: The role that opens ``AccessPolicy.operator_ops`` on any execution of a tenant the
+#: principal acts for.
+OPERATOR = "operator"
+ROLES: tuple[str, ...] = (OPERATOR,)
+#: What the operator role opens unless a policy says otherwise.
+OPERATOR_OPS: frozenset[str] = frozenset({"read", "resume", "cancel"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +66,7 @@ class Principal:
     actor: str
     tenant: str | None = None
     scope: frozenset[str] | None = None
+    roles: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not isinstance(self.actor, str) or not self.actor:
@@ -64,6 +80,17 @@ class Principal:
                     f"e.g. frozenset({{'acme', 'globex'}}) or {{'{ALL_TENANTS}'}}")
             if not isinstance(scope, frozenset):
                 object.__setattr__(self, "scope", frozenset(scope))
+        roles: Any = self.roles
+        if isinstance(roles, (str, bytes)) or not all(r in ROLES for r in roles):
+            raise ConfigurationError(f"Principal.roles must be a set of roles among {ROLES}, "
+                                     f"e.g. frozenset({{'{OPERATOR}'}}); got {roles!r}")
+        if not isinstance(roles, frozenset):
+            object.__setattr__(self, "roles", frozenset(roles))
+
+    @property
+    def is_operator(self) -> bool:
+        """Whether this principal holds the ``operator`` role."""
+        return OPERATOR in self.roles
 
     def acts_for(self, tenant: str | None) -> bool:
         """Whether the ``tenant`` rule lets this principal act on ``tenant``'s executions."""
@@ -84,8 +111,14 @@ class AccessPolicy:
 
     rules: Mapping[str, str] = field(default_factory=dict)
     strict: bool = False
+    #: The ops the ``operator`` role opens (on a tenant the operator acts for).
+    operator_ops: frozenset[str] = OPERATOR_OPS
 
     def __post_init__(self) -> None:
+        unknown = set(self.operator_ops) - set(OPS)
+        if unknown:
+            raise ConfigurationError(f"AccessPolicy: unknown operator op(s) {sorted(unknown)}; "
+                                     f"ops are {OPS}")
         for op, rule in self.rules.items():
             if op not in OPS:
                 raise ConfigurationError(f"AccessPolicy: unknown op {op!r}; ops are {OPS}")
@@ -118,6 +151,9 @@ def authorize(policy: AccessPolicy, op: Op, principal: Principal | None,
         return Verdict(True)
     rec_actor = (owner or {}).get("actor")
     rec_tenant = (owner or {}).get("tenant")
+    if principal.roles and OPERATOR in principal.roles and op in policy.operator_ops \
+            and principal.acts_for(rec_tenant):
+        return Verdict(True)
     if rule == "tenant":
         if principal.acts_for(rec_tenant):
             return Verdict(True)

@@ -54,8 +54,6 @@ class Runtime(Protocol):
     flows: FlowRegistry
     features: Features
 
-    def clock(self) -> int: ...
-
     async def start(self, flow_id: str, input: Any = None, *,
                     principal: Principal | None = None, execution_id: str | None = None,
                     idempotency_key: str | None = None, drive: bool = True) -> Any: ...
@@ -146,7 +144,7 @@ async def start_many(runtime: Runtime, requests: Sequence[StartRequest]) -> list
             raise ValidationError(
                 f"start_many: execution {item.execution_id!r} is asked for twice, for flows "
                 f"{seen.definition.flow_id!r} and {item.definition.flow_id!r}")
-    now = runtime.clock()
+    now = runtime.engine.clock()
     made = {eid: EventEnvelope.make(eid, 0, EventType.EXECUTION_STARTED, now,
                                     start_payload(item.definition, item.data,
                                                   item.request.principal, now,

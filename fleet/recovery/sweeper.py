@@ -102,7 +102,7 @@ class RecoverySweeper(PeriodicService):
 
     async def _drive_here(self) -> None:
         """Re-drive in this process: ``recover_abandoned`` page by page."""
-        now = self.runtime.clock()
+        now = self.runtime.engine.clock()
         after: str | None = None
         while True:
             report = await self.runtime.recover_abandoned(
@@ -119,7 +119,7 @@ class RecoverySweeper(PeriodicService):
 
     async def _enqueue(self, enqueue: Enqueue) -> None:
         """Hand each abandoned execution's drive to the workers, unless still queued."""
-        now = self.runtime.clock()
+        now = self.runtime.engine.clock()
         after: str | None = None
         while True:
             rows = await self.runtime.store.list_executions(

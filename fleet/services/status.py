@@ -31,7 +31,7 @@ from fleet.host.celery_api import broker_app
 from fleet.host.kernel import open_store_to_read
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
 from fleet.kernel.errors import FleetError
-from fleet.kernel.store.spi import CountsExecutions, EventStore
+from fleet.kernel.store.spi import COUNT_EXECUTIONS, CountsExecutions, EventStore, capabilities_of
 from fleet.services.counters import CountersReader, FleetCounters, ProcessReport
 
 T = TypeVar("T")
@@ -126,7 +126,7 @@ def _sum(reports: list[ProcessReport]) -> dict[str, float]:
 async def execution_counts(store: EventStore, *, page_limit: int = 10_000
                            ) -> tuple[dict[str, int], bool]:
     """``({state: executions}, capped)`` from the store's index."""
-    if isinstance(store, CountsExecutions):
+    if COUNT_EXECUTIONS in capabilities_of(store) and isinstance(store, CountsExecutions):
         try:
             counts = await store.count_executions()
             return {state: counts.get(state, 0) for state in (*STATES, *counts)}, False

@@ -19,7 +19,7 @@
   the tenants ``FLEET_REWARD_TENANTS`` gives it (decision 0025); bad ones go
   to ``fleet:rewards:dead`` with the reason, on their first delivery.
 
-Needs the ``fleet`` extra (redis-py): ``pip install 'fleet[fleet]'``.
+Needs the ``fleet`` extra (redis-py): ``pip install 'fleet-durable[fleet]'``.
 """
 
 from fleet.streams.attacher import RewardAttacher

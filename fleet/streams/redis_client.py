@@ -20,7 +20,7 @@ try:
     from redis.exceptions import RedisError, ResponseError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
-        "fleet.streams needs redis-py: pip install 'fleet[fleet]'") from exc
+        "fleet.streams needs redis-py: pip install 'fleet-durable[fleet]'") from exc
 
 # A connection that cannot be made, or that breaks, is a RedisError subclass
 # or (below redis-py) an OSError: both mean "not now", never "wrong".

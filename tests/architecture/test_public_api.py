@@ -37,6 +37,8 @@ EXPECTED = {
     # Issue 26 (decision 0033): child flows, updates, durable waits.
     "ChildFailedError", "ChildHandle", "DuplicateReplyError", "Update", "UpdateFailedError",
     "Wait",
+    # decision 0050: the one way to open a store
+    "GroupCommit", "open_store",
 }
 
 

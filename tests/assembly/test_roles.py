@@ -15,7 +15,9 @@ import pytest
 
 from fleet.assembly.roles import OPENERS, SERVICE_ROLES, Role, open_role, open_worker
 from fleet.config import FleetSettings
+from fleet.host.kernel import build_runtime
 from fleet.kernel.errors import ConfigurationError
+from fleet.kernel.store.memory import MemoryEventStore
 from fleet.streams.relay import EventRelay
 
 FLOWS = ["worker_unit_flows:double"]
@@ -123,3 +125,16 @@ async def test_unknown_roles_and_missing_settings_are_refused(tmp_path: Path) ->
         await open_role(_settings(tmp_path, reward_keys={}), "attacher")
     with pytest.raises(ConfigurationError, match="unknown store URL"):
         await open_role(_settings(tmp_path, database_url="nosuch://x"), "timers")
+
+
+def test_a_fleet_parks_a_diverged_run_unless_told_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29.10: with no FLEET_DIVERGENCE, every role (and so `fleet up`) parks a
+    re-run that skipped recorded steps; warn is opt-in."""
+    monkeypatch.delenv("FLEET_DIVERGENCE", raising=False)
+    settings = FleetSettings(database_url=f"sqlite:///{tmp_path / 'd.db'}",
+                             broker_url="memory://", flows=FLOWS)
+    assert settings.divergence == "fail"
+    assert build_runtime(settings, MemoryEventStore(), role="worker").divergence == "fail"
+    warned = settings.model_copy(update={"divergence": "warn"})
+    assert build_runtime(warned, MemoryEventStore(), role="worker").divergence == "warn"

@@ -24,6 +24,7 @@ import cli_fleet_flows
 import pytest
 import worker_unit_flows as hold_flows
 from click.testing import CliRunner
+from kernel_kit import drove
 
 import fleet.assembly.roles
 import fleet.cli.processes
@@ -495,7 +496,7 @@ async def test_a_run_handed_back_stops_at_its_next_durable_point(store: EventSto
     # The lease was released: another runtime takes the run at once, and the
     # step that completed is not run again.
     other = Runtime(store, flows=[hold_flows.hold], holder="taker")
-    assert await other.drive_if_free(eid)
+    assert await drove(other, eid)
     assert await asyncio.wait_for(other.result(eid), 5) == key
     types = _types(await store.read(eid))
     assert types[3:] == ["RECOVERED", "STEP_STARTED", "STEP_COMPLETED",
@@ -522,7 +523,7 @@ async def test_hand_back_now_cuts_a_long_step_and_releases_the_lease(
     assert (runtime.handed_back, runtime.aborted) == (1, 0)
     hold_flows.RELEASE[key].set()
     other = Runtime(store, flows=[hold_flows.hold], holder="taker")
-    assert await other.drive_if_free(eid)  # no waiting for a 60 s lease
+    assert await drove(other, eid)  # no waiting for a 60 s lease
     assert await asyncio.wait_for(other.result(eid), 5) == key
     types = _types(await store.read(eid))
     assert types[2:5] == ["RECOVERED", "EFFECT_INDOUBT", "STEP_STARTED"]

@@ -109,7 +109,7 @@ def test_run_imports_a_module_of_this_directory_and_says_where_it_parks(here: Pa
     done = fleet(here, "run", "--flow", "myflows:ask", "--input", "1")
     assert done.returncode == 0, done.stderr
     found = re.search(r"parked on gate 'approval': nothing here answers it; `fleet resume "
-                      r"(\w+) approval --payload JSON`", done.stdout)
+                      r"(\w+) approval --input JSON`", done.stdout)
     assert found, done.stdout
     listed = fleet(here, "list", "--json", "--status", "parked")
     assert [json.loads(line)["executionId"] for line in listed.stdout.splitlines()] == [

@@ -62,7 +62,7 @@ def test_password_is_not_echoed() -> None:
 
 def test_postgres_without_asyncpg(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "asyncpg", None)  # what a missing package looks like
-    with pytest.raises(MissingDependencyError, match=r"pip install 'fleet\[postgres\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install 'fleet-durable\[postgres\]'"):
         open_event_store("postgresql://localhost/fleet")
     with pytest.raises(MissingDependencyError):
         open_snapshot_store("postgres://localhost/fleet")

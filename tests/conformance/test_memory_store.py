@@ -24,6 +24,7 @@ from fleet.kernel.store.spi import (
     FenceGrant,
     SnapshotStore,
     append_many,
+    capabilities_of,
 )
 
 
@@ -39,16 +40,23 @@ class TestMemoryEventStore(EventStoreConformance):
         self.clock.advance(ms)
 
 
+class _Undeclared(ForwardingEventStore):
+    """A decorator that declares no capability (as a store written before decision 0050)."""
+
+    capabilities = frozenset()
+
+
 class TestForwardedMemoryEventStore(EventStoreConformance):
-    """Through a decorator without ``append_many_leased`` (``ForwardingEventStore``):
-    the kit's leased requests of one ``append_many`` are served by ``spi.append_many``
-    with the single calls, and must get the same answers."""
+    """Through a decorator that declares no capability: the kit's leased writes and its
+    requests of one ``append_many`` are served by the ``spi`` helpers with the single
+    calls (although the methods are there), and must get the same answers."""
 
     @pytest.fixture
     async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
-        store = ForwardingEventStore(MemoryEventStore(clock=clock))
-        assert not isinstance(store, AppendsManyLeased)
+        store = _Undeclared(MemoryEventStore(clock=clock))
+        assert isinstance(store, AppendsManyLeased)  # it has the method, and declares it not
+        assert not capabilities_of(store)
         yield store
         await store.close()
 
@@ -114,7 +122,7 @@ async def test_append_many_takes_a_plain_request_as_any_pair_beside_leased_ones(
     """A caller written before the leased kinds may pass ``[events, fence]`` lists: they
     stay plain requests, on a store with ``append_many_leased`` and on one without."""
     inner = MemoryEventStore()
-    for n, store in enumerate((inner, ForwardingEventStore(inner))):
+    for n, store in enumerate((inner, _Undeclared(inner))):
         plain, leased = f"pair-{n}", f"leased-{n}"
         answers = await append_many(store, [
             [[started(plain)], 0],  # type: ignore[list-item]

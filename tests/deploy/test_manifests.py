@@ -511,6 +511,13 @@ def test_dev_runs_its_own_stores_and_the_policies_select_them() -> None:
     assert configmap_data(objs)["FLEET_DIVERGENCE"] == "fail"
 
 
+@pytest.mark.parametrize("overlay", ["prod", "prod-keda", "dev"])
+def test_every_overlay_parks_a_diverged_run(overlay: str) -> None:
+    """Issue 29.10: the base parks a re-run that skipped recorded steps (FLEET_DIVERGENCE
+    fail, as ADR 0113's operators would after a clean run); warn is an overlay's choice."""
+    assert configmap_data(render(overlay))["FLEET_DIVERGENCE"] == "fail"
+
+
 @pytest.mark.parametrize("overlay", ["prod", "prod-keda"])
 def test_prod_keeps_no_state_in_the_namespace(overlay: str) -> None:
     objs = render(overlay)

@@ -304,8 +304,9 @@ def check_summary(summary: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Three demos with nothing configured: ``--seed 7`` twice (the second keeps its
-    data directory, so its logs can be read) and ``--seed 11``. Each kills a worker
-    at a moment the machine decides: which runs recover differs; the figures must not."""
+    data directory, so its logs can be read) and ``--seed 11``. Each kills every worker
+    with every run inside its draft step: the figures, the recovery's too, must not
+    differ with one seed."""
     cwd = tmp_path_factory.mktemp("demo")
     kept = tmp_path_factory.mktemp("demo-data") / "data"
     env = _clean_env()
@@ -339,7 +340,13 @@ def figures(summary: dict[str, Any]) -> dict[str, Any]:
             "rewards": {k: summary["rewards"][k] for k in ("submitted_valid", "attached")},
             "evaluation": summary["evaluation"],
             "divergence": {"parked": summary["divergence"]["parked"]["count"],
-                           "completed": summary["divergence"]["completed"]}}
+                           "completed": summary["divergence"]["completed"]},
+            # Issue 29.11: the recovery too (every run held in its draft at the crash).
+            "recovery": {k: summary["recovery"][k] for k in ("orphaned", "recovered",
+                                                              "effect_indoubt")},
+            "drafts": ex["effects"].get("draft", 0),
+            "orphaned": len(summary["crash"]["orphaned"]),
+            "committed": summary["stats"]["events_committed"]}
 
 
 @pytest.mark.timeout(400)

@@ -505,6 +505,36 @@ def test_retry_on_the_page_needs_the_operator_role_and_the_xsrf_token(
     assert len(fleet.store.read(gate)) == written
 
 
+def test_retry_all_retries_every_diverged_run_of_a_flow_as_the_operator(
+        fleet: Fleet, tmp_path: Path) -> None:
+    """Issue 29.5: the Fleet page's bulk Retry (each run retried and audited as the single
+    Retry, paced, capped a click), for operators only, with the XSRF token."""
+    base = fleet.start_flower("flower-bulk", FLOWER_BASIC_AUTH="ops:pw1,viewer:pw2")
+    eids = [diverge(fleet, tmp_path)[0] for _ in range(2)]
+    counts = {eid: len(fleet.store.read(eid)) for eid in eids}
+    viewer = Browser(base, "viewer:pw2")
+    assert 'id="fleet-retry-all"' not in viewer.get("/fleet")[1]
+    form = {"_xsrf": viewer.xsrf(), "flow": "page-shape"}
+    assert viewer.post("/fleet/api/diverged/retry", form)[0] == 403
+    ops = Browser(base, "ops:pw1")
+    assert 'id="fleet-retry-all"' in ops.get("/fleet")[1]
+    assert ops.post("/fleet/api/diverged/retry", {"flow": "page-shape"})[0] == 403  # no token
+    assert {eid: len(fleet.store.read(eid)) for eid in eids} == counts  # nothing written
+    status, body, _ = ops.post("/fleet/api/diverged/retry",
+                               {"_xsrf": ops.xsrf(), "flow": "page-shape", "dry_run": "1"})
+    assert status == 200
+    assert json.loads(body)["matched"] >= 2
+    assert {eid: len(fleet.store.read(eid)) for eid in eids} == counts  # a dry run
+    status, body, _ = ops.post("/fleet/api/diverged/retry",
+                               {"_xsrf": ops.xsrf(), "flow": "page-shape"})
+    assert status == 200, body
+    assert json.loads(body)["acted"] >= 2
+    for eid in eids:
+        resumed = [e for e in fleet.store.read(eid) if str(e.type) == "EXECUTION_RESUMED"]
+        assert (resumed[-1].payload["gate"], resumed[-1].payload["by"]) == (
+            "__fleet_diverged__", OPERATOR)
+
+
 # -- tasks an operator can read ---------------------------------------------------------
 
 def test_drive_tasks_in_flower_name_the_execution_and_flow_and_say_how_the_run_ended(
@@ -654,3 +684,39 @@ def test_chromium_renders_the_fleet_page_with_a_diverged_execution(
     assert len(set(pixels[::97])) > 20  # a page, not a blank or an error screen
     if os.environ.get("FLEET_UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(shot, ROOT / "docs" / "fleet-page.png")
+
+
+def test_the_workers_and_parked_tables_fit_a_1280_pixel_screen(fleet: Fleet,
+                                                               tmp_path: Path) -> None:
+    """Issue 29.11: at a 1280 px window the Workers table (and the parked list) need no
+    sideways scrolling. Measured in headless Chromium: the page as Flower serves it,
+    with a script after it that writes each table's width and its box's."""
+    diverge(fleet, tmp_path)
+    base = fleet.start_flower("flower-1280", "--unauthenticated", FLEET_OPERATORS="*")
+    with urllib.request.urlopen(f"{base}/fleet", timeout=60) as reply:
+        page = reply.read().decode()
+    probe = ('<script>window.addEventListener("load", () => { const out = {};'
+             ' for (const id of ["fleet-workers", "fleet-parked"]) {'
+             '  const t = document.getElementById(id);'
+             '  out[id] = [t.scrollWidth, t.closest("figure").clientWidth]; }'
+             ' out.page = [document.documentElement.scrollWidth, window.innerWidth];'
+             ' document.body.setAttribute("data-measured", JSON.stringify(out)); });</script>')
+    local = tmp_path / "fleet.html"
+    local.write_text(page.replace("<head>", f'<head><base href="{base}/">', 1)
+                     .replace("</body>", probe + "</body>", 1))
+    dom = chromium("--dump-dom", "--window-size=1280,900", local.as_uri())
+    assert dom.returncode == 0, dom.stderr.decode(errors="replace")[-2000:]
+    found = re.search(r'data-measured="([^"]+)"', dom.stdout.decode())
+    assert found, dom.stdout.decode()[-2000:]
+    measured = json.loads(found.group(1).replace("&quot;", '"'))
+    workers = [p for p in fleet_status(base)["processes"] if p["role"] == "worker"]
+    assert workers  # the table has rows to measure
+    for table in ("fleet-workers", "fleet-parked"):
+        width, box = measured[table]
+        assert width <= box, (table, measured)
+    assert measured["page"][0] <= 1280, measured
+
+
+def fleet_status(base: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{base}/fleet/api/status", timeout=60) as reply:
+        return dict(json.loads(reply.read()))

@@ -142,3 +142,12 @@ async def started(runtime: Runtime, flow_id: str, input: Any = None, **kw: Any) 
     handle = await runtime.start(flow_id, input, **kw)
     await settle(runtime)
     return handle.execution_id
+
+
+async def drove(runtime: Runtime, execution_id: str) -> bool:
+    """``runtime.drive(execution_id, if_free=True)`` to its stop: whether it took the run
+    (not ``stepped_aside``; decision 0051, the one name for what ``drive_if_free`` was)."""
+    handle = await runtime.drive(execution_id, if_free=True, wait=True)
+    outcome = await handle.outcome()
+    assert outcome is not None
+    return outcome.kind != "stepped_aside"

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import pytest
+from kernel_kit import drove
 
 from fleet import Context, Runtime, flow
 from fleet.kernel.events import EventEnvelope, EventType
@@ -68,7 +69,7 @@ async def test_two_timer_replicas_never_fire_one_timer_twice(clocked: Any) -> No
     assert sum(r.fired for r in replicas) == 1
     assert steps == []  # fired, not driven: a worker drives
     worker = runtime(store, clock)
-    assert await worker.drive_if_free(handle.execution_id)
+    assert await drove(worker, handle.execution_id)
     assert await worker.result(handle.execution_id) == "done"
     assert steps == ["after"]
 
@@ -182,7 +183,7 @@ async def test_an_enqueuing_sweeper_surfaces_diverged_parks_from_the_log(clocked
     assert enqueued == [eid]
     assert sweeper.stats()["diverged"] == []
     worker = runtime(store, clock, divergence="fail")  # the worker the drive went to
-    assert await worker.drive_if_free(eid)
+    assert await drove(worker, eid)
     await worker.close()
     # A handler on the logger itself, enabled: a logging configuration an earlier test
     # (or an in-process Celery worker) applied may have disabled or detached it.

@@ -22,10 +22,12 @@ from typing import Protocol, cast, runtime_checkable
 
 from fleet.kernel.state import DEADLINE_TIMER
 from fleet.kernel.store.spi import (
+    CLAIM_TIMERS,
     DueTimer,
     EventStore,
     ExecutionSummary,
     FenceGrant,
+    capabilities_of,
     check_limit,
 )
 from fleet.kernel.values import check_ms
@@ -88,10 +90,12 @@ def timer_waited_on(summary: ExecutionSummary | None, timer_id: str) -> bool:
 async def claim_due_timers(store: EventStore, now_ms: int, *, holder: str, lease_ms: int,
                            limit: int = 100) -> list[ClaimedTimer]:
     """``store.claim_due_timers``, or the same claims one timer at a time."""
-    own = getattr(store, "claim_due_timers", None)
-    if own is not None:
-        return cast(list[ClaimedTimer], await own(now_ms, holder=holder, lease_ms=lease_ms,
-                                                  limit=limit))
+    if CLAIM_TIMERS in capabilities_of(store):
+        # Declared, never guessed from a method (decision 0050): a decorator that
+        # changes writes is never gone around.
+        own = cast(ClaimsTimers, store)
+        return await own.claim_due_timers(now_ms, holder=holder, lease_ms=lease_ms,
+                                          limit=limit)
     check_ms(now_ms, "now_ms")
     check_limit(limit)
     claimed: list[ClaimedTimer] = []

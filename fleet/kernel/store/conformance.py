@@ -19,7 +19,9 @@ injects a manual clock overrides it to advance that clock instead. A fixture
 that builds its store with a ``max_event_bytes`` other than the default sets
 the class attribute of that name to match. What every store keeps and refuses
 (NUL, lone surrogates, int64, the size limit, argument types) is in
-``fleet.kernel.store.conformance_values``, included here.
+``fleet.kernel.store.conformance_values``, included here, and so is
+``conformance_decorators``: a decorator that overrides only ``append`` and
+``append_batch`` (``WriteWitness``) sees every write the kernel makes (decision 0050).
 
 Pinned choices the SPI leaves open: ``updated_before`` / ``updated_after``
 are strict bounds, a lease expiring exactly at ``lease_expired_at`` counts as
@@ -47,6 +49,7 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.store.conformance_decorators import DecoratorConformance, WriteWitness
 from fleet.kernel.store.conformance_events import HOSTILE_STRINGS, T0, make_event, started
 from fleet.kernel.store.conformance_feed import FeedConformance
 from fleet.kernel.store.conformance_leases import LeaseConformance
@@ -61,7 +64,7 @@ from fleet.kernel.store.spi import (
 )
 
 __all__ = ["HOSTILE_STRINGS", "T0", "EventStoreConformance", "SnapshotStoreConformance",
-           "make_event", "started"]
+           "WriteWitness", "make_event", "started"]
 
 E = EventType
 
@@ -81,7 +84,8 @@ def _wire(events: list[EventEnvelope]) -> list[str]:
 
 
 class EventStoreConformance(FeedConformance, ValueConformance, LeaseConformance,
-                            TimerClaimConformance):
+                            TimerClaimConformance,
+                            DecoratorConformance):
     """The ``EventStore`` contract as tests; subclass it and provide ``store``."""
 
     lease_ms: ClassVar[int] = 250  # a short lease the kit waits out with pass_time

@@ -5,7 +5,7 @@ Accepted forms::
     memory:                        in process memory (also ``memory://``)
     sqlite:///relative/path.db     a file relative to the working directory
     sqlite:////absolute/path.db    an absolute path (four slashes, as SQLAlchemy)
-    postgresql://user@host/db      Postgres via asyncpg (``pip install 'fleet[postgres]'``)
+    postgresql://user@host/db      Postgres via asyncpg (``pip install 'fleet-durable[postgres]'``)
 
 ``sqlite:///:memory:`` is refused: the SQLite store runs a writer and a reader
 connection, and two connections cannot share one in-memory database; use
@@ -40,8 +40,16 @@ from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 if TYPE_CHECKING:
     from fleet.kernel.store.postgres import PostgresEventStore
 
-__all__ = ["ACCEPTED_FORMS", "GroupCommit", "StoreOptions", "open_event_store",
-           "open_postgres_event_store", "open_snapshot_store", "postgres_event_store_class"]
+__all__ = [
+    "ACCEPTED_FORMS",
+    "GroupCommit",
+    "StoreOptions",
+    "open_event_store",
+    "open_postgres_event_store",
+    "open_snapshot_store",
+    "open_store",
+    "postgres_event_store_class",
+]
 
 ACCEPTED_FORMS = ("memory:", "sqlite:///relative/path.db", "sqlite:////absolute/path.db",
                   "postgresql://user:password@host:5432/database")
@@ -123,6 +131,35 @@ def open_event_store(url: str, options: StoreOptions | None = None, *,
                                 max_inflight=batching.max_inflight)
 
 
+def open_store(url: str, *, group_commit: GroupCommit | bool | None = None,
+               pool_min: int | None = None, pool_max: int | None = None,
+               max_event_bytes: int | None = None) -> EventStore:
+    """Open the event store ``url`` names, configured for production (``fleet.open_store``).
+
+    The one way the docs show to open a store (decision 0050): on Postgres it is the
+    fast configuration, the store behind group commit (concurrent runs' appends share
+    one transaction per flush; decision 0029), which ``PostgresEventStore(url)`` built
+    directly is not.
+
+    Args:
+        url: ``memory:``, ``sqlite:///path.db`` or ``postgresql://user@host/db`` (the
+            query may carry ``schema``, ``pool_min``, ``pool_max``).
+        group_commit: ``None``: on for Postgres, off for memory and SQLite; ``False``:
+            every append its own transaction; ``True`` or a ``GroupCommit``: on.
+        pool_min: Postgres connections kept open (default: the URL's, else 1).
+        pool_max: Most Postgres connections (default: the URL's, else 10).
+        max_event_bytes: The largest event the store takes (default 16 MiB).
+
+    Raises:
+        ConfigurationError: the URL has an unknown scheme or an unusable path.
+        MissingDependencyError: Postgres was asked for and asyncpg is missing
+            (``pip install 'fleet-durable[postgres]'``).
+    """
+    return open_event_store(url, StoreOptions(pool_min=pool_min, pool_max=pool_max,
+                                              max_event_bytes=max_event_bytes,
+                                              group_commit=group_commit))
+
+
 def open_postgres_event_store(url: str, **options: Any) -> PostgresEventStore:
     """A ``PostgresEventStore`` for a ``postgresql://`` URL (``fleet db`` manages its schema).
 
@@ -174,7 +211,7 @@ def postgres_event_store_class() -> type[EventStore]:
 def _postgres() -> ModuleType:
     if importlib.util.find_spec("asyncpg") is None:
         raise MissingDependencyError("the Postgres store needs asyncpg: "
-                                     "pip install 'fleet[postgres]'")
+                                     "pip install 'fleet-durable[postgres]'")
     try:
         return importlib.import_module("fleet.kernel.store.postgres")
     except ModuleNotFoundError as exc:

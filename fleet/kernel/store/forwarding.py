@@ -4,22 +4,39 @@ It forwards each ``EventStore`` operation to ``inner`` unchanged; a decorator
 (fault injection, group commit, a third party's) overrides only what it
 changes. ``close`` closes the wrapped store: the decorator owns it.
 
-It does not forward ``append_many_leased`` (``spi.AppendsManyLeased``): a decorator
-that overrides ``append_many`` or the leased writes would be bypassed by it.
-``spi.append_many`` serves a mixed batch to such a decorator through those calls;
-one that can batch leased writes itself (group commit, the fault injector) says so
-by implementing the method.
+Its ``capabilities`` (decision 0050) are worked out from what the subclass
+overrides, so a decorator is never gone around:
+
+- one that overrides no write method (a read-side decorator) declares what the
+  inner store declares, and its optional writes go straight to the inner store's
+  one round trip;
+- one that overrides any write method (``append``, ``append_batch``,
+  ``append_many``, ``append_acquiring``, ``append_releasing``,
+  ``append_many_leased``) declares only the write capabilities whose methods it
+  implements itself. An encrypting or auditing decorator that overrides
+  ``append`` and ``append_batch`` therefore sees every write of a run: the
+  kernel takes and ends leases through ``acquire_fence_if`` and
+  ``release_fence`` around its ``append_batch`` (two more round trips per run),
+  until it also implements ``append_acquiring`` / ``append_releasing`` to keep
+  them in one.
+
+A subclass may set ``capabilities`` itself (a class attribute) to declare exactly
+what it offers.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.claims import ClaimedTimer, claim_due_timers
 from fleet.kernel.store.spi import (
+    COMMIT_SIGNAL,
+    COUNT_EXECUTIONS,
     ORIGIN,
+    WRITE_CAPABILITIES,
     AppendRequest,
     CommittedEvent,
     ConditionalAppendResult,
@@ -28,19 +45,55 @@ from fleet.kernel.store.spi import (
     EventStore,
     ExecutionSummary,
     FenceGrant,
+    ManyAnswer,
+    ManyRequest,
     Position,
     TipObservation,
     append_acquiring,
     append_many,
     append_releasing,
+    capabilities_of,
 )
+
+#: The methods that write events: overriding any of them makes a decorator declare
+#: only the write capabilities it implements itself.
+WRITE_METHODS = frozenset({"append", "append_batch",
+                           *(m for ms in WRITE_CAPABILITIES.values() for m in ms)})
+
+
+@functools.cache
+def _overridden_writes(cls: type) -> frozenset[str]:
+    """The write methods ``cls`` defines below ``ForwardingEventStore``."""
+    below = cls.__mro__[:cls.__mro__.index(ForwardingEventStore)]
+    return frozenset(name for name in WRITE_METHODS
+                     if any(name in vars(klass) for klass in below))
+
+
+def forwarded_capabilities(cls: type, inner: EventStore) -> frozenset[str]:
+    """What a ``ForwardingEventStore`` subclass ``cls`` over ``inner`` declares (see the
+    module's docstring): the inner store's, less the writes ``cls`` changes but does not
+    implement."""
+    declared = capabilities_of(inner)
+    own = _overridden_writes(cls)
+    if not own:
+        return declared
+    reads = declared - WRITE_CAPABILITIES.keys()
+    return reads | {capability for capability, methods in WRITE_CAPABILITIES.items()
+                    if all(method in own for method in methods)}
 
 
 class ForwardingEventStore:
     """An ``EventStore`` that forwards every call to ``inner``."""
 
+    #: Set per instance from the subclass and the inner store (``forwarded_capabilities``)
+    #: unless a subclass declares it as a class attribute.
+    capabilities: frozenset[str]
+
     def __init__(self, inner: EventStore) -> None:
         self.inner = inner
+        if not any("capabilities" in vars(klass) for klass in type(self).__mro__):
+            # commit_signal is not forwarded: a reader asks the store it opened.
+            self.capabilities = forwarded_capabilities(type(self), inner) - {COMMIT_SIGNAL}
 
     async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
         await self.inner.append(event, fence=fence)
@@ -63,6 +116,12 @@ class ForwardingEventStore:
     async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
         """The inner store's releasing append (one round trip), or the separate calls."""
         await append_releasing(self.inner, events, fence=fence)
+
+    async def append_many_leased(self, requests: Sequence[ManyRequest],
+                                 ) -> list[ManyAnswer]:
+        """The inner store's ``append_many_leased`` (declared only when the inner store
+        declares it and this decorator changes no write)."""
+        return list(await append_many(self.inner, requests))
 
     async def append_if_unchanged(self, execution_id: str, event: EventEnvelope | None,
                                   expect: TipObservation | None = None,
@@ -110,7 +169,8 @@ class ForwardingEventStore:
 
     async def count_executions(self) -> dict[str, int]:
         """The inner store's counts (``CountsExecutions``), if it has them."""
-        if not isinstance(self.inner, CountsExecutions):
+        if COUNT_EXECUTIONS not in capabilities_of(self.inner) \
+                or not isinstance(self.inner, CountsExecutions):
             raise ConfigurationError(f"{type(self.inner).__name__} does not count executions")
         return await self.inner.count_executions()
 

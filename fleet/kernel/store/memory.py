@@ -32,6 +32,10 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
 from fleet.kernel.store.spi import (
+    APPEND_LEASED,
+    APPEND_MANY,
+    APPEND_MANY_LEASED,
+    COUNT_EXECUTIONS,
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
     AcquiringAppend,
@@ -116,6 +120,9 @@ class MemoryEventStore:
         max_event_bytes: An event whose JSON is larger is refused with
             ``PayloadTooLargeError`` before anything is written (None: no limit).
     """
+
+    capabilities: frozenset[str] = frozenset({APPEND_MANY, APPEND_LEASED, APPEND_MANY_LEASED,
+                                              COUNT_EXECUTIONS})
 
     def __init__(self, clock: Callable[[], int] | None = None, *,
                  max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES) -> None:

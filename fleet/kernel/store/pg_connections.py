@@ -41,7 +41,7 @@ try:
     import asyncpg as asyncpg  # type: ignore[import-untyped]  # (re-exported to postgres.py)
 except ImportError as exc:  # pragma: no cover - exercised by the factory test
     raise MissingDependencyError("the Postgres store needs asyncpg: "
-                                 "pip install 'fleet[postgres]'") from exc
+                                 "pip install 'fleet-durable[postgres]'") from exc
 
 OWN_QUERY_KEYS = ("schema", "pool_min", "pool_max")
 

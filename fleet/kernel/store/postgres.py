@@ -1,6 +1,6 @@
 """The Postgres store (asyncpg): what a real fleet runs on.
 
-Install with ``pip install 'fleet[postgres]'``; asyncpg is imported by this
+Install with ``pip install 'fleet-durable[postgres]'``; asyncpg is imported by this
 module only. The schema lives in ``pg_migrations`` and is applied on first use
 (``await store.open()`` does it eagerly), recorded in ``fleet_schema_version``;
 a database whose schema is newer than this code is refused.
@@ -76,6 +76,12 @@ from fleet.kernel.store.pg_queries import (
     summary,
 )
 from fleet.kernel.store.spi import (
+    APPEND_LEASED,
+    APPEND_MANY,
+    APPEND_MANY_LEASED,
+    CLAIM_TIMERS,
+    COMMIT_SIGNAL,
+    COUNT_EXECUTIONS,
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
     AcquiringAppend,
@@ -161,7 +167,13 @@ class PostgresEventStore(_PostgresBase):
             ``PayloadTooLargeError`` before anything is written (None: no limit).
         migrate: Apply missing migrations on first use (else refuse to run).
         connect_timeout: Seconds to wait for a connection.
+
+    Built directly, every append is its own transaction: ``fleet.open_store(url)``
+    opens it with group commit (decision 0029), the fast way under concurrency.
     """
+
+    capabilities: frozenset[str] = frozenset({APPEND_MANY, APPEND_LEASED, APPEND_MANY_LEASED,
+                                              CLAIM_TIMERS, COUNT_EXECUTIONS, COMMIT_SIGNAL})
 
     def __init__(self, url: str, *, pool_min: int | None = None, pool_max: int | None = None,
                  schema: str | None = None, clock: Callable[[], int] | None = None,

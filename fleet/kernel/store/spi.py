@@ -72,6 +72,50 @@ from fleet.kernel.values import (
 # The largest event (JSON bytes) a store takes unless built with another limit.
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
 
+# --------------------------------------------------------------------------
+# Capabilities (decision 0050): what a store offers beyond ``EventStore``, declared,
+# never guessed from the methods it happens to have.
+# --------------------------------------------------------------------------
+
+#: ``append_many`` (``AppendsMany``): many plain appends in one round trip.
+APPEND_MANY = "append_many"
+#: ``append_acquiring`` and ``append_releasing`` (``AppendsLeased``): a write that takes
+#: or ends the lease in the same round trip.
+APPEND_LEASED = "append_leased"
+#: ``append_many_leased`` (``AppendsManyLeased``): plain and leased writes in one round trip.
+APPEND_MANY_LEASED = "append_many_leased"
+#: ``claim_due_timers`` (decision 0048's ``ClaimsTimers``): due timers claimed, and their
+#: ``TIMER_FIRED`` written, in one round trip.
+CLAIM_TIMERS = "claim_due_timers"
+#: ``count_executions`` (``CountsExecutions``).
+COUNT_EXECUTIONS = "count_executions"
+#: ``commit_signal`` (``SignalsCommits``).
+COMMIT_SIGNAL = "commit_signal"
+
+#: The capabilities that write: a decorator that changes writes must implement each one
+#: it declares (``ForwardingEventStore`` works this out for its subclasses).
+WRITE_CAPABILITIES: dict[str, tuple[str, ...]] = {
+    APPEND_MANY: ("append_many",),
+    APPEND_LEASED: ("append_acquiring", "append_releasing"),
+    APPEND_MANY_LEASED: ("append_many_leased",),
+    CLAIM_TIMERS: ("claim_due_timers",),
+}
+#: Every capability a store may declare.
+CAPABILITIES = frozenset({*WRITE_CAPABILITIES, COUNT_EXECUTIONS, COMMIT_SIGNAL})
+_NONE: frozenset[str] = frozenset()
+
+
+def capabilities_of(store: object) -> frozenset[str]:
+    """The capabilities ``store`` declares (its ``capabilities`` attribute; none without one).
+
+    A store that has, say, an ``append_acquiring`` method but does not declare
+    ``APPEND_LEASED`` is served through the required calls (``acquire_fence_if`` +
+    ``append_batch``): a method is used only when the store says it is one of its
+    capabilities, so a decorator that overrides ``append`` is never gone around.
+    """
+    declared = getattr(store, "capabilities", _NONE)
+    return declared if isinstance(declared, frozenset) else frozenset(declared)
+
 
 @dataclass(frozen=True, slots=True)
 class TipObservation:
@@ -138,7 +182,14 @@ class Snapshot:
 
 @runtime_checkable
 class EventStore(Protocol):
-    """An append-only log per execution, with fences and an index."""
+    """An append-only log per execution, with fences and an index.
+
+    A store may also declare ``capabilities`` (a frozenset of the names above, e.g.
+    ``frozenset({APPEND_MANY, APPEND_LEASED})``) for the optional methods it
+    implements; the kernel uses an optional method only when it is declared
+    (``capabilities_of``), and serves the same answers through the calls below
+    otherwise (decision 0050).
+    """
 
     async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
         """Append one event at ``head + 1`` under ``fence``."""
@@ -357,15 +408,14 @@ async def append_many(store: EventStore, requests: Sequence[ManyRequest],
     with only plain requests still share one ``append_many`` and the others go one
     request at a time through the single calls (the same answers, not one round trip).
     """
+    declared = capabilities_of(store)
     if all(is_plain(request) for request in requests):
         plain = cast(Sequence[AppendRequest], requests)
-        own = getattr(store, "append_many", None)
-        if own is not None:
-            return cast(list[BaseException | None], await own(plain))
+        if APPEND_MANY in declared:
+            return await cast(AppendsMany, store).append_many(plain)
         return await append_each(store, plain)
-    leased = getattr(store, "append_many_leased", None)
-    if leased is not None:
-        return cast(list[ManyAnswer], await leased(requests))
+    if APPEND_MANY_LEASED in declared:
+        return await cast(AppendsManyLeased, store).append_many_leased(requests)
     return await _append_mixed(store, requests)
 
 
@@ -459,13 +509,13 @@ class AppendsLeased(Protocol):
 
 async def append_acquiring(store: EventStore, events: Sequence[EventEnvelope], *, holder: str,
                            lease_ms: int, release: bool = False) -> FenceGrant | None:
-    """``store.append_acquiring``, or ``acquire_fence_if`` + ``append_batch`` (+ release)."""
-    # getattr, not isinstance: a runtime-checkable protocol's check costs more than
-    # the rest of this call, and it runs on every start.
-    own = getattr(store, "append_acquiring", None)
-    if own is not None:
-        return cast(FenceGrant | None, await own(events, holder=holder, lease_ms=lease_ms,
-                                                 release=release))
+    """``store.append_acquiring`` where declared (``APPEND_LEASED``), or
+    ``acquire_fence_if`` + ``append_batch`` (+ release)."""
+    # The declared set, not isinstance: a runtime-checkable protocol's check costs
+    # more than the rest of this call, and it runs on every start.
+    if APPEND_LEASED in getattr(store, "capabilities", _NONE):
+        return await cast(AppendsLeased, store).append_acquiring(
+            events, holder=holder, lease_ms=lease_ms, release=release)
     execution_id = check_batch(events)
     grant = await store.acquire_fence_if(execution_id, holder=holder, lease_ms=lease_ms)
     if grant is None:
@@ -482,10 +532,10 @@ async def append_acquiring(store: EventStore, events: Sequence[EventEnvelope], *
 
 async def append_releasing(store: EventStore, events: Sequence[EventEnvelope], *,
                            fence: int) -> None:
-    """``store.append_releasing``, or ``append_batch`` then ``release_fence``."""
-    own = getattr(store, "append_releasing", None)
-    if own is not None:
-        await own(events, fence=fence)
+    """``store.append_releasing`` where declared (``APPEND_LEASED``), or ``append_batch``
+    then ``release_fence``."""
+    if APPEND_LEASED in getattr(store, "capabilities", _NONE):
+        await cast(AppendsLeased, store).append_releasing(events, fence=fence)
         return
     await store.append_batch(events, fence=fence)
     await store.release_fence(events[0].execution_id, fence)

@@ -50,6 +50,10 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.events import EventEnvelope, wall_clock_ms
 from fleet.kernel.store.spi import (
+    APPEND_LEASED,
+    APPEND_MANY,
+    APPEND_MANY_LEASED,
+    COUNT_EXECUTIONS,
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
     AcquiringAppend,
@@ -414,6 +418,9 @@ class SqliteEventStore:
         max_event_bytes: An event whose JSON is larger is refused with
             ``PayloadTooLargeError`` before anything is written (None: no limit).
     """
+
+    capabilities: frozenset[str] = frozenset({APPEND_MANY, APPEND_LEASED, APPEND_MANY_LEASED,
+                                              COUNT_EXECUTIONS})
 
     def __init__(self, path: str | os.PathLike[str], *,
                  clock: Callable[[], int] | None = None,

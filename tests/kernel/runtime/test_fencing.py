@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from kernel_kit import dumped, kinds, settle
+from kernel_kit import drove, dumped, kinds, settle
 
 from fleet import Context, EventEnvelope, Runtime, StaleFenceError, flow
 from fleet.kernel.store.spi import EventStore
@@ -102,7 +102,7 @@ async def test_a_second_drive_while_the_first_holds_a_live_lease_steps_aside(
     handle = await first.start("leased")
     await asyncio.wait_for(entered.wait(), 2)
     second = Runtime(store, flows=[body])
-    assert await second.drive_if_free(handle.execution_id) is False
+    assert await drove(second, handle.execution_id) is False
     release.set()
     assert await handle.result() == "ok"
     assert "RECOVERED" not in kinds(await store.read(handle.execution_id))

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from kernel_kit import drove
 
 from fleet import (
     AccessDeniedError,
@@ -83,7 +84,7 @@ async def test_a_batch_is_one_store_call_and_writes_what_start_writes(
     assert (summary.status, summary.tenant, summary.owner, summary.holder) == (
         "running", "acme", "alice", None)
     # Written under fence 0: a worker takes the fence as for any start.
-    assert await runtime.drive_if_free("sm-7")
+    assert await drove(runtime, "sm-7")
     assert await runtime.result("sm-7") == {"n": 7}
 
 
@@ -95,7 +96,7 @@ async def test_repeats_in_and_across_batches_are_one_execution(store: EventStore
     assert [h.execution_id for h in first][:2] == ["dup", "dup"]
     assert len(await store.read("dup")) == 1
     # Again, after a worker took it (its fence moved): Runtime.start answers it.
-    assert await runtime.drive_if_free("dup")
+    assert await drove(runtime, "dup")
     await runtime.result("dup")
     before = [e.to_json() for e in await store.read("dup")]
     again = await runtime.start_many([StartRequest("sm-echo", 1, execution_id="dup")])
@@ -151,13 +152,14 @@ async def test_a_start_in_flight_through_start_is_waited_for_not_overwritten(
 
 async def test_a_store_without_append_many_is_served_one_request_at_a_time() -> None:
     class Plain:
-        """The SPI's required methods only (delegating to a real store)."""
+        """The SPI's required methods only (delegating to a real store), declaring no
+        capability (decision 0050)."""
 
         def __init__(self) -> None:
             self.inner = MemoryEventStore()
 
         def __getattr__(self, name: str) -> Any:
-            if name == "append_many":
+            if name in ("append_many", "capabilities"):
                 raise AttributeError(name)
             return getattr(self.inner, name)
 

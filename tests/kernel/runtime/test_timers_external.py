@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kernel_kit import drove
+
 from fleet import Context, Runtime, flow
 from fleet.kernel.store.spi import EventStore
 
@@ -29,5 +31,5 @@ async def test_fire_without_driving_then_a_worker_drives(store: EventStore) -> N
     assert state.status == "running"  # fired, not yet driven
     assert (await store.get_execution(handle.execution_id)).holder is None  # type: ignore[union-attr]
     worker = Runtime(store, flows=[napper], local_timers=False, clock=lambda: clock["now"])
-    assert await worker.drive_if_free(handle.execution_id)
+    assert await drove(worker, handle.execution_id)
     assert await worker.result(handle.execution_id) == "awake"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from kernel_kit import drove
 
 from fleet import Context, ExecutionFinishedError, Runtime, flow
 from fleet.kernel.store.spi import EventStore
@@ -30,17 +31,17 @@ async def test_start_resume_send_without_driving(store: EventStore) -> None:
     assert summary is not None
     assert (summary.status, summary.holder) == ("running", None)  # written, lease released
     assert calls == []  # nothing ran in the dispatcher
-    assert await worker.drive_if_free(eid)
+    assert await drove(worker, eid)
     await worker.close()
     assert (await worker.load_state(eid)).waiting == {
         "on": "__fleet_message__", "kind": "message", "correlationKey": "note"}
     assert await dispatcher.send(eid, "note", "hi", drive=False) is True
     assert (await worker.load_state(eid)).status == "running"
-    assert await worker.drive_if_free(eid)
+    assert await drove(worker, eid)
     await worker.close()
     await dispatcher.resume(eid, "approval", "yes", drive=False)
     assert dispatcher.active == 0
-    assert await worker.drive_if_free(eid)
+    assert await drove(worker, eid)
     assert await worker.result(eid) == "hi/yes"
     assert calls == ["a"]
     # A finished execution takes no message, and its log is untouched.
