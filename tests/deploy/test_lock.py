@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Runtime dependencies whose next major must not slip in untested (the dev tools ruff
 # and mypy float: the lock holds CI to one version; run-latest shows the next).
-BOUNDED_EXTRAS = ("postgres", "fleet", "bench")
+BOUNDED_EXTRAS = ("postgres", "fleet", "learn", "bench")
 
 
 def requirements(extras: tuple[str, ...] | None = None) -> list[Requirement]:
@@ -44,7 +44,7 @@ def pins() -> dict[str, str]:
 def test_every_dependency_of_every_extra_is_pinned_within_its_bounds() -> None:
     pinned = pins()
     assert set(PYPROJECT["project"]["optional-dependencies"]) == {
-        "postgres", "fleet", "otel", "bench", "dev"}
+        "postgres", "fleet", "otel", "learn", "bench", "dev"}
     for requirement in requirements():
         name = canonicalize_name(requirement.name)
         assert name in pinned, f"{name} is not in constraints.txt: run .ci/run-latest --lock"
