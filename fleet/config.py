@@ -252,7 +252,16 @@ class FleetSettings(BaseSettings):
                                      if self.group_commit or (self.group_commit is None
                                                               and postgres) else False)
         return StoreOptions(pool_min=self.pg_pool_min, pool_max=self.pg_pool_max,
-                            max_event_bytes=self.max_event_bytes, group_commit=group)
+                            max_event_bytes=self.max_event_bytes, group_commit=group,
+                            max_lease_ms=self.max_lease_ms)
+
+    @property
+    def max_lease_ms(self) -> int:
+        """The longest lease the fleet's stores grant or honour (decision 0044): twice the
+        longest the fleet takes, so a lease set further ahead (a skewed or forged clock)
+        is taken over, and the database's clock stepping back less than a lease does not
+        make live leases look forged."""
+        return 2 * max(self.lease_ms, self.relay_lease_ms)
 
     @property
     def broker(self) -> str:

@@ -52,8 +52,8 @@ def test_the_array_statements_are_the_ones_before() -> None:
         "SELECT * FROM fleet_append_if($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, "
         "$14, $15, $16, $17, $18)")
     assert APPENDS_LEASED[0] == APPEND_LEASED_SQL == (
-        "SELECT code, detail FROM fleet_append_leased($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
-        "$11, $12, $13, $14, $15, $16, $17, $18, $19, $20)")
+        "SELECT code, detail, o_now FROM fleet_append_leased_v7($1, $2, $3, $4, $5, $6, $7, $8, "
+        "$9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21)")
     assert APPENDS[2] == (
         "SELECT code, detail FROM fleet_append($1, $2, $3, $4, ARRAY[$5::text, $6::text], "
         "ARRAY[$7::bigint, $8::bigint], ARRAY[$9::text, $10::text], $11, $12, $13, $14, $15, "

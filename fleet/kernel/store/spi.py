@@ -13,6 +13,17 @@ live lease is held. An append that presents a token other than the current one
 raises ``StaleFenceError`` and writes nothing. ``fence=None`` is an unfenced
 write, arbitrated by the sequence alone (the runtime uses it only for audit).
 
+Leases run on the store's clock (decision 0044). An acquire, a renewal and a
+leased append set the expiry to the store's now + ``lease_ms`` (the grant says
+it); a lease is live while ``now < expiry <= now + max_lease_ms`` on that same
+clock (``lease_live``), so no caller's clock decides who holds an execution,
+and an expiry further out (forged, or set by a skewed clock before this rule)
+is not honoured: ``acquire_fence_if`` takes it over and ``list_executions(
+lease_expired_at=t)`` lists it. The store's clock is the server's on Postgres
+and the process's on memory and SQLite (one host); ``max_lease_ms`` is a store
+argument (default ``DEFAULT_MAX_LEASE_MS``), and a longer ``lease_ms`` is
+refused with ``ValidationError``.
+
 Sequences. Every append lands at exactly ``head + 1`` (``0`` for a new log):
 a taken slot is ``DuplicateSequenceError``, a hole is ``SequenceGapError``.
 ``append_batch`` is all or nothing.
@@ -70,6 +81,9 @@ from fleet.kernel.values import (
 
 # The largest event (JSON bytes) a store takes unless built with another limit.
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
+# The longest lease a store grants or honours unless built with another bound (the
+# fleet's stores use 2 x its longest configured lease: FleetSettings.store_options).
+DEFAULT_MAX_LEASE_MS = 10 * 60 * 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +213,8 @@ class EventStore(Protocol):
                               limit: int = 100) -> list[ExecutionSummary]:
         """Executions from the index, ordered by id, filtered by what is given.
 
-        ``lease_expired_at=now`` keeps those with no live lease at ``now``.
+        ``lease_expired_at=now`` keeps those with no live lease at ``now`` (an
+        expiry past ``now + max_lease_ms`` is not live: see the module).
         ``after_id`` pages.
         """
 
@@ -554,7 +569,7 @@ MOVES_INDEX = frozenset({*STATUS_AFTER, EventType.TIMER_SCHEDULED})
 _NO_CHANGE = IndexChange()
 
 
-def check_lease_ms(lease_ms: int) -> None:
+def check_lease_ms(lease_ms: int, max_lease_ms: int | None = None) -> None:
     """A lease length a store accepts (every backend refuses the same way)."""
     check_int64(lease_ms, "lease_ms")
     if lease_ms < 0:
@@ -562,6 +577,24 @@ def check_lease_ms(lease_ms: int) -> None:
     if lease_ms > 10 * 365 * 24 * 3600 * 1000:
         raise UnstorableValueError(f"lease_ms {lease_ms} is over ten years; a lease that "
                                    "long is a mistake (and its expiry may overflow)")
+    if max_lease_ms is not None and lease_ms > max_lease_ms:
+        raise ValidationError(f"lease_ms {lease_ms} is over this store's max_lease_ms "
+                              f"{max_lease_ms}: open the store with a larger max_lease_ms")
+
+
+def check_max_lease_ms(max_lease_ms: int) -> int:
+    """A store's lease bound (a constructor argument): a positive int of ms, <= ten years."""
+    if isinstance(max_lease_ms, bool) or not isinstance(max_lease_ms, int) \
+            or not 0 < max_lease_ms <= 10 * 365 * 24 * 3600 * 1000:
+        raise ValidationError(f"max_lease_ms must be a positive int of ms (at most ten "
+                              f"years), got {max_lease_ms!r}")
+    return max_lease_ms
+
+
+def lease_live(expires: int | None, now: int, max_lease_ms: int) -> bool:
+    """Whether a lease expiring at ``expires`` is honoured at ``now`` (the store's clock):
+    not yet expired, and not further out than the longest lease the store grants."""
+    return expires is not None and now < expires <= now + max_lease_ms
 
 
 def check_limit(limit: int) -> None:
