@@ -32,6 +32,7 @@ from fleet.kernel.store.spi import (
     append_acquiring,
     append_many,
     append_releasing,
+    max_lease_of,
 )
 
 
@@ -40,6 +41,11 @@ class ForwardingEventStore:
 
     def __init__(self, inner: EventStore) -> None:
         self.inner = inner
+
+    @property
+    def max_lease_ms(self) -> int:
+        """The wrapped store's lease bound (spi; decision 0044)."""
+        return max_lease_of(self.inner)
 
     async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
         await self.inner.append(event, fence=fence)

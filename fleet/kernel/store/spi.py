@@ -591,6 +591,12 @@ def check_max_lease_ms(max_lease_ms: int) -> int:
     return max_lease_ms
 
 
+def max_lease_of(store: object) -> int:
+    """A store's lease bound: its ``max_lease_ms``, or ``DEFAULT_MAX_LEASE_MS`` for a
+    store that does not say (one written before decision 0044)."""
+    return int(getattr(store, "max_lease_ms", DEFAULT_MAX_LEASE_MS))
+
+
 def lease_live(expires: int | None, now: int, max_lease_ms: int) -> bool:
     """Whether a lease expiring at ``expires`` is honoured at ``now`` (the store's clock):
     not yet expired, and not further out than the longest lease the store grants."""
