@@ -8,9 +8,9 @@ sweeper finds it. A ``lease_ms`` over the bound is refused before anything is wr
 Included in ``EventStoreConformance``.
 
 ``forge_lease`` makes such a row by moving the store's clock ahead and back with
-``pass_time`` (the kit's fixtures inject a manual clock; on Postgres that clock replaces
-the server's). A backend whose fixture cannot move its clock back overrides it (an
-UPDATE of the fence row, say).
+``pass_time`` (the kit's fixtures inject a manual clock, kept in ``self.clock``; on
+Postgres that clock replaces the server's). A fixture whose clock cannot move back
+overrides it (an UPDATE of the fence row, say).
 """
 
 from __future__ import annotations
@@ -46,7 +46,12 @@ class LeaseClockConformance:
                           ahead_ms: int) -> FenceGrant:
         """Give ``execution_id`` a lease of ``_LEASE`` whose expiry lies ``ahead_ms``
         further out than the store would grant now: taken with the store's clock moved
-        ahead, which is then moved back."""
+        ahead, which is then moved back (a fixture that keeps its manual clock in
+        ``self.clock``; any other overrides this)."""
+        if getattr(self, "clock", None) is None:
+            pytest.fail("forge_lease moves the store's clock back: keep the fixture's manual "
+                        "clock in self.clock, or override forge_lease (e.g. UPDATE the fence "
+                        "row)")
         await self.pass_time(ahead_ms)
         try:
             return await store.acquire_fence(execution_id, holder="fast-clock",
