@@ -213,6 +213,15 @@ class FleetSettings(BaseSettings):
     dispatch_max_bytes: int = Field(
         1_048_576, ge=1024, description="the largest fleet.dispatch message (JSON bytes) a "
         "worker reads")
+    environment: str | None = Field(
+        None, min_length=1, max_length=200, description="this fleet's name (prod, staging, "
+        "...): clients sign it into every fleet.dispatch message (env) and workers refuse a "
+        "message signed for another, so a message from staging never verifies in production "
+        "even where the two share a key (decision 0045). Unset: messages are not bound")
+    dispatch_allow_unbound: bool = Field(
+        False, description="a worker with FLEET_ENVIRONMENT also accepts signed messages "
+        "that name no environment: only while clients of the previous release, which do "
+        "not bind them, still run (decision 0045's migration)")
     reward_keys: dict[str, str] = Field(
         default_factory=dict, description='JSON {"producer": "secret"}: the reward producers\' '
         'HMAC keys (the attacher verifies with them, `fleet reward submit` signs with one)')

@@ -598,3 +598,12 @@ def test_the_dockerfile_builds_wheels_apart_and_runs_as_the_manifests_expect() -
                 mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
                 assert {"/tmp", "/home/fleet"} <= mounts
                 assert spec["securityContext"]["runAsUser"] == UID
+
+
+def test_each_overlay_names_its_fleet_for_signed_dispatches() -> None:
+    """Decision 0045: a dispatch signed for dev never verifies in prod; neither overlay
+    accepts unbound messages by default."""
+    names = {overlay: configmap_data(render(overlay)) for overlay in OVERLAYS}
+    assert {o: d.get("FLEET_ENVIRONMENT") for o, d in names.items()} == {
+        "dev": "dev", "prod": "prod", "prod-keda": "prod"}
+    assert not any("FLEET_DISPATCH_ALLOW_UNBOUND" in d for d in names.values())
