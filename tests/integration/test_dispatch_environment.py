@@ -1,5 +1,5 @@
-"""Signed fleet.dispatch binds its fleet, and a reward key is no dispatch key (issue 25
-item 11; decision 0045).
+"""Signed fleet.dispatch binds its fleet, a reward key is no dispatch key, and another
+tenant's execution answers as one that does not exist (issue 25 item 11; decision 0045).
 
 A production worker (``FLEET_ENVIRONMENT=prod``) whose ring shares a key with staging,
 as rings copied between environments do, and which also holds a bare secret (the reward
@@ -43,7 +43,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 REDIS_DB = 10
 SHARED = "shared-by-staging-and-prod-0123456789"
 REWARD = "crm-reward-key-0123456789abcdef"
+GLOBEX = "globex-key-0123456789abcdef0123"
 KEYS = {"shop-1": {"client": "shop", "secret": SHARED, "tenants": ["acme"]},
+        "globex-1": {"client": "globex-shop", "secret": GLOBEX, "tenants": ["globex"]},
         "crm": REWARD}  # a reward producer's key, pasted in its own format
 OWNER = Principal("shop-user", tenant="acme")
 AS_OWNER = {"actor": "shop-user", "tenant": "acme"}
@@ -142,3 +144,39 @@ async def test_a_reward_key_in_the_dispatch_ring_speaks_for_nobody(prod: Prod) -
         assert answer["error"]["details"] == [{"reason": "unknown_key"}], answer
         assert "bare secret" in answer["error"]["message"]
     assert await log_of(prod, eid) == before
+
+
+async def test_another_tenants_execution_answers_as_one_that_does_not_exist(
+        prod: Prod) -> None:
+    """Issue 25 item 11: a globex client resuming, sending to or cancelling acme's
+    execution hears exactly what it hears for an id with no log; the denial is still
+    audited on the log (resume, cancel) and counted."""
+    eid, before = await parked(prod)
+    ghost = f"no-such-{secrets.token_hex(4)}"
+    stranger = {"actor": "buyer", "tenant": "globex"}
+
+    def ask(execution_id: str, op: str) -> dict[str, Any]:
+        request: dict[str, Any] = {"op": op, "execution_id": execution_id,
+                                   "principal": stranger}
+        if op == "resume":
+            request.update(gate="approval", payload="yes")
+        elif op == "send":
+            request.update(key="note", payload=1)
+        return send(prod, sign_dispatch(request, key_id="globex-1", secret=GLOBEX,
+                                        environment="prod"))
+
+    for op in ("resume", "send", "cancel"):
+        theirs, nothing = (await asyncio.to_thread(ask, eid, op),
+                           await asyncio.to_thread(ask, ghost, op))
+        assert theirs["ok"] is False, theirs
+        assert theirs["error"]["code"] == "execution_not_found", theirs
+        for answer, execution_id in ((theirs, eid), (nothing, ghost)):
+            answer["error"]["message"] = answer["error"]["message"].replace(
+                execution_id, "<id>")
+            answer["execution_id"] = "<id>"
+        assert theirs == nothing, op
+    after = await log_of(prod, eid)
+    assert after[:len(before)] == before
+    audited = [json.loads(e)["payload"] for e in after[len(before):]]
+    assert [(a["op"], a["actor"], a["tenant"]) for a in audited] == [
+        ("resume", "buyer", "globex"), ("cancel", "buyer", "globex")]

@@ -70,7 +70,7 @@ async def test_an_existing_id_is_handed_back_only_to_a_reader_of_the_same_flow(
     with pytest.raises(ExecutionConflictError, match="taken by another execution") as taken:
         await runtime.start("ledger", "mallory", principal=MALLORY, execution_id="order-1")
     assert "alice" not in str(taken.value)  # the refusal says nothing about the owner
-    assert isinstance(taken.value.__cause__, AccessDeniedError)
+    assert isinstance(taken.value.__cause__.__cause__, AccessDeniedError)  # read: hidden
     assert (runtime.denied, [d["op"] for d in denied]) == (1, ["read"])
     with pytest.raises(ExecutionConflictError, match="exists for flow 'ledger', not 'other'"):
         await runtime.start("other", None, principal=ALICE, execution_id="order-1")
