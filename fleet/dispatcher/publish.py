@@ -103,7 +103,15 @@ class DriveRecord:
 
     def fresh(self, now_ms: int, grace_ms: int) -> bool:
         """Whether that drive may still be waiting in its queue: younger than
-        ``grace_ms`` doubled for each re-enqueue in a row (at most ``MAX_BACKOFF_MS``)."""
+        ``grace_ms`` doubled for each re-enqueue in a row (at most ``MAX_BACKOFF_MS``).
+
+        A record dated more than ``grace_ms`` ahead of ``now_ms`` is not (issue 25 item
+        12): a publisher's clock that runs fast, or a record any holder of the client's
+        Redis user wrote by hand (with no expiry), would otherwise keep the sweeper off
+        an execution whose drive was lost, for as long as it says.
+        """
+        if self.at_ms > now_ms + grace_ms:
+            return False
         doubling: int = 1 << max(0, min(self.count, 20) - 1)
         wait = min(grace_ms * doubling, max(grace_ms, MAX_BACKOFF_MS))
         return now_ms - self.at_ms < wait

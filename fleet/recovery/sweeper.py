@@ -15,6 +15,13 @@ execution whose last drive was enqueued less than ``grace_ms`` ago, doubled for
 each re-enqueue in a row (``queued`` in its stats): a lost message is still
 re-sent, a queued one is not sent again and again.
 
+The grace is judged on the dates of the executions' last writes, which the writers'
+clocks set. A write dated more than the grace ahead of the sweeper's clock (a worker
+whose clock runs fast, or a forged event) would hide its execution from that filter
+until the date came; a second scan finds those (``future_dated`` in its stats) and
+re-drives them as the others (issue 25 item 12). Whether a lease is live is the
+store's judgement on its own clock (decision 0044).
+
 Refused re-drives are surfaced with their ids and reasons (ADR 0113 fix round
 1 item 2). Driving here, the sweeper reports what ``Runtime.recover_abandoned``
 reports: a code mismatch or a diverged replay is ``failed``, each named in
@@ -82,6 +89,7 @@ class RecoverySweeper(PeriodicService):
         self.skipped = 0
         self.queued = 0
         self.failed = 0
+        self.future_dated = 0
         # The latest refused re-drive of each execution (driving here), newest last.
         self.failures: dict[str, RecoveryFailure] = {}
         # Executions parked on the divergence gate: id -> the steps its park names.
@@ -92,6 +100,7 @@ class RecoverySweeper(PeriodicService):
             await self._drive_here()
         else:
             await self._enqueue(self.enqueue)
+        await self._future_dated()
         await self._list_diverged()
 
     async def _drive_here(self) -> None:
@@ -119,15 +128,41 @@ class RecoverySweeper(PeriodicService):
             rows = await self.runtime.store.list_executions(
                 status="running", lease_expired_at=now, updated_before=now - self.grace_ms,
                 after_id=after, limit=self.batch)
-            records = await self._records(rows)
-            for row in rows:
-                self.examined += 1
-                record = records.get(row.execution_id)
-                if record is not None and record.fresh(now, self.grace_ms):
-                    self.queued += 1  # its drive is still in a queue
-                else:
-                    await enqueue(row.execution_id)
-                    self.redriven += 1
+            await self._redrive(rows, now, enqueue)
+            if len(rows) < self.batch:
+                return
+            after = rows[-1].execution_id
+
+    async def _redrive(self, rows: Sequence[Any], now: int, enqueue: Enqueue) -> None:
+        records = await self._records(rows)
+        for row in rows:
+            self.examined += 1
+            record = records.get(row.execution_id)
+            if record is not None and record.fresh(now, self.grace_ms):
+                self.queued += 1  # its drive is still in a queue
+            else:
+                await enqueue(row.execution_id)
+                self.redriven += 1
+
+    async def _future_dated(self) -> None:
+        """Running, no live lease, last write dated more than the grace ahead of this
+        clock: re-driven as the abandoned ones are (see the module)."""
+        now = self.runtime.clock()
+        after: str | None = None
+        while True:
+            rows = await self.runtime.store.list_executions(
+                status="running", lease_expired_at=now, updated_after=now + self.grace_ms,
+                after_id=after, limit=self.batch)
+            self.future_dated += len(rows)
+            if self.enqueue is not None:
+                await self._redrive(rows, now, self.enqueue)
+            else:
+                for row in rows:
+                    self.examined += 1
+                    if await self.runtime.drive_if_free(row.execution_id):
+                        self.redriven += 1
+                    else:
+                        self.skipped += 1
             if len(rows) < self.batch:
                 return
             after = rows[-1].execution_id
@@ -168,6 +203,7 @@ class RecoverySweeper(PeriodicService):
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "examined": self.examined, "redriven": self.redriven,
                 "skipped": self.skipped, "queued": self.queued, "failed": self.failed,
+                "future_dated": self.future_dated,
                 "failures": [{"executionId": f.execution_id, "error": f.error,
                               "reason": f.reason} for f in self.failures.values()],
                 "diverged": [{"executionId": eid, "reason": reason}
