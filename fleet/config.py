@@ -269,8 +269,10 @@ class FleetSettings(BaseSettings):
         """The longest lease the fleet's stores grant or honour (decision 0044): twice the
         longest the fleet takes, so a lease set further ahead (a skewed or forged clock)
         is taken over, and the database's clock stepping back less than a lease does not
-        make live leases look forged."""
-        return 2 * max(self.lease_ms, self.relay_lease_ms)
+        make live leases look forged. The fleet's leases: ``lease_ms``, the relay's, and
+        the kernel's default (30 s) that one-off runtimes take (the CLI, Flower's Retry,
+        a repair)."""
+        return 2 * max(self.lease_ms, self.relay_lease_ms, 30_000)
 
     @property
     def broker(self) -> str:
