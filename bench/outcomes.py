@@ -201,6 +201,16 @@ def write_results(sections: dict[str, Any]) -> None:
     OUTPUT.write_text(json.dumps(out, indent=2) + "\n")
 
 
+async def _drop_schema(url: str, schema: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+
+
 async def _attach_rate(url: str, attachers: int, same: bool,
                        per_attacher: int) -> tuple[float, int]:
     """Late outcomes attached per second by ``attachers`` concurrent callers."""
@@ -248,13 +258,7 @@ async def _attach_rate(url: str, attachers: int, same: bool,
         return attachers * per_attacher / elapsed, retries
     finally:
         await store.close()
-        import asyncpg
-
-        conn = await asyncpg.connect(url)
-        try:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        finally:
-            await conn.close()
+        await _drop_schema(url, schema)
 
 
 def measure_attach_rates(url: str, per_attacher: int) -> dict[str, Any]:
@@ -324,13 +328,7 @@ async def _reward_cost(url: str, late: int, rewards: int) -> tuple[float, float]
         return (sorted(first)[len(first) // 2] * 1000, sorted(later)[len(later) // 2] * 1000)
     finally:
         await store.close()
-        import asyncpg
-
-        conn = await asyncpg.connect(url)
-        try:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        finally:
-            await conn.close()
+        await _drop_schema(url, schema)
 
 
 def measure_reward_cost(url: str) -> dict[str, Any]:

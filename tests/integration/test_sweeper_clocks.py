@@ -11,7 +11,6 @@ recovery`` runs it (``open_recovery``), a queue no worker reads.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -19,9 +18,8 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 from redis_server import url_with_db
-from test_sweeper_queued import queued
+from test_sweeper_queued import queued, sweep_for
 
-from fleet.assembly.roles import open_recovery
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher
 from fleet.dispatcher.publish import DriveRecord, record_key
@@ -48,19 +46,6 @@ async def fleet(database_url: str) -> AsyncIterator[tuple[FleetSettings, redis.R
             client.delete(key)
         client.delete(queue)
         client.close()
-
-
-async def sweep_for(settings: FleetSettings, seconds: float) -> dict[str, object]:
-    role = await open_recovery(settings, heartbeat=False)
-    try:
-        for service in role.services:
-            await service.start()
-        await asyncio.sleep(seconds)
-    finally:
-        for service in reversed(role.services):
-            await service.stop()
-        await role.aclose()
-    return dict(role.stats()["recovery"])
 
 
 def test_a_record_dated_in_the_future_is_not_fresh() -> None:
