@@ -12,6 +12,10 @@ Measurements (one function each):
   (the log is what compaction leaves: ``[0]``, the terminal event and the late
   outcomes above it; every decision comes from the state). The per-execution
   cost must not grow with N (linear total cost); the run prints the ratio.
+- ``measure_reward_cost`` (``--reward-cost``): ``record_outcome`` on Postgres against a
+  finished execution already holding L late outcomes: a runtime's first reward of it
+  (it folds the execution once) beside its next ones (they read only what was
+  appended since: issue 25 item 12). Before, every reward folded the log twice.
 """
 
 from __future__ import annotations
@@ -197,6 +201,16 @@ def write_results(sections: dict[str, Any]) -> None:
     OUTPUT.write_text(json.dumps(out, indent=2) + "\n")
 
 
+async def _drop_schema(url: str, schema: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+
+
 async def _attach_rate(url: str, attachers: int, same: bool,
                        per_attacher: int) -> tuple[float, int]:
     """Late outcomes attached per second by ``attachers`` concurrent callers."""
@@ -244,13 +258,7 @@ async def _attach_rate(url: str, attachers: int, same: bool,
         return attachers * per_attacher / elapsed, retries
     finally:
         await store.close()
-        import asyncpg
-
-        conn = await asyncpg.connect(url)
-        try:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        finally:
-            await conn.close()
+        await _drop_schema(url, schema)
 
 
 def measure_attach_rates(url: str, per_attacher: int) -> dict[str, Any]:
@@ -278,6 +286,73 @@ def print_attach_rates(section: dict[str, Any]) -> None:
     Console().print(table)
 
 
+async def _reward_cost(url: str, late: int, rewards: int) -> tuple[float, float]:
+    """ms per reward: a fresh runtime's first reward of the execution, then its next ones."""
+    import secrets
+
+    from fleet.kernel.context import Context, Decision, Policy
+    from fleet.kernel.flows import flow
+    from fleet.kernel.runtime import Runtime
+    from fleet.kernel.store.postgres import PostgresEventStore
+
+    @flow("bench-reward", version=1)
+    async def body(ctx: Context, _: Any) -> str:
+        await ctx.decide("d", lambda: Decision("a", policy=Policy("p", 1, 0.5)))
+        return "ok"
+
+    schema = f"bench_{secrets.token_hex(4)}"
+    store = PostgresEventStore(url, schema=schema, pool_max=2)
+    try:
+        runtime = Runtime(store, flows=[body])
+        handle = await runtime.start("bench-reward", None)
+        await handle.result()
+        eid = handle.execution_id
+        head = await store.head(eid)
+        assert head is not None
+        if late:
+            await store.append_batch([EventEnvelope.make(
+                eid, head + 1 + i, EventType.OUTCOME_RECORDED, 1,
+                {"decisionId": "d", "key": f"old{i}", "score": 1.0, "recordedBy": "system",
+                 "late": True}) for i in range(late)])
+        first, later = [], []
+        for r in range(rewards):
+            fresh = Runtime(store, flows=[body])  # knows nothing of it yet
+            began = time.perf_counter()
+            await fresh.record_outcome(eid, decision_id="d", key=f"first{r}", score=1.0,
+                                       system=True)
+            first.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            await fresh.record_outcome(eid, decision_id="d", key=f"next{r}", score=1.0,
+                                       system=True)
+            later.append(time.perf_counter() - began)
+        return (sorted(first)[len(first) // 2] * 1000, sorted(later)[len(later) // 2] * 1000)
+    finally:
+        await store.close()
+        await _drop_schema(url, schema)
+
+
+def measure_reward_cost(url: str) -> dict[str, Any]:
+    rows = []
+    for late in (0, 250, 900):
+        first, later = asyncio.run(_reward_cost(url, late, 50))
+        rows.append({"late_outcomes_on_the_log": late, "first_reward_ms": round(first, 3),
+                     "next_reward_ms": round(later, 3)})
+    return {"database": url.rsplit("@", 1)[-1], "load_average": list(os.getloadavg()),
+            "rows": rows}
+
+
+def print_reward_cost(section: dict[str, Any]) -> None:
+    table = Table(title="ms per late outcome (record_outcome, Postgres, median of 50): a "
+                        "runtime's first of an execution beside its next")
+    for col in ("late outcomes on the log", "first reward (folds it)",
+                "next reward (reads what is new)"):
+        table.add_column(col, justify="right")
+    for row in section["rows"]:
+        table.add_row(str(row["late_outcomes_on_the_log"]), f"{row['first_reward_ms']:.2f}",
+                      f"{row['next_reward_ms']:.2f}")
+    Console().print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="1000,10000,30000",
@@ -287,8 +362,15 @@ def main() -> None:
         "FLEET_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"),
         help="Postgres URL for the attach-rate measurement ('none' to skip)")
     parser.add_argument("--per-attacher", type=int, default=100)
+    parser.add_argument("--reward-cost", action="store_true",
+                        help="measure only the cost of one reward by log size (Postgres)")
     args = parser.parse_args()
     sections: dict[str, Any] = {}
+    if args.reward_cost:
+        sections["reward_cost"] = measure_reward_cost(args.postgres)
+        print_reward_cost(sections["reward_cost"])
+        write_results(sections)
+        return
     if args.postgres != "none":
         sections["attach_rates"] = measure_attach_rates(args.postgres, args.per_attacher)
         print_attach_rates(sections["attach_rates"])

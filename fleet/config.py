@@ -251,6 +251,15 @@ class FleetSettings(BaseSettings):
     control_key_id: str | None = Field(
         None, description="which key of FLEET_CONTROL_KEYS this process signs its control "
         "commands with (default: the ring's only key)")
+    environment: str | None = Field(
+        None, min_length=1, max_length=200, description="this fleet's name (prod, staging, "
+        "...): clients sign it into every fleet.dispatch message (env) and workers refuse a "
+        "message signed for another, so a message from staging never verifies in production "
+        "even where the two share a key (decision 0045). Unset: messages are not bound")
+    dispatch_allow_unbound: bool = Field(
+        False, description="a worker with FLEET_ENVIRONMENT also accepts signed messages "
+        "that name no environment: only while clients of the previous release, which do "
+        "not bind them, still run (decision 0045's migration)")
     reward_keys: dict[str, str] = Field(
         default_factory=dict, description='JSON {"producer": "secret"}: the reward producers\' '
         'HMAC keys (the attacher verifies with them, `fleet reward submit` signs with one)')
@@ -300,7 +309,18 @@ class FleetSettings(BaseSettings):
                                      if self.group_commit or (self.group_commit is None
                                                               and postgres) else False)
         return StoreOptions(pool_min=self.pg_pool_min, pool_max=self.pg_pool_max,
-                            max_event_bytes=self.max_event_bytes, group_commit=group)
+                            max_event_bytes=self.max_event_bytes, group_commit=group,
+                            max_lease_ms=self.max_lease_ms)
+
+    @property
+    def max_lease_ms(self) -> int:
+        """The longest lease the fleet's stores grant or honour (decision 0044): twice the
+        longest the fleet takes, so a lease set further ahead (a skewed or forged clock)
+        is taken over, and the database's clock stepping back less than a lease does not
+        make live leases look forged. The fleet's leases: ``lease_ms``, the relay's, and
+        the kernel's default (30 s) that one-off runtimes take (the CLI, Flower's Retry,
+        a repair)."""
+        return 2 * max(self.lease_ms, self.relay_lease_ms, 30_000)
 
     @property
     def broker(self) -> str:

@@ -18,6 +18,8 @@
 --   psql "postgresql://admin@db.example.com/fleet" \
 --        -v migrator=fleet_migrator -v runtime=fleet_runtime -f deploy/postgres/roles.sql
 --
+-- (add -v idle_timeout=30s for another limit on idle transactions; see below)
+--
 -- then give the roles passwords without putting them on a command line
 -- (psql's \password prompts and sends a SCRAM hash), or map them to your
 -- cloud's IAM authentication:
@@ -43,6 +45,23 @@ SELECT format('REVOKE CREATE, TEMPORARY ON DATABASE %I FROM PUBLIC', current_dat
 SELECT format('GRANT CONNECT ON DATABASE %I TO %I, %I',
               current_database(), :'migrator', :'runtime') \gexec
 SELECT format('GRANT CREATE ON DATABASE %I TO %I', current_database(), :'migrator') \gexec
+
+-- A stuck session must not hold the fleet up (issue 25 item 10): a transaction left
+-- open anywhere on the server holds back the relay's feed (decision 0020), and a row
+-- lock it holds stalls every write of that execution. Any session of this database
+-- that sits idle inside a transaction longer than :idle_timeout (default 60s; an
+-- operator's psql left after BEGIN, a client that hung mid-transaction) is ended by
+-- the server. The runtime role's sessions also get fleet's statement limits (fleet's
+-- own connections ask for them anyway). A session may SET its own values: these are
+-- defaults against mistakes and hung clients, not a bound on a hostile role member.
+\if :{?idle_timeout}
+\else
+\set idle_timeout 60s
+\endif
+SELECT format('ALTER DATABASE %I SET idle_in_transaction_session_timeout = %L',
+              current_database(), :'idle_timeout') \gexec
+SELECT format('ALTER ROLE %I SET statement_timeout = %L', :'runtime', '60s') \gexec
+SELECT format('ALTER ROLE %I SET lock_timeout = %L', :'runtime', '10s') \gexec
 
 -- What the migrator creates from now on: the runtime role may use it, rows only.
 ALTER DEFAULT PRIVILEGES FOR ROLE :"migrator" GRANT USAGE ON SCHEMAS TO :"runtime";

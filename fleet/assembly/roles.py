@@ -307,7 +307,8 @@ async def open_relay(settings: FleetSettings, *, heartbeat: bool = True) -> Role
     options = settings.store_options()
     store = open_event_store(settings.database_url, StoreOptions(
         pool_min=options.pool_min, pool_max=options.pool_max,
-        max_event_bytes=options.max_event_bytes, group_commit=False))  # it only reads
+        max_event_bytes=options.max_event_bytes, group_commit=False,  # it only reads
+        max_lease_ms=options.max_lease_ms))
     try:
         await store.head("fleet:health-probe")  # a wrong URL fails here, at start
     except BaseException:

@@ -515,8 +515,8 @@ class Dispatcher(Asking):
 
         Raises:
             WaitTimeoutError: not there within ``timeout`` seconds (also a TimeoutError).
-            ExecutionNotFoundError: no such execution.
-            AccessDeniedError: ``principal`` may not read it.
+            ExecutionNotFoundError: no such execution, or one ``principal`` may not
+                read (the same answer: no existence oracle, ``fleet.kernel.access``).
         """
         if until not in ("parked", "terminal"):
             raise ValidationError(f"until must be 'parked' or 'terminal', got {until!r}")

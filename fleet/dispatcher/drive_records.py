@@ -106,7 +106,15 @@ class DriveRecord:
 
     def fresh(self, now_ms: int, grace_ms: int) -> bool:
         """Whether that drive may still be waiting in its queue by time alone: younger than
-        ``grace_ms`` doubled for each re-enqueue in a row (at most ``MAX_BACKOFF_MS``)."""
+        ``grace_ms`` doubled for each re-enqueue in a row (at most ``MAX_BACKOFF_MS``).
+
+        A record dated more than ``grace_ms`` ahead of ``now_ms`` is not (issue 25 item
+        12): a publisher's clock that runs fast, or a record any holder of the client's
+        Redis user wrote by hand (with no expiry), would otherwise keep the sweeper off
+        an execution whose drive was lost, for as long as it says.
+        """
+        if self.at_ms > now_ms + grace_ms:
+            return False
         doubling: int = 1 << max(0, min(self.count, 20) - 1)
         wait = min(grace_ms * doubling, max(grace_ms, MAX_BACKOFF_MS))
         return now_ms - self.at_ms < wait
@@ -123,7 +131,10 @@ class DriveRecord:
                 and self.done_ms >= (self.taken_ms or 0))
 
     def verdict(self, now_ms: int, grace_ms: int) -> Verdict:
-        """What the sweeper does with its execution (see the module)."""
+        """What the sweeper does with its execution (see the module). A record or a mark
+        dated more than ``grace_ms`` ahead says nothing (see ``fresh``): ``lost``."""
+        if max(self.at_ms, self.taken_ms or 0) > now_ms + grace_ms:
+            return "lost"
         if self.taken and not self.finished:
             return "held" if self.by_live else "lost"
         if not self.taken and self.list_known and self.queue is not None:

@@ -7,8 +7,9 @@ of the ring (``fleet.host.keys``, decision 0018), and a worker verifies it
 before anything is written.
 
 **The message** is the request's keyword arguments (``fleet.dispatcher.remote``)
-plus five fields::
+plus five fields (six with an environment)::
 
+    env         the fleet it is meant for (FLEET_ENVIRONMENT; decision 0045); optional
     kid         the key id it was signed with
     issued_at   epoch milliseconds when it was signed (integer)
     expires_at  epoch milliseconds after which it is refused (integer)
@@ -37,6 +38,8 @@ bad_signature      the HMAC does not match the canonical body
 expired            past ``expires_at`` (a replay after expiry lands here)
 not_yet_valid      ``issued_at`` in the future (beyond the clock skew)
 too_long_lived     ``expires_at - issued_at`` above ``FLEET_DISPATCH_MAX_AGE_S``
+wrong_environment  signed for another fleet (``env`` is not this worker's
+                   ``FLEET_ENVIRONMENT``), or for none where one is required
 invalid            the request's shape (an unknown op, a field missing...)
 out_of_scope       the key may not speak for the principal's tenant
 replayed           this ``kid`` + ``nonce`` was already used
@@ -77,10 +80,10 @@ __all__ = ["AUTH_FIELDS", "REFUSALS", "RETRYABLE_REFUSALS", "DispatchRefusedErro
            "ReplayGuardUnavailableError", "canonical_dispatch_body", "invalid", "refusal",
            "send_dispatch", "sign_dispatch"]
 
-AUTH_FIELDS = ("kid", "issued_at", "expires_at", "nonce", "signature")
+AUTH_FIELDS = ("env", "kid", "issued_at", "expires_at", "nonce", "signature")
 REFUSALS = ("oversized", "malformed", "unsigned", "unknown_key", "bad_signature", "expired",
-            "not_yet_valid", "too_long_lived", "invalid", "out_of_scope", "replayed",
-            "no_key_ring")
+            "not_yet_valid", "too_long_lived", "wrong_environment", "invalid", "out_of_scope",
+            "replayed", "no_key_ring")
 #: Refusals the same message may pass later (a fixed key file): answered ``retryable``.
 RETRYABLE_REFUSALS = frozenset({"no_key_ring"})
 _NONCE_MAX = 128
@@ -128,20 +131,23 @@ def _mac(secret: bytes, body: bytes) -> str:
 
 def sign_dispatch(request: Mapping[str, Any], *, key_id: str, secret: str | bytes,
                   ttl_s: float = 60.0, now_ms: int | None = None,
-                  nonce: str | None = None) -> dict[str, Any]:
+                  nonce: str | None = None, environment: str | None = None) -> dict[str, Any]:
     """``request`` (``{"op": ..., ...}``, as ``fleet.dispatch`` takes it) signed with a key.
 
     A start that names no execution gets a fresh ``execution_id`` first (a
     signed start must name one, so a replayed message is the same start).
+    ``environment`` (``FLEET_ENVIRONMENT``) binds it to one fleet: ``env``.
 
     Returns:
         The keyword arguments to send (the request plus ``kid``, ``issued_at``,
-        ``expires_at``, ``nonce``, ``signature``).
+        ``expires_at``, ``nonce``, ``signature``, and ``env`` when given).
     """
     message = {k: v for k, v in request.items() if k not in AUTH_FIELDS}
     if (message.get("op") == "start" and not message.get("execution_id")
             and not message.get("idempotency_key")):
         message["execution_id"] = uuid.uuid4().hex
+    if environment is not None:
+        message["env"] = environment
     issued = _now_ms() if now_ms is None else now_ms
     message.update(kid=key_id, issued_at=issued, expires_at=issued + int(ttl_s * 1000),
                    nonce=nonce or uuid.uuid4().hex)
@@ -151,13 +157,17 @@ def sign_dispatch(request: Mapping[str, Any], *, key_id: str, secret: str | byte
 
 
 def send_dispatch(app: Any, request: Mapping[str, Any], *, key_id: str, secret: str | bytes,
-                  ttl_s: float = 60.0) -> str:
+                  ttl_s: float = 60.0, environment: str | None = None) -> str:
     """Sign ``request`` and publish it as a ``fleet.dispatch`` task; the Celery task id.
 
     ``app`` is the fleet's producer app (``fleet.dispatcher.producer_app``); with
     a result backend, ``app.AsyncResult(task_id).get()`` is the worker's answer.
+    ``environment`` defaults to the app's ``FLEET_ENVIRONMENT`` when it has settings.
     """
-    signed = sign_dispatch(request, key_id=key_id, secret=secret, ttl_s=ttl_s)
+    if environment is None:
+        environment = getattr(getattr(app, "fleet_settings", None), "environment", None)
+    signed = sign_dispatch(request, key_id=key_id, secret=secret, ttl_s=ttl_s,
+                           environment=environment)
     result = app.send_task(DISPATCH_TASK, kwargs=signed)
     return str(result.id)
 
@@ -181,14 +191,19 @@ class DispatchVerifier:
         max_age_s, skew_s, max_bytes: The bounds of the table above.
         redis_url: Where used nonces are kept until their message expires (shared
             by every worker); None keeps them in this process only.
+        environment: This fleet's name (``FLEET_ENVIRONMENT``): a message signed for
+            another is refused, and one that names none unless ``allow_unbound``.
     """
 
     def __init__(self, keys: KeySource | None, *, allow_unsigned: bool = False,
                  max_age_s: float = 300.0, skew_s: float = 30.0,
                  max_bytes: int = 1_048_576, redis_url: str | None = None,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, environment: str | None = None,
+                 allow_unbound: bool = False) -> None:
         self.keys = keys
         self.allow_unsigned = allow_unsigned
+        self.environment = environment
+        self.allow_unbound = allow_unbound
         self.max_age_ms = int(max_age_s * 1000)
         self.skew_ms = int(skew_s * 1000)
         self.max_bytes = max_bytes
@@ -207,10 +222,21 @@ class DispatchVerifier:
         redis_url = settings.redis_url
         if redis_url is None and settings.broker.split("://", 1)[0] in ("redis", "rediss"):
             redis_url = settings.broker
+        ring = keys.ring() if keys is not None else None
+        bare = [e.key_id for e in map(ring.get, ring.ids()) if e and e.bare] if ring else []
+        if bare:
+            log.warning("the dispatch key ring holds bare secrets (the reward key-file format), "
+                        "which list no tenants: messages signed with %s are refused; write "
+                        '{"client": ..., "secret": ..., "tenants": [...]}', bare[:10])
+        if keys is not None and settings.environment is None:
+            log.warning("FLEET_ENVIRONMENT is unset: a dispatch another fleet signed with a "
+                        "key this ring shares verifies here (decision 0045)")
         return cls(keys, allow_unsigned=settings.dispatch_allow_unsigned,
                    max_age_s=settings.dispatch_max_age_s, skew_s=settings.dispatch_clock_skew_s,
                    max_bytes=settings.dispatch_max_bytes, redis_url=redis_url,
-                   timeout_s=settings.broker_socket_timeout_s)
+                   timeout_s=settings.broker_socket_timeout_s,
+                   environment=settings.environment,
+                   allow_unbound=settings.dispatch_allow_unbound)
 
     # -- the checks that need no loop ----------------------------------------------
     def message_of(self, args: Any, kwargs: Any) -> dict[str, Any]:
@@ -254,6 +280,10 @@ class DispatchVerifier:
         entry = ring.get(kid) if ring is not None and isinstance(kid, str) else None
         if entry is None:
             raise _refuse("unknown_key", f"no key {str(kid)[:80]!r} in the ring")
+        if entry.bare:  # a reward key's format: it would speak for everyone (keys.py)
+            raise _refuse("unknown_key", f"key {kid!r} is a bare secret in the ring (the "
+                          "reward key-file format), which lists no tenants; a dispatch key "
+                          'is {"client": ..., "secret": ..., "tenants": [...]}')
         try:
             body = canonical_dispatch_body(message)
         except (TypeError, ValueError, RecursionError) as exc:
@@ -279,10 +309,28 @@ class DispatchVerifier:
         if expires - issued > self.max_age_ms:
             raise _refuse("too_long_lived", f"valid for {(expires - issued) / 1000:.0f} s; "
                           f"the limit is {self.max_age_ms / 1000:g} s")
+        self._check_environment(message.get("env", None), "env" in message)
         nonce = message.get("nonce")
         if not isinstance(nonce, str) or not 0 < len(nonce) <= _NONCE_MAX:
             raise _refuse("malformed", f"nonce must be 1-{_NONCE_MAX} characters")
         return entry
+
+    def _check_environment(self, env: Any, named: bool) -> None:
+        """The message is for this fleet (decision 0045): its ``env`` is this worker's
+        ``FLEET_ENVIRONMENT``; one naming none only while ``allow_unbound`` (or no
+        environment is set here, where nothing is bound)."""
+        if named and (not isinstance(env, str) or not env):
+            raise _refuse("malformed", "env must be a non-empty string (FLEET_ENVIRONMENT)")
+        if not named:
+            if self.environment is None or self.allow_unbound:
+                return
+            raise _refuse("wrong_environment", f"it names no environment; this fleet is "
+                          f"{self.environment[:80]!r}: sign it with FLEET_ENVIRONMENT set")
+        if env != self.environment:
+            mine = (repr(self.environment[:80]) if self.environment is not None
+                    else "none (FLEET_ENVIRONMENT is unset)")
+            raise _refuse("wrong_environment", f"signed for environment {env[:80]!r}; this "
+                          f"fleet is {mine}")
 
     @staticmethod
     def check_scope(entry: KeyEntry | None, tenant: str | None, has_principal: bool) -> None:

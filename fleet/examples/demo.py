@@ -169,7 +169,8 @@ def _short(execution_id: str) -> str:
 def _holder_pid(holder: str | None) -> int | None:
     # build_runtime's holders read "<role>:<host>:<pid>:<random>".
     parts = (holder or "").split(":")
-    return int(parts[2]) if len(parts) >= 4 and parts[2].isdigit() else None
+    return (int(parts[2]) if len(parts) >= 4 and parts[2].isascii() and parts[2].isdigit()
+            else None)
 
 
 class _Captured(logging.Handler):

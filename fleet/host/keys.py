@@ -18,7 +18,12 @@ that holds the key, the secret, and the tenants the client may speak for::
   every tenant and also a principal with no tenant (an operator's key). A
   client without ``"*"`` may not act for a tenantless principal.
 * **Shorthand**: ``{"id": "secret"}`` is ``{"id": {"client": "id", "secret":
-  "secret", "tenants": ["*"]}}``.
+  "secret", "tenants": ["*"]}}`` (``KeyEntry.bare``), for rings whose every key is an
+  operator's. It is the reward key-file format, so a dispatch ring refuses it: a
+  producer's reward key read as a dispatch key would speak for every tenant and for
+  no principal at all (issue 25 item 11; ``DispatchVerifier``).
+* ``"*"`` is never an id or a client (nor a reward producer's name): it reads as
+  "every" wherever tenants are listed.
 
 Reward producers' keys are not a ring (decision 0025): ``FLEET_REWARD_KEYS``,
 ``FLEET_REWARD_KEYS_FILE`` and the file ``fleet up`` writes are all one JSON
@@ -66,6 +71,7 @@ class KeyEntry:
     client: str
     secret: bytes
     tenants: frozenset[str]
+    bare: bool = False  # written as the shorthand ``{"id": "secret"}``
 
     def speaks_for(self, tenant: str | None) -> bool:
         """Whether this key may act for a principal of ``tenant`` (None: no tenant)."""
@@ -119,7 +125,11 @@ class KeyRing:
 def _entry(key_id: Any, raw: Any, where: str, min_secret_bytes: int) -> KeyEntry:
     if not isinstance(key_id, str) or not key_id or len(key_id) > 200:
         raise ConfigurationError(f"{where}: key id {key_id!r} must be 1-200 characters")
-    if isinstance(raw, str):  # the shorthand: {"id": "secret"}
+    if key_id == ANY_TENANT:
+        raise ConfigurationError(f"{where}: {ANY_TENANT!r} is not a key id (it means every "
+                                 "tenant where tenants are listed); name the key")
+    bare = isinstance(raw, str)
+    if bare:  # the shorthand: {"id": "secret"}
         raw = {"client": key_id, "secret": raw, "tenants": [ANY_TENANT]}
     if not isinstance(raw, Mapping):
         raise ConfigurationError(f"{where}: key {key_id!r} must be an object with client, "
@@ -129,8 +139,9 @@ def _entry(key_id: Any, raw: Any, where: str, min_secret_bytes: int) -> KeyEntry
         raise ConfigurationError(f"{where}: key {key_id!r} has unknown fields "
                                  f"{sorted(unknown)}; it takes client, secret, tenants")
     client, secret, tenants = raw.get("client"), raw.get("secret"), raw.get("tenants")
-    if not isinstance(client, str) or not client:
-        raise ConfigurationError(f"{where}: key {key_id!r} names no client")
+    if not isinstance(client, str) or not client or client == ANY_TENANT:
+        raise ConfigurationError(f"{where}: key {key_id!r} names no client ({ANY_TENANT!r} "
+                                 "is none)")
     if not isinstance(secret, str) or len(secret.encode()) < min_secret_bytes:
         raise ConfigurationError(
             f"{where}: key {key_id!r} needs a secret of at least {min_secret_bytes} bytes "
@@ -140,7 +151,7 @@ def _entry(key_id: Any, raw: Any, where: str, min_secret_bytes: int) -> KeyEntry
         raise ConfigurationError(
             f"{where}: key {key_id!r} needs \"tenants\": a non-empty list of tenant names, "
             f"or [\"{ANY_TENANT}\"] for every tenant")
-    return KeyEntry(key_id, client, secret.encode(), frozenset(tenants))
+    return KeyEntry(key_id, client, secret.encode(), frozenset(tenants), bare)
 
 
 class KeySource:
@@ -264,6 +275,10 @@ def parse_reward_keys(data: Any, *, where: str) -> dict[str, str]:
         if not isinstance(producer, str) or not producer or len(producer) > 200:
             raise ConfigurationError(f"{where}: producer name {str(producer)[:80]!r} must be "
                                      "1-200 characters")
+        if producer == ANY_TENANT:
+            raise ConfigurationError(f"{where}: {ANY_TENANT!r} is not a producer name (in "
+                                     "FLEET_REWARD_TENANTS it means every tenant); name the "
+                                     "producer")
         if not isinstance(secret, str) or not secret:
             raise ConfigurationError(
                 f"{where}: the secret of producer {producer!r} must be a non-empty string "

@@ -1,5 +1,13 @@
 """The runtime's access checks: judge, count, tell the application, audit (decision 0007).
 
+No existence oracle: a principal refused an op on an execution it may not even
+``read`` gets ``ExecutionNotFoundError("no execution '<id>'")``, exactly what an id
+with no log gets, so "not yours" and "no such execution" cannot be told apart
+(issue 25 item 11). The denial is still counted, reported and audited as below,
+and the error's ``__cause__`` is the ``AccessDeniedError`` (in-process callers
+that judge it, e.g. the reward attacher, read it there; nothing crosses a wire).
+One who may read it gets ``AccessDeniedError`` (it knows the execution exists).
+
 ``fleet.kernel.security`` holds the rules (pure); ``AccessGuard`` applies them
 for a runtime. Every denial counts in ``RuntimeStats.denied`` and reaches
 ``on_execution_denied`` with the full caller detail. A denied ``resume`` or
@@ -24,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from fleet.kernel.errors import AccessDeniedError, FleetError
+from fleet.kernel.errors import AccessDeniedError, ExecutionNotFoundError, FleetError
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.fold import ExecutionState
 from fleet.kernel.observers import Warner
@@ -124,8 +132,19 @@ class AccessGuard:
                 self.on_execution_denied(info)  # the full detail, uncut
             except Exception as exc:  # noqa: BLE001
                 self.warner.warn(f"on_execution_denied raised {exc}", key="on_execution_denied")
-        raise AccessDeniedError(f"access denied: {printable(reason, 2 * AUDIT_FIELD_CHARS)}",
-                                op=op)
+        denied = AccessDeniedError(f"access denied: {printable(reason, 2 * AUDIT_FIELD_CHARS)}",
+                                   op=op)
+        if state is not None and self.hidden(state, op, principal):
+            # No existence oracle (issue 25 item 11): one who may not even read it hears
+            # what a caller of an id that does not exist hears, word for word.
+            raise ExecutionNotFoundError(f"no execution {state.execution_id!r}") from denied
+        raise denied
+
+    def hidden(self, state: ExecutionState, op: Op, principal: Principal | None) -> bool:
+        """Whether ``principal``, refused ``op``, may not read the execution either (it is
+        then told the execution does not exist)."""
+        return op == "read" or not authorize(self.policy, "read", principal, state.owner,
+                                             strict=self.strict).allowed
 
     async def _audit(self, state: ExecutionState, info: dict[str, Any]) -> None:
         """Best effort and bounded (see the module): append EXECUTION_DENIED unless coalesced,

@@ -36,6 +36,19 @@ is compared when its outermost open scope closes (every sibling is done by
 then), and only a top-level scope's explicit branch list is trusted to say
 which of its path's frames it owns.
 
+A new step inside a scope (issue 25 item 14): the scope's own recorded frames
+used to wait for its close, so a new step's effect ran first when the scope had
+dropped one of them, or when the scope was not the recorded one at all (a
+parallel inserted before a recorded one takes its path: scope-path aliasing).
+Now, before a new step starts in a scope whose own recorded frames are not all
+asked for, the run lets the sibling branches replay (``let_siblings_replay``:
+the loop turns until they stop asking for more; a replayed step waits on
+nothing), and the frames of the scope's path still not asked for then are
+skipped: refused before the new step's effect. Residual: a branch that awaits
+something outside the kernel (``asyncio.sleep``, a call outside a step) before
+asking for its recorded steps has not asked for them yet and is judged as not
+asking (a false refusal: flow code must not wait outside the kernel).
+
 Cost (note 9): nothing per asked step (the detector shares the run's set of
 asked ids); a judgment is a set difference over the recorded frames until
 every baseline frame has been asked for, then O(1). The first-start order is
@@ -45,6 +58,7 @@ step, an overflowed decision, a scope, or a report.
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,7 +72,9 @@ JUDGE_ALL = frozenset({EventType.EXECUTION_SUSPENDED, EventType.EXECUTION_CONTIN
                        EventType.EXECUTION_COMPLETED})
 JUDGE_BEFORE = frozenset({EventType.STEP_STARTED, EventType.EFFECT_INDOUBT})
 JUDGED = JUDGE_ALL | JUDGE_BEFORE  # the appends a refusal can come before
-__all__ = ["DIVERGED_GATE", "JUDGED", "DivergenceDetector", "skipped_key"]
+__all__ = ["DIVERGED_GATE", "JUDGED", "QUIET_TURNS", "DivergenceDetector", "skipped_key"]
+# How many turns of the loop with nothing newly asked for end ``let_siblings_replay``.
+QUIET_TURNS = 3
 
 
 def skipped_key(skipped: Sequence[str], limit: int = 20) -> str:
@@ -228,6 +244,31 @@ class DivergenceDetector:
         return path in self.open_scopes or any(path.startswith(p + "/")
                                                for p in self.open_scopes)
 
+    # -- a new step inside a scope: its siblings replay first (issue 25 item 14) -------
+    def awaits_siblings(self, kind: EventType, ident: str | None, scope: str | None) -> bool:
+        """Whether a new step starting in ``scope`` must first let its siblings replay:
+        the scope's own recorded frames are not all asked for yet."""
+        return (kind is EventType.STEP_STARTED and not self.settled and scope is not None
+                and ident is not None and ident not in self.frames
+                and scope in self.open_scopes and not self.legacy_scopes
+                and bool(self._own_missing(scope)))
+
+    async def let_siblings_replay(self, scope: str, *, turns: int = 64) -> None:
+        """Turn the loop until the scope's own recorded frames are all asked for, or
+        ``QUIET_TURNS`` turns in a row asked for nothing new (at most ``turns``)."""
+        quiet = 0
+        for _ in range(turns):
+            asked = len(self.visited)
+            await asyncio.sleep(0)
+            if not self._own_missing(scope) or self.latched is not None:
+                return
+            quiet = quiet + 1 if len(self.visited) == asked else 0
+            if quiet >= QUIET_TURNS:
+                return
+
+    def _own_missing(self, scope: str) -> list[str]:
+        return [s for s in self._missing() if self._scope_of(s) == scope]
+
     # -- judging ---------------------------------------------------------------------
     def judge(self, kind: EventType, ident: str | None, scope: str | None) -> list[str]:
         """The recorded frames skipped before this append ([] when none)."""
@@ -244,7 +285,8 @@ class DivergenceDetector:
             limit = 0 if seq is None else bisect_left(self.order_seq, seq)
             return self._pending(limit)
         if scope is not None and scope in self.open_scopes:
-            return self._judge_in_scope(self.open_scopes[scope])
+            return self._judge_in_scope(self.open_scopes[scope], new=kind is
+                                        EventType.STEP_STARTED and ident is not None)
         return self._skipped(outside_open=True)
 
     def _missing(self) -> list[str]:
@@ -287,15 +329,17 @@ class DivergenceDetector:
             return True  # unknown membership: judged at close / by the floor only
         return self._scope_open(self._scope_of(step_id))
 
-    def _judge_in_scope(self, sc: _Scope) -> list[str]:
+    def _judge_in_scope(self, sc: _Scope, *, new: bool = False) -> list[str]:
         if not self.legacy_scopes:
             # Frame scopes are known (stamped, or no scope was ever recorded).
             skipped: list[str] = []
             for s in self._missing():
                 fscope = self._scope_of(s)
                 if fscope == sc.path:
-                    if sc.explicit is not None and s not in sc.explicit:
-                        skipped.append(s)  # an explicit branch set that dropped it
+                    if new or (sc.explicit is not None and s not in sc.explicit):
+                        # A new step, its siblings replayed (let_siblings_replay), or an
+                        # explicit branch set that dropped it.
+                        skipped.append(s)
                     continue
                 if self._scope_open(fscope):
                     continue

@@ -394,7 +394,7 @@ class Engine:
                                      "looked at it; retry")
         try:
             await self.access.check(state, "read", principal, audit=False)
-        except AccessDeniedError as exc:
+        except (AccessDeniedError, ExecutionNotFoundError) as exc:  # refused read: hidden
             raise ExecutionConflictError(
                 f"execution id {execution_id!r} is taken by another execution; choose another "
                 "id (nothing was written)") from exc

@@ -18,6 +18,14 @@ forms are reserved: an explicit ``execution_id`` may not take them
 and only the kernel's derivations create them. ``__fleet_`` is reserved too.
 A start or a continuation that finds its id taken anyway (written before this
 rule) still checks who owns it and by what flow (``Engine.existing``).
+
+The generation ``<n>`` is ASCII digits only (issue 25 item 3): Python's ``int()``
+and ``str.isdigit()`` also take Arabic-Indic ``٣``, fullwidth ``\uff13`` and
+superscript ``²``, so ``victim~٣`` once continued into ``victim~4`` (a squat of the
+victim's chain) and ``run~²`` raised a bare ``ValueError``. ``successor_id`` now
+reads only ``[0-9]`` (any other tail is part of the base: ``run~²`` continues into
+``run~²~1``), and an explicit id ending ``~`` + digits of *any* script is refused,
+typed, so no id that reads like a successor can be picked by hand.
 """
 
 from __future__ import annotations
@@ -31,11 +39,18 @@ from fleet.kernel.values import check_text
 
 IDEMPOTENT_PREFIX = "idem-"
 RESERVED_ID_PREFIX = "__fleet_"
-_SUCCESSOR = re.compile(r"~[0-9]+\Z")
+_SUCCESSOR = re.compile(r"~[0-9]+\Z", re.ASCII)
+_GENERATION = re.compile(r"[0-9]+\Z", re.ASCII)
 # A child flow's default id: "<parent>/<branch>child#<n>" (fleet.kernel.children).
-_CHILD = re.compile(r"/[0-9./:]*child#[0-9]+\Z")
+_CHILD = re.compile(r"/[0-9./:]*child#[0-9]+\Z", re.ASCII)
 # A schedule tick's run: "<schedule id>@2025-06-01T03:00:00Z" (milliseconds when not 0).
-TICK_SUFFIX = re.compile(r"@(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{3})?Z)\Z")
+TICK_SUFFIX = re.compile(r"@(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{3})?Z)\Z", re.ASCII)
+
+
+def _reads_as_successor(execution_id: str) -> bool:
+    """``<base>~<digits>`` in any script (``~3``, ``~٣``, ``~\uff13``, ``~²``, ``~Ⅻ``)."""
+    _, sep, gen = execution_id.rpartition("~")
+    return bool(sep) and bool(gen) and gen.isnumeric()
 
 
 def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
@@ -50,7 +65,7 @@ def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
 def successor_id(execution_id: str) -> str:
     """The id of the execution ``continue_as_new`` starts after ``execution_id``."""
     base, _, gen = execution_id.rpartition("~")
-    if base and gen.isdigit():
+    if base and _GENERATION.match(gen):
         return f"{base}~{int(gen) + 1}"
     return f"{execution_id}~1"
 
@@ -83,10 +98,11 @@ def check_explicit_id(execution_id: object) -> str:
         raise ReservedNameError(
             f"execution id {execution_id[-40:]!r} ends in '@<time>Z', the form of the id a "
             "schedule gives the run of a tick; pick another id")
-    if _SUCCESSOR.search(execution_id) is not None:
+    if _reads_as_successor(execution_id):
         raise ReservedNameError(
-            f"execution id {execution_id[-40:]!r} ends in '~<n>', the form of a "
-            "continue_as_new successor; pick an id without it (e.g. replace '~' with '-')")
+            f"execution id {execution_id[-40:]!r} ends in '~<n>' (digits of any script), "
+            "the form of a continue_as_new successor; pick an id without it (e.g. replace "
+            "'~' with '-')")
     return execution_id
 
 

@@ -39,7 +39,7 @@ from fleet.kernel.events import (
 from fleet.kernel.fold import ExecutionState, fold_log
 from fleet.kernel.lease import Lease
 from fleet.kernel.observers import Warner
-from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
+from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore, max_lease_of
 from fleet.kernel.writes import LogWriter
 
 
@@ -188,7 +188,8 @@ class LogLifecycle:
             return RepairReport(execution_id, "would-write",
                                 None if head is None else head + 1, type_.value, ended_at)
         async with await Lease.take(self.store, execution_id, holder=self.holder,
-                                    lease_ms=30_000, warner=Warner(None)) as lease:
+                                    lease_ms=min(30_000, max_lease_of(self.store)),
+                                    warner=Warner(None)) as lease:
             head = await self.store.head(execution_id)
             if head is None:
                 raise ExecutionNotFoundError(f"no execution {execution_id!r}")

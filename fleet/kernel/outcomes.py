@@ -13,6 +13,10 @@ into the checkpoint, or its fold above the stored head) is refused until
 ``fleet repair terminal-event`` restores the end. A denial appends nothing.
 Every refusal inside the loop is confirmed against a fresh observation of the
 tip: a log deleted meanwhile is not found, a log that moved is judged again.
+
+Cost (issue 25 item 12): one observation of the tip serves authorisation and the
+judgement, and what the judgement needs of a finished execution is remembered, so a
+reward reads only what was appended since the last (``fleet.kernel.outcome_folds``).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from fleet.kernel.errors import (
     OutcomeContendedError,
     OutcomeRefusedError,
 )
-from fleet.kernel.events import TERMINAL_TYPES, EventEnvelope, EventType
-from fleet.kernel.fold import ExecutionState, fold_log
+from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.outcome_folds import Judged, observe, observe_settled
 from fleet.kernel.security import Principal, check_outcome_shape
 
 MAX_LATE_OUTCOMES = 1024
@@ -49,15 +53,14 @@ async def record_outcome(engine: Engine, execution_id: str, *, decision_id: str,
                          system: bool = False) -> OutcomeResult:
     """Attach a late outcome (see the module); written by ``LogWriter.write_if_unchanged``."""
     store = engine.store
-    state = await engine.fold(execution_id)
-    if state.sequence < 0:
-        raise ExecutionNotFoundError(f"no execution {execution_id!r}")
-    await engine.access.check(state, "annotate", principal, audit=False, system=system)
-    check_outcome_shape(key, score, success, decision_id)
-    if not callable(getattr(store, "append_if_unchanged", None)):
+    if not callable(getattr(store, "append_if_unchanged", None)):  # nor can it observe
         raise OutcomeRefusedError(
             f"{type(store).__name__} has no append_if_unchanged; a late outcome is written "
             "only by a conditional append, never by a plain one")
+    tip, observed = await observe_settled(engine, execution_id)
+    await engine.access.check(observed.who, "annotate", principal, audit=False,
+                              system=system)
+    check_outcome_shape(key, score, success, decision_id)
     recorded_by = "system" if system else (principal.actor if principal else "anonymous")
     body: dict[str, Any] = {"decisionId": decision_id, "key": key}
     if score is not None:
@@ -67,22 +70,25 @@ async def record_outcome(engine: Engine, execution_id: str, *, decision_id: str,
     body["recordedBy"] = recorded_by
     body["late"] = True
 
-    for _ in range(MAX_ATTEMPTS):
-        tip = await engine.writer.observe(execution_id)
-        if tip.head is None:
-            raise ExecutionNotFoundError(f"no execution {execution_id!r}")
+    for attempt in range(MAX_ATTEMPTS):
+        if attempt:
+            tip = await engine.writer.observe(execution_id)
+            if tip.head is None:
+                raise ExecutionNotFoundError(f"no execution {execution_id!r}")
+            again = await observe(engine, execution_id, tip)
+            if again is None:  # the log grew between the observation and the read
+                continue
+            observed = again
+        head = observed.head
         if tip.anchor is None:
             raise OutcomeRefusedError(
                 f"{type(store).__name__} returned no creation anchor for {execution_id!r}; "
                 "a store or decorator must forward it")
-        observed = await _fold_to(engine, execution_id, tip.head)
-        if observed is None:  # the log grew between the observation and the read
-            continue
         try:
-            _judge(observed.state, execution_id, decision_id, key, score, success)
-            if _duplicate(observed.state, decision_id, key, score, success):
+            _judge(observed, execution_id, decision_id, key, score, success)
+            if _duplicate(observed, decision_id, key, score, success):
                 return OutcomeResult(False)
-            _check_slot(observed, execution_id, tip.head)
+            _check_slot(observed, execution_id, head)
         except (ExecutionNotTerminalError, OutcomeRefusedError):
             # A refusal is judged on a read made after the observation: confirm the
             # log it read is still the one observed. A delete in between reads as an
@@ -94,7 +100,7 @@ async def record_outcome(engine: Engine, execution_id: str, *, decision_id: str,
             if (now.head, now.fence, now.anchor) != (tip.head, tip.fence, tip.anchor):
                 continue
             raise
-        event = EventEnvelope.make(execution_id, tip.head + 1, EventType.OUTCOME_RECORDED,
+        event = EventEnvelope.make(execution_id, head + 1, EventType.OUTCOME_RECORDED,
                                    engine.clock(), dict(body))
         result = await engine.writer.write_if_unchanged(event, tip)
         if result.appended:
@@ -105,42 +111,11 @@ async def record_outcome(engine: Engine, execution_id: str, *, decision_id: str,
         f"the log of {execution_id!r} kept moving ({MAX_ATTEMPTS} tries); retry later")
 
 
-@dataclass(frozen=True, slots=True)
-class _Observed:
-    """The fold at an observed head, and whether the log still holds its end."""
-
-    state: ExecutionState
-    checkpoint: int | None     # the sequence of the checkpoint folded in, if any
-    terminal_on_log: bool      # a terminal event was read (above the checkpoint)
-
-
-async def _fold_to(engine: Engine, execution_id: str, head: int) -> _Observed | None:
-    """Checkpoint + the events above it, as of ``head``; None if the log grew past it.
-
-    A checkpoint ABOVE ``head`` is folded too, never ignored: that is the shape a
-    store without a high-water head keeps after an older kernel compacted a
-    finished log, and ``_check_slot`` refuses it (ignoring it folded sequence 0
-    alone and answered "not terminal").
-    """
-    base: ExecutionState | None = None
-    after = -1
-    if engine.snapshots is not None:
-        snap = await engine.snapshots.load(execution_id)
-        if snap is not None:
-            base = ExecutionState.from_dict(snap.state)
-            after = snap.sequence
-    events = await engine.store.read(execution_id, after=after)
-    if events and events[-1].sequence > head:
-        return None
-    return _Observed(fold_log(events, base), None if base is None else after,
-                     any(e.type in TERMINAL_TYPES for e in events))
-
-
-def _check_slot(observed: _Observed, execution_id: str, head: int) -> None:
+def _check_slot(observed: Judged, execution_id: str, head: int) -> None:
     """Refuse a finished log an older kernel compacted (ADR 0116 round 3 P3 item 1,
     round 4 item 5): the outcome's one valid slot is ``head + 1``, and a log whose
     terminal event was folded into its checkpoint could not date its end after it."""
-    state = observed.state
+    state = observed.who
     repair = "run `fleet repair terminal-event` (LogLifecycle.restore_terminal_event) first"
     if state.sequence > head:
         raise OutcomeRefusedError(
@@ -157,30 +132,31 @@ def _check_slot(observed: _Observed, execution_id: str, head: int) -> None:
             f"kernel; {repair}")
 
 
-def _judge(state: ExecutionState, execution_id: str, decision_id: str, key: str,
+def _judge(judged: Judged, execution_id: str, decision_id: str, key: str,
            score: float | None, success: bool | None) -> None:
+    state = judged.who
     if not state.terminal:
         raise ExecutionNotTerminalError(
             f"execution {execution_id!r} is {state.status}; a live run records its own "
             "outcomes with ctx.outcome, late ones attach once it has finished")
-    if decision_id not in state.decisions:
+    if decision_id not in judged.decisions:
         raise OutcomeRefusedError(
             f"execution {execution_id!r} made no decision {decision_id!r}; an outcome must "
             "name a decision the log holds")
-    late = sum(1 for o in state.outcomes if o.get("late"))
-    if late >= MAX_LATE_OUTCOMES and not _duplicate(state, decision_id, key, score, success):
+    if judged.late >= MAX_LATE_OUTCOMES and not _duplicate(judged, decision_id, key, score,
+                                                            success):
         raise OutcomeRefusedError(
             f"execution {execution_id!r} already holds {MAX_LATE_OUTCOMES} late outcomes")
 
 
-def _duplicate(state: ExecutionState, decision_id: str, key: str, score: float | None,
+def _duplicate(judged: Judged, decision_id: str, key: str, score: float | None,
                success: bool | None) -> bool:
-    for existing in state.outcomes:
-        if existing.get("decisionId") == decision_id and existing.get("key") == key:
-            if existing.get("score") == score and existing.get("success") == success:
-                return True
-            raise OutcomeRefusedError(
-                f"outcome {key!r} for decision {decision_id!r} is already recorded with "
-                f"score={existing.get('score')!r} success={existing.get('success')!r}; the "
-                "log is append-only: record a correction under a new key")
-    return False
+    existing = judged.recorded.get((decision_id, key))
+    if existing is None:
+        return False
+    if existing == (score, success):
+        return True
+    raise OutcomeRefusedError(
+        f"outcome {key!r} for decision {decision_id!r} is already recorded with "
+        f"score={existing[0]!r} success={existing[1]!r}; the "
+        "log is append-only: record a correction under a new key")

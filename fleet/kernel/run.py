@@ -513,6 +513,10 @@ class Run(RunEndings):
             raise d.refusal(d.latched.skipped)
         if d.reported:
             return  # warn mode reports once, then stops judging
+        if d.awaits_siblings(kind, ident, scope):  # before any new effect (issue 25 item 14)
+            await d.let_siblings_replay(scope or "")
+            if d.latched is not None:
+                raise d.refusal(d.latched.skipped)
         skipped = d.judge(kind, ident, scope)
         if skipped:
             self._diverged(skipped)

@@ -259,7 +259,7 @@ async def _existing(engine: Engine, execution_id: str, spec: ScheduleSpec,
     state = await engine.fold(execution_id)
     try:
         await engine.access.check(state, "read", principal, audit=False)
-    except AccessDeniedError as exc:
+    except (AccessDeniedError, ExecutionNotFoundError) as exc:  # not the caller's to read
         raise ExecutionConflictError(f"schedule id {spec.schedule_id!r} is taken; choose "
                                      "another id (nothing was written)") from exc
     theirs = ScheduleSpec.from_log((state.input or {}).get("spec"))

@@ -18,6 +18,13 @@ the queue cannot be read; only a ``lost`` one is re-sent (taken by a worker that
 stopped reporting, gone from its queue untaken, or ended with the run still
 waiting). So a backlog, however long it takes to drain, is never re-sent.
 
+The grace is judged on the dates of the executions' last writes, which the writers'
+clocks set. A write dated more than the grace ahead of the sweeper's clock (a worker
+whose clock runs fast, or a forged event) would hide its execution from that filter
+until the date came; a second scan finds those (``future_dated`` in its stats) and
+re-drives them as the others (issue 25 item 12). Whether a lease is live is the
+store's judgement on its own clock (decision 0044).
+
 Refused re-drives are surfaced with their ids and reasons (ADR 0113 fix round
 1 item 2). Driving here, the sweeper reports what ``Runtime.recover_abandoned``
 reports: a code mismatch or a diverged replay is ``failed``, each named in
@@ -88,6 +95,7 @@ class RecoverySweeper(PeriodicService):
         self.queued = 0
         self.held = 0
         self.failed = 0
+        self.future_dated = 0
         # The latest refused re-drive of each execution (driving here), newest last.
         self.failures: dict[str, RecoveryFailure] = {}
         # Executions parked on the divergence gate: id -> the steps its park names.
@@ -98,6 +106,7 @@ class RecoverySweeper(PeriodicService):
             await self._drive_here()
         else:
             await self._enqueue(self.enqueue)
+        await self._future_dated()
         await self._list_diverged()
 
     async def _drive_here(self) -> None:
@@ -125,18 +134,44 @@ class RecoverySweeper(PeriodicService):
             rows = await self.runtime.store.list_executions(
                 status="running", lease_expired_at=now, updated_before=now - self.grace_ms,
                 after_id=after, limit=self.batch)
-            records = await self._records(rows)
-            for row in rows:
-                self.examined += 1
-                record = records.get(row.execution_id)
-                verdict = record.verdict(now, self.grace_ms) if record is not None else "lost"
-                if verdict == "held":
-                    self.held += 1    # a live worker took its drive and is on it
-                elif verdict == "queued":
-                    self.queued += 1  # its drive is still in a queue
-                else:
-                    await enqueue(row.execution_id)
-                    self.redriven += 1
+            await self._redrive(rows, now, enqueue)
+            if len(rows) < self.batch:
+                return
+            after = rows[-1].execution_id
+
+    async def _redrive(self, rows: Sequence[Any], now: int, enqueue: Enqueue) -> None:
+        records = await self._records(rows)
+        for row in rows:
+            self.examined += 1
+            record = records.get(row.execution_id)
+            verdict = record.verdict(now, self.grace_ms) if record is not None else "lost"
+            if verdict == "held":
+                self.held += 1    # a live worker took its drive and is on it
+            elif verdict == "queued":
+                self.queued += 1  # its drive is still in a queue
+            else:
+                await enqueue(row.execution_id)
+                self.redriven += 1
+
+    async def _future_dated(self) -> None:
+        """Running, no live lease, last write dated more than the grace ahead of this
+        clock: re-driven as the abandoned ones are (see the module)."""
+        now = self.runtime.engine.clock()
+        after: str | None = None
+        while True:
+            rows = await self.runtime.store.list_executions(
+                status="running", lease_expired_at=now, updated_after=now + self.grace_ms,
+                after_id=after, limit=self.batch)
+            self.future_dated += len(rows)
+            if self.enqueue is not None:
+                await self._redrive(rows, now, self.enqueue)
+            else:
+                for row in rows:
+                    self.examined += 1
+                    if await self.runtime.engine.drive_if_free(row.execution_id) is not None:
+                        self.redriven += 1
+                    else:
+                        self.skipped += 1
             if len(rows) < self.batch:
                 return
             after = rows[-1].execution_id
@@ -177,7 +212,7 @@ class RecoverySweeper(PeriodicService):
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "examined": self.examined, "redriven": self.redriven,
                 "skipped": self.skipped, "queued": self.queued, "held": self.held,
-                "failed": self.failed,
+                "failed": self.failed, "future_dated": self.future_dated,
                 "failures": [{"executionId": f.execution_id, "error": f.error,
                               "reason": f.reason} for f in self.failures.values()],
                 "diverged": [{"executionId": eid, "reason": reason}

@@ -43,6 +43,7 @@ from fleet.host.keys import reward_keys_of
 from fleet.kernel.errors import (
     AccessDeniedError,
     ConfigurationError,
+    ExecutionNotFoundError,
     ExecutionNotTerminalError,
     FleetError,
 )
@@ -244,11 +245,15 @@ class RewardAttacher:
             except ExecutionNotTerminalError as exc:
                 self.deferred += 1
                 return Defer(exc.code, exc.message)
-            except AccessDeniedError as exc:
+            except (AccessDeniedError, ExecutionNotFoundError) as exc:
                 # The kernel refused annotate: the producer's scope leaves this
-                # execution's tenant out. Final: the same message is refused every time.
+                # execution's tenant out (told as "no execution" to one who may not read
+                # it either: the denial is its cause). Final: refused every time.
+                denied = exc if isinstance(exc, AccessDeniedError) else exc.__cause__
+                if not isinstance(denied, AccessDeniedError):
+                    return Reject(exc.code, exc.message)
                 detail = (f"producer {message.producer!r} may not reward execution "
-                          f"{message.execution_id[:200]!r}: {exc.message}")
+                          f"{message.execution_id[:200]!r}: {denied.message}")
                 self.warner.warn(f"reward refused (out_of_scope): {detail}",
                                  key=f"out_of_scope:{message.producer}")
                 return Reject("out_of_scope", detail)

@@ -69,7 +69,7 @@ def parse_entry(entry_id: str, fields: Mapping[str, str]) -> CommittedEvent:
                                      fields.get("type"))
     if (body.get("executionId") != execution_id or str(body.get("sequence")) != sequence
             or body.get("type") != type_ or execution_id is None or type_ is None
-            or sequence is None or not sequence.isdigit()):
+            or sequence is None or not (sequence.isascii() and sequence.isdigit())):
         raise ValidationError(f"entry {entry_id}: its executionId/sequence/type do not match "
                               "the envelope")
     return CommittedEvent(position, tenant=fields.get("tenant"), json=envelope,

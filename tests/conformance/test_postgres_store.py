@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 from conftest import ManualClock
+from pg_flush_kit import V6_MANY_LEASED_SQL, V6Op, v6_lease_columns
 
 from fleet.kernel.errors import (
     ConfigurationError,
@@ -41,13 +42,10 @@ from fleet.kernel.store.factory import (
 )
 from fleet.kernel.store.pg_migrations import MIGRATIONS, SCHEMA_VERSION, VERSION_TABLE
 from fleet.kernel.store.pg_queries import (
-    APPEND_MANY_LEASED_SQL,
     APPEND_MANY_SQL,
     APPEND_SQL,
-    LeaseOp,
     Write,
     execution_key,
-    lease_columns,
     many_columns,
 )
 from fleet.kernel.store.postgres import PostgresEventStore, PostgresSnapshotStore
@@ -188,21 +186,22 @@ async def test_an_older_schema_is_upgraded_on_first_use(database_url: str) -> No
 
 
 _GENERIC_PLANNED = ("fleet_append", "fleet_append_if", "fleet_append_leased",
-                    "fleet_append_many", "fleet_append_many_leased")
+                    "fleet_append_many", "fleet_append_many_leased", "fleet_append_leased_v7",
+                    "fleet_append_many_leased_v7")
 
 
 async def _flush(raw: asyncpg.Connection, items: list[tuple[EventEnvelope, int | None]],
-                 ops: dict[int, LeaseOp] | None = None) -> tuple[list[int], list[int | None]]:
-    """One group-commit flush as the client sends it (the leased flavour when ``ops``);
-    its codes and details in the order of ``items``."""
+                 ops: dict[int, V6Op] | None = None) -> tuple[list[int], list[int | None]]:
+    """One group-commit flush as a schema-6 client sends it (the leased flavour when
+    ``ops``); its codes and details in the order of ``items``."""
     prepared = [(i, Write.of(e.execution_id, [e], None), fence)
                 for i, (e, fence) in enumerate(items)]
     columns = many_columns(prepared)
     if ops is None:
         row = await raw.fetchrow(APPEND_MANY_SQL, *columns)
     else:
-        row = await raw.fetchrow(APPEND_MANY_LEASED_SQL, *columns,
-                                 *lease_columns(prepared, ops, T0))
+        row = await raw.fetchrow(V6_MANY_LEASED_SQL, *columns,
+                                 *v6_lease_columns(prepared, ops, T0))
     codes: list[int] = [0] * len(items)
     details: list[int | None] = [None] * len(items)
     for (i, _, _), code, detail in zip(prepared, row["codes"], row["details"], strict=True):
@@ -214,14 +213,14 @@ async def _flushes(raw: asyncpg.Connection, p: str) -> list[object]:
     """The same flushes on logs named with prefix ``p``: their answers and what they left."""
     return [
         await _flush(raw, [(started(f"{p}a"), None), (started(f"{p}b"), None)],
-                     {0: LeaseOp(holder="h", expires=T0 + 60_000)}),
+                     {0: ("h", T0 + 60_000)}),
         # A fenced write that ends its lease, an unfenced one, a stale token on a log
         # with no fence row (refused, no row made), a gap and a taken slot (the second
         # request of b, judged after the first was written).
         await _flush(raw, [(make_event(f"{p}a", 1), 1), (make_event(f"{p}b", 1), None),
                            (started(f"{p}d"), 7), (make_event(f"{p}e", 2), None),
-                           (make_event(f"{p}b", 1), None)], {0: LeaseOp(release=True)}),
-        await _flush(raw, [(started(f"{p}a"), None)], {0: LeaseOp(holder="i", expires=T0)}),
+                           (make_event(f"{p}b", 1), None)], {0: "release"}),
+        await _flush(raw, [(started(f"{p}a"), None)], {0: ("i", T0)}),
         await _flush(raw, [(make_event(f"{p}b", 2), None), (make_event(f"{p}b", 3), None)]),
         await _flush(raw, [(make_event(f"{p}b", 4), 3)]),  # stale: b's row holds token 0
         [tuple(r) for r in await raw.fetch(

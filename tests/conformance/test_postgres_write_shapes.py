@@ -18,6 +18,7 @@ import pytest
 from fleet.kernel.errors import StoreUnavailableError
 from fleet.kernel.events import EventType
 from fleet.kernel.store.conformance import make_event, started
+from fleet.kernel.store.encoding import encode_event
 from fleet.kernel.store.pg_connections import Connections, translate
 from fleet.kernel.store.pg_queries import (
     APPEND_IF_SQL,
@@ -30,7 +31,6 @@ from fleet.kernel.store.pg_queries import (
     Write,
 )
 from fleet.kernel.store.postgres import PostgresEventStore
-from fleet.kernel.store.spi import encode_event
 
 pytestmark = pytest.mark.integration
 E = EventType
@@ -52,8 +52,8 @@ def test_the_array_statements_are_the_ones_before() -> None:
         "SELECT * FROM fleet_append_if($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, "
         "$14, $15, $16, $17, $18)")
     assert APPENDS_LEASED[0] == APPEND_LEASED_SQL == (
-        "SELECT code, detail FROM fleet_append_leased($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, "
-        "$11, $12, $13, $14, $15, $16, $17, $18, $19, $20)")
+        "SELECT code, detail, o_now FROM fleet_append_leased_v7($1, $2, $3, $4, $5, $6, $7, $8, "
+        "$9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21)")
     assert APPENDS[2] == (
         "SELECT code, detail FROM fleet_append($1, $2, $3, $4, ARRAY[$5::text, $6::text], "
         "ARRAY[$7::bigint, $8::bigint], ARRAY[$9::text, $10::text], $11, $12, $13, $14, $15, "

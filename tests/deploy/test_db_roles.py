@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -32,7 +31,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import asyncpg
 import pytest
 from k8s_kit import K8S, ROOT, secret_example
-from postgres_server import postgres_binaries, run_async, server_url, throwaway_database
+from postgres_server import psql, run_async, server_url, throwaway_database
 
 from fleet.kernel.context import Context
 from fleet.kernel.flows import flow
@@ -44,7 +43,7 @@ from fleet.kernel.store.conformance import (
     started,
 )
 from fleet.kernel.store.postgres import PostgresEventStore, PostgresSnapshotStore
-from fleet.kernel.store.spi import EventStore, SnapshotStore
+from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -52,21 +51,6 @@ ROLES_SQL = ROOT / "deploy" / "postgres" / "roles.sql"
 DEV_INIT = K8S / "overlays" / "dev" / "postgres-init"
 FLEET = str(Path(sys.executable).with_name("fleet"))
 SCHEMA = "fleet"
-
-
-def psql() -> str:
-    """psql, as an operator runs the script; missing fails (never skips)."""
-    found = shutil.which("psql")
-    if found is None:
-        try:
-            candidate = os.path.join(postgres_binaries(), "psql")
-        except RuntimeError:
-            candidate = ""
-        if not os.path.exists(candidate):
-            pytest.fail("psql runs deploy/postgres/roles.sql: install the PostgreSQL client "
-                        "(Debian: postgresql-client)")
-        found = candidate
-    return found
 
 
 def as_role(url: str, role: str, password: str, schema: str | None = SCHEMA) -> str:
@@ -214,10 +198,25 @@ class TestRuntimeRoleEventStore(EventStoreConformance):
 
     @pytest.fixture
     async def store(self, roles: Roles) -> AsyncIterator[EventStore]:
-        store = PostgresEventStore(roles.runtime_in(await fresh_schema(roles)), migrate=False,
-                                   pool_max=4)
+        self.schema = await fresh_schema(roles)
+        self.url = as_role(roles.admin, roles.names[1], roles.passwords[1], None)
+        store = PostgresEventStore(roles.runtime_in(self.schema), migrate=False, pool_max=4)
         yield store
         await store.close()
+
+    async def forge_lease(self, store: EventStore, execution_id: str, *,
+                          ahead_ms: int) -> FenceGrant:
+        """The server's clock cannot be moved: the runtime role pushes the expiry of a
+        lease it took further out itself (what a compromised worker could do)."""
+        grant = await store.acquire_fence(execution_id, holder="fast-clock", lease_ms=60_000)
+        conn = await asyncpg.connect(self.url, server_settings={"search_path": self.schema})
+        try:
+            await conn.execute("UPDATE fences SET lease_expires_at = lease_expires_at + $1 "
+                               "WHERE ekey = fleet_key($2)", ahead_ms, execution_id)
+        finally:
+            await conn.close()
+        return FenceGrant(execution_id, grant.token, grant.holder,
+                          grant.lease_expires_at + ahead_ms)
 
 
 class TestRuntimeRoleSnapshotStore(SnapshotStoreConformance):
@@ -326,6 +325,26 @@ def test_the_runtime_role_cannot_migrate_a_database_that_is_behind(roles: Roles)
     assert fleet_cli(roles.migrator_in(behind), "db", "upgrade").returncode == 0
     status = fleet_cli(roles.runtime_in(behind), "db", "status", "--json")
     assert json.loads(status.stdout)["state"] == "current"
+
+
+async def test_the_script_bounds_idle_transactions_and_the_runtime_roles_statements(
+        roles: Roles) -> None:
+    """Issue 25 item 10: an idle transaction holds the relay's feed back, and a held row
+    lock stalls writes. Sessions opened without fleet's own settings get the script's:
+    every session of the database the idle limit, the runtime role's the statement
+    limits too (integration/test_postgres_timeouts.py shows them end a stuck session)."""
+    shown = "SELECT current_setting($1)"
+    names = ("idle_in_transaction_session_timeout", "statement_timeout", "lock_timeout")
+    for url, expected in ((as_role(roles.admin, roles.names[1], roles.passwords[1], None),
+                           ("1min", "1min", "10s")),
+                          (as_role(roles.admin, roles.names[0], roles.passwords[0], None),
+                           ("1min", "0", "0")),
+                          (roles.admin, ("1min", "0", "0"))):
+        conn = await asyncpg.connect(url)
+        try:
+            assert tuple([await conn.fetchval(shown, n) for n in names]) == expected, url
+        finally:
+            await conn.close()
 
 
 def test_running_the_script_again_changes_nothing(roles: Roles) -> None:

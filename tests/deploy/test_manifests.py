@@ -625,3 +625,12 @@ def test_the_dockerfile_pins_its_base_image_by_digest() -> None:
     assert len(set(froms)) == 1, froms
     # And a FROM without a digest is what the check catches.
     assert not DIGEST.search("python:3.11-slim-bookworm")
+
+
+def test_each_overlay_names_its_fleet_for_signed_dispatches() -> None:
+    """Decision 0045: a dispatch signed for dev never verifies in prod; neither overlay
+    accepts unbound messages by default."""
+    names = {overlay: configmap_data(render(overlay)) for overlay in OVERLAYS}
+    assert {o: d.get("FLEET_ENVIRONMENT") for o, d in names.items()} == {
+        "dev": "dev", "prod": "prod", "prod-keda": "prod"}
+    assert not any("FLEET_DISPATCH_ALLOW_UNBOUND" in d for d in names.values())

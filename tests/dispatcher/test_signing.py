@@ -23,7 +23,7 @@ from fleet.dispatcher.signing import (
     canonical_dispatch_body,
     sign_dispatch,
 )
-from fleet.host.keys import KeyRing, KeySource
+from fleet.host.keys import KeyRing, KeySource, parse_reward_keys
 from fleet.kernel.errors import ConfigurationError
 
 SECRET = "0123456789abcdef0123456789abcdef"
@@ -150,13 +150,17 @@ def test_key_rings_refuse_what_would_be_unsafe_and_say_so(tmp_path: Path) -> Non
         ({"k": {"secret": SECRET, "tenants": ["a"]}}, "names no client"),
         ({"k": {"client": "c", "secret": SECRET, "tenants": ["a"], "admin": True}}, "unknown"),
         ({"": SECRET}, "key id"),
+        ({"*": SECRET}, "not a key id"),                       # "*" means every tenant
+        ({"k": {"client": "*", "secret": SECRET, "tenants": ["a"]}}, "names no client"),
     ]
     for data, match in bad:
         with pytest.raises(ConfigurationError, match=match):
             KeyRing.parse(data)
     shorthand = KeyRing.parse({"crm": SECRET}).get("crm")
     assert shorthand is not None
-    assert (shorthand.client, shorthand.tenants) == ("crm", frozenset({"*"}))
+    assert (shorthand.client, shorthand.tenants, shorthand.bare) == ("crm", frozenset({"*"}),
+                                                                     True)
+    assert KeyRing.parse(RING).get("ops-1").bare is False  # type: ignore[union-attr]
     with pytest.raises(ConfigurationError, match="not JSON"):
         KeyRing.loads("{nope")
     with pytest.raises(ConfigurationError, match="not both"):
@@ -293,3 +297,46 @@ def test_a_key_file_broken_at_start_accepts_nothing_until_it_is_fixed(tmp_path: 
     ring = deep.ring()
     assert ring is not None
     assert ring.ids() == sorted(RING)
+
+
+def test_a_bare_secret_in_a_dispatch_ring_signs_nothing() -> None:
+    """Issue 25 item 11: the ring's shorthand is the reward key-file format, and read as a
+    dispatch key it spoke for every tenant and for no principal at all (the system)."""
+    check = DispatchVerifier(KeySource({**RING, "crm": SECRET}))
+    for principal in (None, {"actor": "x", "tenant": "acme"}):
+        with refused("unknown_key"):
+            check.authenticate(sign_dispatch({**CANCEL, "principal": principal},
+                                             key_id="crm", secret=SECRET))
+    assert check.authenticate(sign_dispatch(CANCEL, key_id="web-1", secret=SECRET))
+    # Nor is "*" a reward producer: in FLEET_REWARD_TENANTS it means every tenant.
+    with pytest.raises(ConfigurationError, match="not a producer name"):
+        parse_reward_keys({"*": SECRET}, where="FLEET_REWARD_KEYS")
+    assert parse_reward_keys({"crm": SECRET}, where="x") == {"crm": SECRET}
+
+
+def test_a_message_is_bound_to_its_environment() -> None:
+    """Decision 0045: ``env`` is signed; a worker takes only its own, an unbound one only
+    during the migration (``allow_unbound``), and a worker with no environment none."""
+    def signed(env: str | None) -> dict[str, Any]:
+        return sign_dispatch(CANCEL, key_id="web-1", secret=SECRET, environment=env)
+
+    prod = verifier(environment="prod")
+    assert prod.authenticate(signed("prod")) is not None
+    for message in (signed("staging"), signed(None), signed("Prod")):
+        with refused("wrong_environment"):
+            prod.authenticate(message)
+    with refused("bad_signature"):
+        prod.authenticate({**signed("staging"), "env": "prod"})  # re-labelled
+    with refused("malformed"):
+        prod.authenticate(signed(""))
+    migrating = verifier(environment="prod", allow_unbound=True)
+    assert migrating.authenticate(signed(None)) is not None  # a client of the last release
+    with refused("wrong_environment"):
+        migrating.authenticate(signed("staging"))
+    unset = verifier()  # no FLEET_ENVIRONMENT: nothing is bound, nothing bound is taken
+    assert unset.authenticate(signed(None)) is not None
+    with refused("wrong_environment"):
+        unset.authenticate(signed("prod"))
+    assert "env" in signed("prod")
+    assert "env" not in signed(None)
+    assert "wrong_environment" in REFUSALS

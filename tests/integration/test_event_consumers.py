@@ -189,6 +189,14 @@ async def test_filters_and_a_malformed_entry_is_dead_lettered(setup: Setup) -> N
     for fields in ({"position": "1-0"}, {"envelope": "{}", "position": "2-0"}):
         with pytest.raises(ValidationError, match=r"not a relay entry|envelope|match"):
             parse_entry("1-0", fields)
+    # Issue 25 item 3: digits of another script are refused typed, never a ValueError.
+    forged = json.dumps({"executionId": "x", "sequence": "\u00b2", "type": "EMITTED"})
+    with pytest.raises(ValidationError, match="match"):
+        parse_entry("1-0", {"envelope": forged, "position": "1-0", "executionId": "x",
+                            "sequence": "\u00b2", "type": "EMITTED"})
+    for text in ("\u00b2", "\u0663-0", "1-\uff13"):
+        with pytest.raises(ValidationError, match="is not a position"):
+            Position.parse(text)
 
 
 # ---------------------------------------------------------------------------

@@ -271,7 +271,8 @@ async def test_refusals_leave_the_log_byte_for_byte_unchanged(
 ORDER: list[tuple[str, str, Principal, dict[str, Any], type[Exception]]] = [
     # (case, the execution, caller, arguments, the error of the check judged FIRST)
     ("not found before authorise", "missing", EVE, {"score": 1.0}, ExecutionNotFoundError),
-    ("authorise before shape", "finished", EVE, {"score": math.nan}, AccessDeniedError),
+    # EVE may not read it: refused as "no execution" (issue 25 item 11), before the shape.
+    ("authorise before shape", "finished", EVE, {"score": math.nan}, ExecutionNotFoundError),
     ("shape before terminal", "parked", ALICE, {"score": math.nan}, ValidationError),
     ("terminal before decision exists", "parked", ALICE,
      {"score": 1.0, "decision_id": "invented"}, ExecutionNotTerminalError),
@@ -322,8 +323,10 @@ async def test_an_unauthorised_principal_is_denied_and_nothing_is_appended(
     rt = runtime_for(stores, on_execution_denied=denials.append)
     eid = await finished(rt)
     before = await dump(stores[0], eid)
-    for who in (BOB, EVE):  # default rule is owner: a tenant peer is refused too
-        with pytest.raises(AccessDeniedError):
+    # Default rule is owner: a tenant peer is refused too (it may read it: "denied"); one
+    # of another tenant may not read it either and hears "no execution" (issue 25 item 11).
+    for who, error in ((BOB, AccessDeniedError), (EVE, ExecutionNotFoundError)):
+        with pytest.raises(error):
             await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
                                     principal=who)
     assert await dump(stores[0], eid) == before
@@ -336,7 +339,7 @@ async def test_the_tenant_rule_widens_annotate(stores: Stores) -> None:
     eid = await finished(rt)
     assert (await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
                                     principal=BOB)).appended
-    with pytest.raises(AccessDeniedError):
+    with pytest.raises(ExecutionNotFoundError):  # EVE may not read it: "no execution"
         await rt.record_outcome(eid, decision_id="price", key="k2", score=1.0, principal=EVE)
     assert late(await stores[0].read(eid))[0].payload["recordedBy"] == "bob"
 
@@ -345,8 +348,9 @@ async def test_strict_needs_a_principal_and_not_found_is_judged_first(stores: St
     rt = runtime_for(stores, strict=True)
     eid = await finished(rt)
     before = await dump(stores[0], eid)
-    with pytest.raises(AccessDeniedError, match="strict"):
+    with pytest.raises(ExecutionNotFoundError) as hidden:  # strict: nobody may read it
         await rt.record_outcome(eid, decision_id="price", key="k", score=1.0)
+    assert "strict" in str(hidden.value.__cause__)
     assert await dump(stores[0], eid) == before
     with pytest.raises(ExecutionNotFoundError):
         await rt.record_outcome("no-such-run", decision_id="price", key="k", score=1.0)
@@ -488,7 +492,8 @@ async def test_in_run_and_late_outcomes_share_the_decision_and_key_identity(
 async def test_the_existence_oracle_on_a_parked_execution(stores: Stores) -> None:
     """Review round 1: an authorised caller learns that the execution exists and is not
     terminal; an unauthorised one is denied before either is revealed (it cannot tell a
-    parked execution from a finished one); not found is judged first (as send does)."""
+    parked execution from a finished one); not found is judged first (as send does). And
+    (issue 25 item 11) one who may not read it cannot tell either from no execution."""
     rt = runtime_for(stores)
     eid = (await rt.start("gated", 1, principal=ALICE)).execution_id
     for _ in range(200):
@@ -501,16 +506,12 @@ async def test_the_existence_oracle_on_a_parked_execution(stores: Stores) -> Non
         await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,
                                 principal=ALICE)
     denials = []
-    for target in (eid, done):  # the same answer, parked or finished
-        with pytest.raises(AccessDeniedError) as denied:
+    for target in (eid, done, "no-such-run"):  # the same answer, parked, finished or none
+        with pytest.raises(ExecutionNotFoundError) as denied:
             await rt.record_outcome(target, decision_id="price", key="k", score=1.0,
                                     principal=EVE)
         denials.append(str(denied.value).replace(target, "<id>"))
-    assert denials[0] == denials[1]
-    assert "parked" not in denials[0]
-    with pytest.raises(ExecutionNotFoundError):
-        await rt.record_outcome("no-such-run", decision_id="price", key="k", score=1.0,
-                                principal=EVE)
+    assert denials == ["no execution '<id>'"] * 3
     assert await dump(stores[0], eid) == before
 
 
@@ -520,7 +521,7 @@ async def test_a_live_post_terminal_lease_never_blocks_a_late_outcome(stores: St
     fence to it: the outcome's append is conditional on the token, never presents it."""
     rt = runtime_for(stores)
     eid = await finished(rt)
-    grant = await stores[0].acquire_fence(eid, holder="redispatch", lease_ms=3_600_000)
+    grant = await stores[0].acquire_fence(eid, holder="redispatch", lease_ms=600_000)
     tip = (await stores[0].append_if_unchanged(eid, None)).tip
     assert tip.lease_expires_at is not None  # a live lease holds it
     result = await rt.record_outcome(eid, decision_id="price", key="k", score=1.0,

@@ -281,8 +281,8 @@ async def test_writes_see_what_committed_while_they_waited_under_repeatable_read
         await store.append(started("tk"))
         grant = await store.acquire_fence("tk", holder="old", lease_ms=60_000)
         async with conn.transaction(isolation="read_committed"):
-            await conn.execute("SELECT fleet_acquire(fleet_key('tk'), 'new', $1, NULL)",
-                               T0 * 2)
+            await conn.execute("SELECT fleet_acquire_v7(fleet_key('tk'), 'new', 60000, false, "
+                               "600000, NULL)")
             pending_append = asyncio.create_task(
                 store.append(make_event("tk", 1), fence=grant.token))
             await asyncio.sleep(0.2)
@@ -293,8 +293,8 @@ async def test_writes_see_what_committed_while_they_waited_under_repeatable_read
         # 3. acquire_fence_if queued behind a holder that renewed its lease: refused.
         old = await store.acquire_fence("ls", holder="old", lease_ms=0)
         async with conn.transaction(isolation="read_committed"):
-            await conn.execute("UPDATE fences SET lease_expires_at = $1 "
-                               "WHERE ekey = fleet_key('ls') AND token = $2", T0 * 2, old.token)
+            await conn.execute("UPDATE fences SET lease_expires_at = fleet_now_ms() + 60000 "
+                               "WHERE ekey = fleet_key('ls') AND token = $1", old.token)
             pending_acquire = asyncio.create_task(
                 store.acquire_fence_if("ls", holder="new", lease_ms=1000))
             await asyncio.sleep(0.2)

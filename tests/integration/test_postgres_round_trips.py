@@ -100,7 +100,9 @@ async def test_a_three_step_execution_is_four_round_trips(
     # What each is for: take the fence + start + first STEP_STARTED; a step's
     # completion + the next STEP_STARTED (twice); the last completion + the end +
     # the release.
-    assert sent == ["SELECT code, detail FROM"] * 4, sent
+    # (The leased ones answer the server's now too: leases on its clock, decision 0044.)
+    assert sent == ["SELECT code, detail, o_now", "SELECT code, detail FROM",
+                    "SELECT code, detail FROM", "SELECT code, detail, o_now"], sent
 
 
 async def test_behind_group_commit_it_is_four_round_trips_too(
@@ -138,6 +140,8 @@ async def test_at_32_at_once_behind_group_commit_flushes_carry_the_leased_writes
     # One statement per flush (one commit), and far fewer than 4 per execution. (A
     # result read back from the log, when a run ended before its handle was awaited,
     # is a read: not counted.)
-    writes = [q for q in sent if q in ("SELECT code, detail FROM", "SELECT codes, details FROM")]
+    writes = [q for q in sent if q in ("SELECT code, detail FROM", "SELECT codes, details FROM",
+                                       "SELECT code, detail, o_now",
+                                       "SELECT codes, details, o_now")]
     assert len(writes) == flushes, sent
     assert len(writes) <= 32, sent

@@ -13,7 +13,7 @@ import pytest
 from fleet.kernel.errors import NotSerializableError
 from fleet.kernel.events import EventEnvelope, EventType, dumps
 from fleet.kernel.store.conformance import make_event
-from fleet.kernel.store.spi import encode_event
+from fleet.kernel.store.encoding import encode_event
 
 
 class _Seq(IntEnum):

@@ -73,7 +73,7 @@ class Proc:
     """One ``fleet ...`` subprocess, its log in a file of its own."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path,
-                 nodename: str | None = None) -> None:
+                 nodename: str | None = None, skew_ms: int = 0) -> None:
         self.name = name
         self.env = env
         self.nodename = nodename
@@ -81,7 +81,9 @@ class Proc:
         self.log_path = log_dir / f"{name}-{secrets.token_hex(2)}.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.started_at = time.time()
-        self.proc = subprocess.Popen([FLEET, *args], env=env, stdout=self._log,
+        # skew_ms: its wall clock that far off the real one (the kits' ``skewed_clock``).
+        command = [sys.executable, "-m", "skewed_clock", str(skew_ms)] if skew_ms else [FLEET]
+        self.proc = subprocess.Popen([*command, *args], env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, cwd=str(ROOT))
 
     @property

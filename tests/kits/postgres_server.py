@@ -115,6 +115,21 @@ def postgres_binaries() -> str:
     return os.path.dirname(found[-1])
 
 
+def psql() -> str:
+    """psql, as an operator runs deploy/postgres/roles.sql; missing fails (never skips)."""
+    found = shutil.which("psql")
+    if found is None:
+        try:
+            candidate = os.path.join(postgres_binaries(), "psql")
+        except RuntimeError:
+            candidate = ""
+        if not os.path.exists(candidate):
+            pytest.fail("psql runs deploy/postgres/roles.sql: install the PostgreSQL client "
+                        "(Debian: postgresql-client)")
+        found = candidate
+    return found
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

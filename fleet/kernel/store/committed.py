@@ -43,7 +43,9 @@ class Position:
         """``"12-3"`` (or ``"12"``, minor 0) -> ``Position(12, 3)``; anything else is refused."""
         major, sep, minor = str(text).strip().partition("-")
         try:
-            if not major.isdigit() or (sep and not minor.isdigit()):
+            # ASCII only: str.isdigit() also takes '²' (int() refuses it) and '٣'.
+            if not (major + minor).isascii() or not major.isdigit() or (
+                    sep and not minor.isdigit()):
                 raise ValueError(text)
             return cls(int(major), int(minor) if sep else 0)
         except (ValueError, ValidationError):

@@ -15,7 +15,9 @@ and ``pytest-asyncio`` with ``asyncio_mode = "auto"``)::
 
 ``SnapshotStoreConformance`` does the same with a ``snapshot_store`` fixture.
 Lease expiry is waited for with ``pass_time``; a backend whose fixture
-injects a manual clock overrides it to advance that clock instead. A fixture
+injects a manual clock overrides it to advance that clock instead (and back:
+``conformance_clock.forge_lease`` moves it back to make a lease set too far
+ahead; a fixture whose clock cannot go back overrides ``forge_lease``). A fixture
 that builds its store with a ``max_event_bytes`` other than the default sets
 the class attribute of that name to match. What every store keeps and refuses
 (NUL, lone surrogates, int64, the size limit, argument types) is in
@@ -49,6 +51,7 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, EventType
+from fleet.kernel.store.conformance_clock import LeaseClockConformance
 from fleet.kernel.store.conformance_decorators import DecoratorConformance, WriteWitness
 from fleet.kernel.store.conformance_events import HOSTILE_STRINGS, T0, make_event, started
 from fleet.kernel.store.conformance_feed import FeedConformance
@@ -85,7 +88,8 @@ def _wire(events: list[EventEnvelope]) -> list[str]:
 
 class EventStoreConformance(FeedConformance, ValueConformance, LeaseConformance,
                             TimerClaimConformance,
-                            DecoratorConformance):
+                            DecoratorConformance,
+                            LeaseClockConformance):
     """The ``EventStore`` contract as tests; subclass it and provide ``store``."""
 
     lease_ms: ClassVar[int] = 250  # a short lease the kit waits out with pass_time

@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING, Any, cast
 from fleet.kernel.errors import ConfigurationError, MissingDependencyError
 from fleet.kernel.store.coalescing import CoalescingEventStore
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
-from fleet.kernel.store.spi import DEFAULT_MAX_EVENT_BYTES, EventStore, SnapshotStore
+from fleet.kernel.store.spi import (
+    DEFAULT_MAX_EVENT_BYTES,
+    DEFAULT_MAX_LEASE_MS,
+    EventStore,
+    SnapshotStore,
+)
 from fleet.kernel.store.sqlite import SqliteEventStore
 from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 
@@ -84,12 +89,15 @@ class StoreOptions:
             its own transaction; None: the backend's default, which is group
             commit on Postgres (a flush shares one commit among concurrent runs'
             appends; decision 0029) and off on memory and SQLite.
+        max_lease_ms: The longest lease the store grants or honours, any backend
+            (None: ``spi.DEFAULT_MAX_LEASE_MS``; decision 0044).
     """
 
     pool_min: int | None = None
     pool_max: int | None = None
     max_event_bytes: int | None = None
     group_commit: GroupCommit | bool | None = None
+    max_lease_ms: int | None = None
 
 
 def open_event_store(url: str, options: StoreOptions | None = None, *,
@@ -100,7 +108,8 @@ def open_event_store(url: str, options: StoreOptions | None = None, *,
         url: One of the forms in this module's docstring.
         options: Pool sizes and the event size limit (Postgres only; set pool
             sizes win over the URL's), group commit (any backend).
-        clock: Milliseconds since the epoch for leases.
+        clock: Milliseconds since the epoch for leases (memory, SQLite: the store's
+            clock; Postgres: replaces the server's, for tests only).
 
     Raises:
         ConfigurationError: the URL has an unknown scheme or an unusable path.
@@ -111,13 +120,14 @@ def open_event_store(url: str, options: StoreOptions | None = None, *,
     store: EventStore
     limit = options.max_event_bytes if options.max_event_bytes is not None \
         else DEFAULT_MAX_EVENT_BYTES
+    lease = options.max_lease_ms if options.max_lease_ms is not None else DEFAULT_MAX_LEASE_MS
     if kind == "memory":
-        store = MemoryEventStore(clock=clock, max_event_bytes=limit)
+        store = MemoryEventStore(clock=clock, max_event_bytes=limit, max_lease_ms=lease)
     elif kind == "sqlite":
-        store = SqliteEventStore(target, clock=clock, max_event_bytes=limit)
+        store = SqliteEventStore(target, clock=clock, max_event_bytes=limit, max_lease_ms=lease)
     else:
         pg: dict[str, Any] = {"pool_min": options.pool_min, "pool_max": options.pool_max,
-                              "max_event_bytes": limit}
+                              "max_event_bytes": limit, "max_lease_ms": lease}
         store = cast(EventStore, _postgres().PostgresEventStore(target, clock=clock, **pg))
     batching = options.group_commit
     if batching is None:

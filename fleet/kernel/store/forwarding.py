@@ -53,6 +53,7 @@ from fleet.kernel.store.spi import (
     append_many,
     append_releasing,
     capabilities_of,
+    max_lease_of,
 )
 
 #: The methods that write events: overriding any of them makes a decorator declare
@@ -94,6 +95,11 @@ class ForwardingEventStore:
         if not any("capabilities" in vars(klass) for klass in type(self).__mro__):
             # commit_signal is not forwarded: a reader asks the store it opened.
             self.capabilities = forwarded_capabilities(type(self), inner) - {COMMIT_SIGNAL}
+
+    @property
+    def max_lease_ms(self) -> int:
+        """The wrapped store's lease bound (spi; decision 0044)."""
+        return max_lease_of(self.inner)
 
     async def append(self, event: EventEnvelope, *, fence: int | None = None) -> None:
         await self.inner.append(event, fence=fence)

@@ -31,12 +31,14 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
+from fleet.kernel.store.encoding import creation_anchor, encode_event, encode_state
 from fleet.kernel.store.spi import (
     APPEND_LEASED,
     APPEND_MANY,
     APPEND_MANY_LEASED,
     COUNT_EXECUTIONS,
     DEFAULT_MAX_EVENT_BYTES,
+    DEFAULT_MAX_LEASE_MS,
     ORIGIN,
     AcquiringAppend,
     AppendRequest,
@@ -57,10 +59,9 @@ from fleet.kernel.store.spi import (
     check_lease_ms,
     check_limit,
     check_listing,
-    creation_anchor,
-    encode_event,
-    encode_state,
+    check_max_lease_ms,
     index_change,
+    lease_live,
 )
 from fleet.kernel.values import check_int64, check_ms, check_text
 
@@ -115,18 +116,22 @@ class MemoryEventStore:
     """An ``EventStore`` held in process memory, for one asyncio loop.
 
     Args:
-        clock: Milliseconds since the epoch, read for leases. Defaults to the
-            wall clock; tests pass a controllable one.
+        clock: Milliseconds since the epoch: the store's clock, on which leases are
+            granted and judged (spi). Defaults to the wall clock; tests pass a
+            controllable one.
         max_event_bytes: An event whose JSON is larger is refused with
             ``PayloadTooLargeError`` before anything is written (None: no limit).
+        max_lease_ms: The longest lease granted or honoured (spi, decision 0044).
     """
 
     capabilities: frozenset[str] = frozenset({APPEND_MANY, APPEND_LEASED, APPEND_MANY_LEASED,
                                               COUNT_EXECUTIONS})
 
     def __init__(self, clock: Callable[[], int] | None = None, *,
-                 max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES) -> None:
+                 max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES,
+                 max_lease_ms: int = DEFAULT_MAX_LEASE_MS) -> None:
         self._clock = clock or wall_clock_ms
+        self.max_lease_ms = check_max_lease_ms(max_lease_ms)
         self._max_event_bytes = max_event_bytes
         self._logs: dict[str, list[EventEnvelope | None]] = {}
         self._compacted: set[str] = set()
@@ -206,10 +211,9 @@ class MemoryEventStore:
 
     def _acquiring(self, execution_id: str, events: Sequence[EventEnvelope], holder: str,
                    lease_ms: int, release: bool) -> FenceGrant | None:
-        held = self._fences.get(execution_id)
-        if (held is not None and held.lease_expires_at is not None
-                and held.lease_expires_at > self._clock()):
+        if self._held(execution_id):
             return None
+        held = self._fences.get(execution_id)
         before = None if held is None else (held.token, held.holder, held.lease_expires_at)
         grant = self._grant(execution_id, holder, lease_ms)
         try:
@@ -364,16 +368,20 @@ class MemoryEventStore:
                                lease_ms: int) -> FenceGrant | None:
         self._check_acquire(execution_id, holder, lease_ms)
         await _tick()
-        held = self._fences.get(execution_id)
-        if (held is not None and held.lease_expires_at is not None
-                and held.lease_expires_at > self._clock()):
+        if self._held(execution_id):
             return None
         return self._grant(execution_id, holder, lease_ms)
+
+    def _held(self, execution_id: str) -> bool:
+        """Whether a live lease holds ``execution_id`` (spi.lease_live, this store's clock)."""
+        held = self._fences.get(execution_id)
+        return held is not None and lease_live(held.lease_expires_at, self._clock(),
+                                               self.max_lease_ms)
 
     def _check_acquire(self, execution_id: str, holder: str, lease_ms: int) -> None:
         check_id(execution_id)
         check_text(holder, "holder")
-        check_lease_ms(lease_ms)
+        check_lease_ms(lease_ms, self.max_lease_ms)
         check_int64(self._clock() + lease_ms, "lease expiry")
 
     def _grant(self, execution_id: str, holder: str, lease_ms: int) -> FenceGrant:
@@ -386,7 +394,7 @@ class MemoryEventStore:
     async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
         check_id(execution_id)
         check_int64(token, "token")
-        check_lease_ms(lease_ms)
+        check_lease_ms(lease_ms, self.max_lease_ms)
         await _tick()
         held = self._fences.get(execution_id)
         if held is None or held.token != token or token == 0:
@@ -512,8 +520,8 @@ class MemoryEventStore:
                 continue
             if lease_expired_at is not None:
                 held = self._fences.get(execution_id)
-                if (held is not None and held.lease_expires_at is not None
-                        and held.lease_expires_at > lease_expired_at):
+                if held is not None and lease_live(held.lease_expires_at, lease_expired_at,
+                                                   self.max_lease_ms):
                     continue
             out.append(self._summary(execution_id, row))
             if len(out) >= limit:

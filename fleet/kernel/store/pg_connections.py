@@ -45,6 +45,17 @@ except ImportError as exc:  # pragma: no cover - exercised by the factory test
 
 OWN_QUERY_KEYS = ("schema", "pool_min", "pool_max")
 
+# What a stuck session may hold up is bounded (issue 25 item 10). An open transaction
+# anywhere on the server holds the committed feed, and so the relay, back (decision
+# 0020), and a row lock it holds stalls every write of that execution (a renewal
+# too). fleet never leaves a transaction open between statements and its statements
+# are short, so these end what is stuck, never what works: a migration lifts the two
+# statement limits for its own transaction. A URL that names one (``?lock_timeout=2s``;
+# ``0`` turns it off) sets it instead. deploy/postgres/roles.sql sets the idle limit
+# for every session of the database, the statement limits for the runtime role.
+SESSION_TIMEOUTS = {"idle_in_transaction_session_timeout": "60s", "statement_timeout": "60s",
+                    "lock_timeout": "10s"}
+
 CONNECTION_LOST: tuple[type[BaseException], ...] = (
     asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError, TimeoutError,
     asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.TooManyConnectionsError,
@@ -150,6 +161,8 @@ class Database:
                  schema: str | None, connect_timeout: float, migrate: bool) -> None:
         dsn, own = split_url(url)
         self.dsn = dsn
+        # The URL's own server settings (asyncpg passes a query's other keys as such).
+        self._url_settings = {k for k, _ in parse_qsl(urlsplit(dsn).query)}
         self.schema = schema if schema is not None else own.get("schema")
         try:
             self.pool_min = pool_min if pool_min is not None else int(own.get("pool_min", 1))
@@ -181,6 +194,8 @@ class Database:
 
     def server_settings(self) -> dict[str, str]:
         settings = {"default_transaction_isolation": "read committed", "jit": "off"}
+        settings.update({k: v for k, v in SESSION_TIMEOUTS.items()
+                         if k not in self._url_settings})
         if self.schema:
             settings["search_path"] = quote_ident(self.schema)
         return settings
@@ -274,6 +289,9 @@ class Database:
         applied: list[int] = []
         async with conn.transaction(isolation="read_committed"):
             # Serialise migrators of this schema across processes.
+            # A migration may wait for another and rewrite whole tables: no limit of
+            # SESSION_TIMEOUTS's applies to it.
+            await conn.execute("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0")
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))",
                                f"fleet-migrate:{self.schema or ''}")
             if self.schema:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fleet.kernel.store.pg_sql import CURRENT_TXID, READ_COMMITTED, RING, edit
 
-__all__ = ["MIGRATION_6"]
+__all__ = ["APPEND_MANY_LEASED_V6", "MIGRATION_6"]
 
 # -- version 6: less server work per group-commit flush (issue 16) -------------------
 #
@@ -217,3 +217,5 @@ ALTER FUNCTION fleet_append_leased(bytea, text, bigint, text, bigint, bigint, bo
 """
 
 MIGRATION_6 = _V6_APPEND_MANY + _V6_APPEND_MANY_LEASED + _V6_GENERIC_PLANS
+# Version 7 makes fleet_append_many_leased_v7 from it (pg_migration_v7).
+APPEND_MANY_LEASED_V6 = _V6_APPEND_MANY_LEASED

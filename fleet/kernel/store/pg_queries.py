@@ -24,21 +24,22 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, Status
+from fleet.kernel.store.encoding import creation_anchor, encode_event
 from fleet.kernel.store.spi import (
+    DEFAULT_MAX_LEASE_MS,
     MOVES_INDEX,
     ExecutionSummary,
     IndexChange,
     check_id,
-    creation_anchor,
-    encode_event,
     index_change,
 )
+from fleet.kernel.values import INT64_MAX
 
-__all__ = ["APPENDS", "APPENDS_IF", "APPENDS_LEASED", "APPEND_IF_SQL", "APPEND_LEASED_SQL",
-           "APPEND_MANY_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL", "CLAIM_TIMERS_SQL",
-           "DUE_TIMERS_SQL",
-           "INLINE_EVENTS", "SUMMARY_SQL", "TIP_SQL", "LeaseOp", "Write", "execution_key",
-           "lease_columns", "listing_sql", "many_columns", "parse_event", "refusal", "summary"]
+__all__ = ["ACQUIRE_SQL", "APPENDS", "APPENDS_IF", "APPENDS_LEASED", "APPEND_IF_SQL",
+           "APPEND_LEASED_SQL", "APPEND_MANY_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL",
+           "CLAIM_TIMERS_SQL", "DUE_TIMERS_SQL", "INLINE_EVENTS", "RENEW_SQL", "SUMMARY_SQL",
+           "TIP_SQL", "LeaseOp", "Write", "execution_key", "lease_columns", "listing_sql",
+           "many_columns", "parse_event", "refusal", "summary"]
 
 PREFIX = 200  # characters of a text key that listing indexes hold (see pg_migrations)
 
@@ -56,8 +57,8 @@ FROM executions AS e LEFT JOIN fences AS f ON f.ekey = e.ekey
 DUE_TIMERS_SQL = ("SELECT execution_id, timer_id, due_at FROM timers WHERE due_at <= $1 "
                   "ORDER BY due_at, execution_id, timer_id LIMIT $2")
 # decision 0048: the fences of up to $2 executions parked on a timer due at $1, taken.
-CLAIM_TIMERS_SQL = ("SELECT execution_id, timer_id, due_at, token, head, flow_id, tenant "
-                    "FROM fleet_claim_timers($1, $2, $3, $4, $5)")
+CLAIM_TIMERS_SQL = ("SELECT execution_id, timer_id, due_at, token, head, flow_id, tenant, "
+                    "expires FROM fleet_claim_timers($1, $2, $3, $4, $5, $6)")
 INLINE_EVENTS = 8  # a write of up to this many events sends their fields as scalars
 
 
@@ -88,15 +89,22 @@ def _write_sql(head: str, leading: int, tail: str = ")") -> tuple[str, ...]:
 
 APPENDS = _write_sql("SELECT code, detail FROM fleet_append($1, $2, $3, ", 3)
 APPENDS_IF = _write_sql("SELECT * FROM fleet_append_if($1, $2, $3, $4, $5, ", 5)
-APPENDS_LEASED = _write_sql("SELECT code, detail FROM fleet_append_leased($1, $2, $3, $4, $5, "
-                            "$6, $7, ", 7)
+# Leased writes on the server's clock (schema 7, decision 0044): key, id, fence, holder,
+# lease_ms, max_lease_ms, now (NULL: the server's), release; o_now is the now it used.
+APPENDS_LEASED = _write_sql("SELECT code, detail, o_now FROM fleet_append_leased_v7($1, $2, $3, "
+                            "$4, $5, $6, $7, $8, ", 8)
 APPEND_SQL = APPENDS[0]
 APPEND_IF_SQL = APPENDS_IF[0]
 APPEND_LEASED_SQL = APPENDS_LEASED[0]
 APPEND_MANY_SQL = ("SELECT codes, details FROM fleet_append_many("
                     + ", ".join(f"${i}" for i in range(1, 24)) + ")")
-APPEND_MANY_LEASED_SQL = ("SELECT codes, details FROM fleet_append_many_leased("
-                          + ", ".join(f"${i}" for i in range(1, 28)) + ")")
+APPEND_MANY_LEASED_SQL = ("SELECT codes, details, o_now FROM fleet_append_many_leased_v7("
+                          + ", ".join(f"${i}" for i in range(1, 29)) + ")")
+# A lease's take (fleet_acquire_v7) and renewal, on the server's clock unless $4 / $5
+# (a test's clock) is given.
+ACQUIRE_SQL = "SELECT o_token, o_expires FROM fleet_acquire_v7($1, $2, $3, $4, $5, $6)"
+RENEW_SQL = ("UPDATE fences SET lease_expires_at = coalesce($4::bigint, fleet_now_ms()) + $3 "
+             "WHERE ekey = $1 AND token = $2 AND token > 0")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -348,24 +356,23 @@ def _write_key(item: tuple[int, Write, int | None]) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class LeaseOp:
-    """What an item of ``fleet_append_many_leased`` does to its lease besides the append.
+    """What an item of ``fleet_append_many_leased_v7`` does to its lease besides the append.
 
-    ``holder`` set: it takes the fence (``append_acquiring``), until ``expires``;
-    ``release``: it ends the lease it wrote under. ``lease_ms`` is kept for the single
-    call that may judge the request again.
+    ``holder`` set: it takes the fence (``append_acquiring``) for ``lease_ms`` of the
+    server's clock; ``release``: it ends the lease it wrote under.
     """
 
     holder: str | None = None
     lease_ms: int = 0
-    expires: int | None = None
     release: bool = False
 
 
 def lease_columns(prepared: list[tuple[int, Write, int | None]], ops: dict[int, LeaseOp],
-                  now: int) -> list[Any]:
-    """The 4 arguments ``fleet_append_many_leased`` takes after ``many_columns``'s 23:
-    holders, expiries and releases in the order ``many_columns`` sorted ``prepared``
-    into (``ops`` by request index; a plain item has none), and ``now``.
+                  max_lease_ms: int, now: int | None) -> list[Any]:
+    """The 5 arguments ``fleet_append_many_leased_v7`` takes after ``many_columns``'s 23:
+    holders, lease lengths and releases in the order ``many_columns`` sorted ``prepared``
+    into (``ops`` by request index; a plain item has none), the store's lease bound and
+    ``now`` (None: the server's clock).
 
     A column no item uses is sent as NULL, as ``many_columns`` sends one: the
     function reads it only through ``unnest``, ``true = ANY (...)`` and
@@ -376,14 +383,15 @@ def lease_columns(prepared: list[tuple[int, Write, int | None]], ops: dict[int, 
     acquiring = any(op.holder is not None for op in rows)
     releasing = any(op.release for op in rows)
     return [[op.holder for op in rows] if acquiring else None,
-            [op.expires for op in rows] if acquiring else None,
-            [op.release for op in rows] if releasing else None, now]
+            [op.lease_ms for op in rows] if acquiring else None,
+            [op.release for op in rows] if releasing else None, max_lease_ms, now]
 
 
 def listing_sql(*, status: str | None, flow_id: str | None, tenant: str | None,
                  waiting_on: str | None, updated_before: int | None,
                  updated_after: int | None, lease_expired_at: int | None,
-                 after_id: str | None, limit: int) -> tuple[str, list[Any]]:
+                 after_id: str | None, limit: int,
+                 max_lease_ms: int = DEFAULT_MAX_LEASE_MS) -> tuple[str, list[Any]]:
     """One parameterised query; each text filter matches the indexed prefix and the value."""
     where: list[str] = []
     params: list[Any] = []
@@ -404,9 +412,10 @@ def listing_sql(*, status: str | None, flow_id: str | None, tenant: str | None,
         where.append(f"e.updated_at < {param(updated_before)}")
     if updated_after is not None:
         where.append(f"e.updated_at > {param(updated_after)}")
-    if lease_expired_at is not None:
+    if lease_expired_at is not None:  # no live lease (spi.lease_live)
+        bound = min(lease_expired_at + max_lease_ms, INT64_MAX)
         where.append(f"(f.lease_expires_at IS NULL OR f.lease_expires_at <= "
-                     f"{param(lease_expired_at)})")
+                     f"{param(lease_expired_at)} OR f.lease_expires_at > {param(bound)})")
     if after_id is not None:
         p = param(after_id)
         where.append(f"left(e.execution_id, {PREFIX}) >= left({p}::text, {PREFIX}) "

@@ -20,8 +20,15 @@ any other level (SQLSTATE FL004 -> ``ConfigurationError``), so a pooler that
 drops the startup parameter fails loudly instead of writing under a stale
 snapshot. Explicit transactions (migrations) say READ COMMITTED themselves.
 
-Leases use the client clock (``clock``, ms), as the runtime does: the runtime
-passes its own wall clock to ``list_executions(lease_expired_at=...)``.
+Leases run on the server's clock (schema 7, decision 0044): an acquire, a
+renewal and a leased append send the lease's length and the store's
+``max_lease_ms``, and the server sets and judges the expiry with
+``fleet_now_ms()`` (``clock_timestamp()``), so workers whose clocks disagree
+still agree on who holds an execution, and an expiry set too far ahead is taken
+over. ``clock=`` replaces the server's clock for tests that move time by hand;
+the fleet never passes one. ``list_executions(lease_expired_at=t)`` judges at
+the caller's ``t`` (a sweeper's candidates; the take-over that follows is the
+server's judgement).
 
 Connections. One asyncpg pool per store (``pool_min`` / ``pool_max``, or
 ``?pool_min=&pool_max=`` on the URL); ``schema=`` (or ``?schema=``) puts the
@@ -44,8 +51,9 @@ from fleet.kernel.errors import (
     StoreUnavailableError,
     ValidationError,
 )
-from fleet.kernel.events import EventEnvelope, wall_clock_ms
+from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.claims import ClaimedTimer
+from fleet.kernel.store.encoding import encode_state
 from fleet.kernel.store.pg_connections import (
     CONNECTION_LOST,
     Database,
@@ -56,6 +64,7 @@ from fleet.kernel.store.pg_connections import (
 from fleet.kernel.store.pg_feed import PostgresCommitSignal, channel_for, committed, feed_query
 from fleet.kernel.store.pg_migrations import SCHEMA_VERSION
 from fleet.kernel.store.pg_queries import (
+    ACQUIRE_SQL,
     APPEND_MANY_LEASED_SQL,
     APPEND_MANY_SQL,
     APPENDS,
@@ -63,6 +72,7 @@ from fleet.kernel.store.pg_queries import (
     APPENDS_LEASED,
     CLAIM_TIMERS_SQL,
     DUE_TIMERS_SQL,
+    RENEW_SQL,
     SUMMARY_SQL,
     TIP_SQL,
     LeaseOp,
@@ -83,6 +93,7 @@ from fleet.kernel.store.spi import (
     COMMIT_SIGNAL,
     COUNT_EXECUTIONS,
     DEFAULT_MAX_EVENT_BYTES,
+    DEFAULT_MAX_LEASE_MS,
     ORIGIN,
     AcquiringAppend,
     AppendRequest,
@@ -102,7 +113,7 @@ from fleet.kernel.store.spi import (
     check_lease_ms,
     check_limit,
     check_listing,
-    encode_state,
+    check_max_lease_ms,
 )
 from fleet.kernel.values import check_int64, check_ms, check_text
 
@@ -162,9 +173,11 @@ class PostgresEventStore(_PostgresBase):
         pool_max: Most connections the pool opens (default 10).
         schema: The schema for fleet's tables (created if missing); default:
             the connection's ``search_path``.
-        clock: Milliseconds since the epoch, read for leases.
+        clock: For tests only: milliseconds since the epoch that replace the
+            server's clock for leases (None, the default: the server's).
         max_event_bytes: An event whose JSON is larger is refused with
             ``PayloadTooLargeError`` before anything is written (None: no limit).
+        max_lease_ms: The longest lease granted or honoured (spi, decision 0044).
         migrate: Apply missing migrations on first use (else refuse to run).
         connect_timeout: Seconds to wait for a connection.
 
@@ -178,10 +191,12 @@ class PostgresEventStore(_PostgresBase):
     def __init__(self, url: str, *, pool_min: int | None = None, pool_max: int | None = None,
                  schema: str | None = None, clock: Callable[[], int] | None = None,
                  max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES, migrate: bool = True,
-                 connect_timeout: float = 10.0) -> None:
+                 connect_timeout: float = 10.0,
+                 max_lease_ms: int = DEFAULT_MAX_LEASE_MS) -> None:
+        self.max_lease_ms = check_max_lease_ms(max_lease_ms)
         self._db = Database(url, pool_min=pool_min, pool_max=pool_max, schema=schema,
                              connect_timeout=connect_timeout, migrate=migrate)
-        self._clock = clock or wall_clock_ms
+        self._clock = clock
         self._max_event_bytes = max_event_bytes
         self._closed = False
         self.order_retries = 0  # appends sent again after an ordering race (decision 0020)
@@ -266,18 +281,20 @@ class PostgresEventStore(_PostgresBase):
         check_batch(events)
         write = self._prepare(events)
         check_text(holder, "holder")
-        check_lease_ms(lease_ms)
+        check_lease_ms(lease_ms, self.max_lease_ms)
         return await self._append_acquiring(write, holder, lease_ms, release)
+
+    def _now(self) -> int | None:
+        """A test's clock, or None: the server's (``fleet_now_ms()``)."""
+        return None if self._clock is None else self._clock()
 
     async def _append_acquiring(self, write: Write, holder: str, lease_ms: int,
                                 release: bool) -> FenceGrant | None:
         for _ in range(_ORDER_RETRIES):
-            now = self._clock()
-            expires = check_int64(now + lease_ms, "lease expiry")
-
             row = await self._call("fetchrow", APPENDS_LEASED[write.inline], write.key,
-                                   write.execution_id, None, holder, expires, now, release,
-                                   *write.params(), idempotent=False)
+                                   write.execution_id, None, holder, lease_ms,
+                                   self.max_lease_ms, self._now(), release, *write.params(),
+                                   idempotent=False)
             if row["code"] != _RETRY:
                 break
             self.order_retries += 1  # see _append
@@ -285,7 +302,8 @@ class PostgresEventStore(_PostgresBase):
             return None
         if row["code"] != 0:
             raise refusal(write, None, row["code"], row["detail"])
-        return FenceGrant(write.execution_id, int(row["detail"]), holder, expires)
+        return FenceGrant(write.execution_id, int(row["detail"]), holder,
+                          int(row["o_now"]) + lease_ms)
 
     async def append_releasing(self, events: Sequence[EventEnvelope], *, fence: int) -> None:
         """Append under ``fence`` and end its lease: one statement (decision 0029)."""
@@ -297,8 +315,8 @@ class PostgresEventStore(_PostgresBase):
         for _ in range(_ORDER_RETRIES):
             try:
                 row = await self._call("fetchrow", APPENDS_LEASED[write.inline], write.key,
-                                       write.execution_id, fence, None, None, None, True,
-                                       *write.params(), idempotent=False)
+                                       write.execution_id, fence, None, None, None, None,
+                                       True, *write.params(), idempotent=False)
             except StoreUnavailableError as lost:
                 # Committed (the same bytes are there) or not: never written twice.
                 if await self._bodies(write) == write.bodies:
@@ -364,17 +382,14 @@ class PostgresEventStore(_PostgresBase):
         results: list[ManyAnswer] = [None] * len(requests)
         prepared: list[tuple[int, Write, int | None]] = []
         ops: dict[int, LeaseOp] = {}
-        now = self._clock()
         for i, request in enumerate(requests):
             try:
                 if isinstance(request, AcquiringAppend):
                     check_batch(request.events)
                     write = self._prepare(request.events)
                     check_text(request.holder, "holder")
-                    check_lease_ms(request.lease_ms)
-                    ops[i] = LeaseOp(request.holder, request.lease_ms,
-                                     check_int64(now + request.lease_ms, "lease expiry"),
-                                     request.release)
+                    check_lease_ms(request.lease_ms, self.max_lease_ms)
+                    ops[i] = LeaseOp(request.holder, request.lease_ms, request.release)
                     prepared.append((i, write, None))
                 elif isinstance(request, ReleasingAppend):
                     check_batch(request.events)
@@ -395,7 +410,7 @@ class PostgresEventStore(_PostgresBase):
         columns = many_columns(prepared)
         sql = APPEND_MANY_SQL
         if ops:
-            columns += lease_columns(prepared, ops, now)
+            columns += lease_columns(prepared, ops, self.max_lease_ms, self._now())
             sql = APPEND_MANY_LEASED_SQL
         try:
             row = await self._call("fetchrow", sql, *columns, idempotent=False)
@@ -420,9 +435,9 @@ class PostgresEventStore(_PostgresBase):
                 self.order_retries += code == _RETRY
                 results[i] = await _answer(self._alone(write, fence, op))
             elif code == 0:
-                if op is not None and op.holder is not None and op.expires is not None:
+                if op is not None and op.holder is not None:  # on the server's clock
                     results[i] = FenceGrant(write.execution_id, int(detail), op.holder,
-                                            op.expires)
+                                            int(row["o_now"]) + op.lease_ms)
             elif code != _BUSY:  # _BUSY: an acquiring request found a live lease (None)
                 results[i] = refusal(write, fence, code, detail)
         return results
@@ -512,25 +527,21 @@ class PostgresEventStore(_PostgresBase):
                        conditional: bool) -> FenceGrant | None:
         key = execution_key(execution_id)
         check_text(holder, "holder")
-        check_lease_ms(lease_ms)
-        now = self._clock()
-        expires = check_int64(now + lease_ms, "lease expiry")
+        check_lease_ms(lease_ms, self.max_lease_ms)
         # Not retried: a lost answer may hide a token bump, and a second bump
         # would fence out the grant the first one made.
-        token = await self._call("fetchval", "SELECT fleet_acquire($1, $2, $3, $4)", key, holder,
-                                 expires, now if conditional else None, idempotent=False)
-        if token is None:
+        row = await self._call("fetchrow", ACQUIRE_SQL, key, holder, lease_ms, conditional,
+                               self.max_lease_ms, self._now(), idempotent=False)
+        if row["o_token"] is None:
             return None
-        return FenceGrant(execution_id, int(token), holder, expires)
+        return FenceGrant(execution_id, int(row["o_token"]), holder, int(row["o_expires"]))
 
     async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
-        check_lease_ms(lease_ms)
+        check_lease_ms(lease_ms, self.max_lease_ms)
         key = execution_key(execution_id)
         check_int64(token, "token")
-        expires = self._clock() + lease_ms
-        status = await self._call(
-            "execute", "UPDATE fences SET lease_expires_at = $3 WHERE ekey = $1 AND token = $2 "
-            "AND token > 0", key, token, expires, idempotent=True)
+        status = await self._call("execute", RENEW_SQL, key, token, lease_ms, self._now(),
+                                  idempotent=True)
         return cast(str, status).endswith(" 1")
 
     async def release_fence(self, execution_id: str, token: int) -> bool:
@@ -578,7 +589,7 @@ class PostgresEventStore(_PostgresBase):
                                    waiting_on=waiting_on, updated_before=updated_before,
                                    updated_after=updated_after,
                                    lease_expired_at=lease_expired_at, after_id=after_id,
-                                   limit=limit)
+                                   limit=limit, max_lease_ms=self.max_lease_ms)
         rows = await self._call("fetch", sql, *params, idempotent=True)
         return [summary(row) for row in rows]
 
@@ -611,15 +622,14 @@ class PostgresEventStore(_PostgresBase):
         check_ms(now_ms, "now_ms")
         check_limit(limit)
         check_text(holder, "holder")
-        check_lease_ms(lease_ms)
+        check_lease_ms(lease_ms, self.max_lease_ms)
         if limit == 0:
             return []
-        clock = self._clock()
-        expires = check_int64(clock + lease_ms, "lease expiry")
-        rows = await self._call("fetch", CLAIM_TIMERS_SQL, now_ms, limit, holder, expires,
-                                clock, idempotent=False)
+        rows = await self._call("fetch", CLAIM_TIMERS_SQL, now_ms, limit, holder, lease_ms,
+                                self.max_lease_ms, self._now(), idempotent=False)
         return [ClaimedTimer(row["execution_id"], row["timer_id"], row["due_at"],
-                             FenceGrant(row["execution_id"], int(row["token"]), holder, expires),
+                             FenceGrant(row["execution_id"], int(row["token"]), holder,
+                                        int(row["expires"])),
                              int(row["head"]), row["flow_id"], row["tenant"])
                 for row in sorted(rows, key=lambda r: r["due_at"])]
 

@@ -13,6 +13,17 @@ live lease is held. An append that presents a token other than the current one
 raises ``StaleFenceError`` and writes nothing. ``fence=None`` is an unfenced
 write, arbitrated by the sequence alone (the runtime uses it only for audit).
 
+Leases run on the store's clock (decision 0044). An acquire, a renewal and a
+leased append set the expiry to the store's now + ``lease_ms`` (the grant says
+it); a lease is live while ``now < expiry <= now + max_lease_ms`` on that same
+clock (``lease_live``), so no caller's clock decides who holds an execution,
+and an expiry further out (forged, or set by a skewed clock before this rule)
+is not honoured: ``acquire_fence_if`` takes it over and ``list_executions(
+lease_expired_at=t)`` lists it. The store's clock is the server's on Postgres
+and the process's on memory and SQLite (one host); ``max_lease_ms`` is a store
+argument (default ``DEFAULT_MAX_LEASE_MS``), and a longer ``lease_ms`` is
+refused with ``ValidationError``.
+
 Sequences. Every append lands at exactly ``head + 1`` (``0`` for a new log):
 a taken slot is ``DuplicateSequenceError``, a hole is ``SequenceGapError``.
 ``append_batch`` is all or nothing.
@@ -24,11 +35,11 @@ event that commits later (decision 0020 says how each backend keeps that
 promise). The relay (``fleet relay``) publishes the events stream from it.
 
 What a store keeps (decision 0023). Every backend refuses the same inputs with
-the same typed error before it writes anything, through the checks here:
-``encode_event`` for an event (JSON, valid Unicode, the size limit, the keys and
-integers the index keeps), ``check_id`` / ``check_text`` / ``check_ms`` for
-arguments, ``encode_state`` for a snapshot. An event's size is the UTF-8 length
-of ``dumps(event.to_dict())``; ``max_event_bytes`` (default 16 MiB, None: no
+the same typed error before it writes anything, through the checks here and in
+``encoding``: ``encode_event`` for an event (JSON, valid Unicode, the size limit,
+the keys and integers the index keeps), ``check_id`` / ``check_text`` /
+``check_ms`` for arguments, ``encode_state`` for a snapshot. An event's size is the
+UTF-8 length of ``dumps(event.to_dict())``; ``max_event_bytes`` (default 16 MiB, None: no
 limit) is a constructor argument of every backend.
 """
 
@@ -42,8 +53,6 @@ from typing import Any, Literal, Protocol, cast, overload, runtime_checkable
 
 from fleet.kernel.errors import (
     DuplicateSequenceError,
-    NotSerializableError,
-    PayloadTooLargeError,
     SequenceGapError,
     UnstorableValueError,
     ValidationError,
@@ -54,23 +63,22 @@ from fleet.kernel.events import (
     EventEnvelope,
     EventType,
     Status,
-    dumps,
 )
 from fleet.kernel.state import DEADLINE_TIMER
 from fleet.kernel.store.committed import ORIGIN as ORIGIN
 from fleet.kernel.store.committed import CommittedEvent as CommittedEvent
 from fleet.kernel.store.committed import Position as Position
 from fleet.kernel.values import (
-    INT64_MAX,
-    INT64_MIN,
     check_int64,
     check_ms,
     check_text,
-    printable,
 )
 
 # The largest event (JSON bytes) a store takes unless built with another limit.
 DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
+# The longest lease a store grants or honours unless built with another bound (the
+# fleet's stores use 2 x its longest configured lease: FleetSettings.store_options).
+DEFAULT_MAX_LEASE_MS = 10 * 60 * 1000
 
 # --------------------------------------------------------------------------
 # Capabilities (decision 0050): what a store offers beyond ``EventStore``, declared,
@@ -251,7 +259,8 @@ class EventStore(Protocol):
                               limit: int = 100) -> list[ExecutionSummary]:
         """Executions from the index, ordered by id, filtered by what is given.
 
-        ``lease_expired_at=now`` keeps those with no live lease at ``now``.
+        ``lease_expired_at=now`` keeps those with no live lease at ``now`` (an
+        expiry past ``now + max_lease_ms`` is not live: see the module).
         ``after_id`` pages.
         """
 
@@ -610,7 +619,7 @@ MOVES_INDEX = frozenset({*STATUS_AFTER, EventType.TIMER_SCHEDULED, EventType.TIM
 _NO_CHANGE = IndexChange()
 
 
-def check_lease_ms(lease_ms: int) -> None:
+def check_lease_ms(lease_ms: int, max_lease_ms: int | None = None) -> None:
     """A lease length a store accepts (every backend refuses the same way)."""
     check_int64(lease_ms, "lease_ms")
     if lease_ms < 0:
@@ -618,6 +627,30 @@ def check_lease_ms(lease_ms: int) -> None:
     if lease_ms > 10 * 365 * 24 * 3600 * 1000:
         raise UnstorableValueError(f"lease_ms {lease_ms} is over ten years; a lease that "
                                    "long is a mistake (and its expiry may overflow)")
+    if max_lease_ms is not None and lease_ms > max_lease_ms:
+        raise ValidationError(f"lease_ms {lease_ms} is over this store's max_lease_ms "
+                              f"{max_lease_ms}: open the store with a larger max_lease_ms")
+
+
+def check_max_lease_ms(max_lease_ms: int) -> int:
+    """A store's lease bound (a constructor argument): a positive int of ms, <= ten years."""
+    if isinstance(max_lease_ms, bool) or not isinstance(max_lease_ms, int) \
+            or not 0 < max_lease_ms <= 10 * 365 * 24 * 3600 * 1000:
+        raise ValidationError(f"max_lease_ms must be a positive int of ms (at most ten "
+                              f"years), got {max_lease_ms!r}")
+    return max_lease_ms
+
+
+def max_lease_of(store: object) -> int:
+    """A store's lease bound: its ``max_lease_ms``, or ``DEFAULT_MAX_LEASE_MS`` for a
+    store that does not say (one written before decision 0044)."""
+    return int(getattr(store, "max_lease_ms", DEFAULT_MAX_LEASE_MS))
+
+
+def lease_live(expires: int | None, now: int, max_lease_ms: int) -> bool:
+    """Whether a lease expiring at ``expires`` is honoured at ``now`` (the store's clock):
+    not yet expired, and not further out than the longest lease the store grants."""
+    return expires is not None and now < expires <= now + max_lease_ms
 
 
 def check_limit(limit: int) -> None:
@@ -679,107 +712,6 @@ def check_listing(*, status: str | None, flow_id: str | None, tenant: str | None
         if ms is not None:
             check_ms(ms, what)
     check_limit(limit)
-
-
-# The kinds whose payload fields the index keeps (see ``index_change``).
-_INDEXED_KINDS = frozenset({EventType.EXECUTION_STARTED, EventType.EXECUTION_SUSPENDED,
-                            EventType.TIMER_SCHEDULED, EventType.TIMER_FIRED,
-                            EventType.TIMER_CANCELLED})
-
-
-def encode_event(event: EventEnvelope, max_bytes: int | None) -> str:
-    """The stored form of ``event`` (``dumps(event.to_dict())``), or a typed refusal.
-
-    Every backend calls this before it writes: the id matches the slot, the
-    event is JSON (``NotSerializableError``), valid Unicode, and the keys and
-    integers the index keeps are storable (``UnstorableValueError``), and it is
-    within ``max_bytes`` (``PayloadTooLargeError``). On the hot path of every
-    append, so the common case (an ASCII id, small ints) is checked inline.
-    """
-    execution_id = event.execution_id
-    if type(execution_id) is not str or "\x00" in execution_id \
-            or not execution_id.isascii():
-        check_id(execution_id)
-    sequence, timestamp = event.sequence, event.timestamp
-    if type(sequence) is not int or not INT64_MIN <= sequence <= INT64_MAX:
-        check_int64(sequence, "sequence")
-    if type(timestamp) is not int or not INT64_MIN <= timestamp <= INT64_MAX:
-        check_int64(timestamp, "timestamp")
-    if event.id != f"{execution_id}-{sequence}":
-        raise ValidationError(f"event id {printable(event.id, 80)!r} does not match "
-                              f"{printable(execution_id, 80)!r}-{event.sequence}")
-    try:
-        body = event.to_json()  # dumps(event.to_dict()), the envelope's fields written around it
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise NotSerializableError(f"event {printable(event.id, 80)!r} ({event.type}) is not "
-                                   f"JSON: {printable(exc, 300)}") from exc
-    size = len(body)
-    if not body.isascii():
-        try:
-            size = len(body.encode("utf-8"))
-        except UnicodeEncodeError as exc:
-            raise UnstorableValueError(
-                f"event {printable(event.id, 80)!r} ({event.type}) holds text that is not "
-                "valid Unicode (a lone surrogate); no store can keep it") from exc
-    if max_bytes is not None and size > max_bytes:
-        raise PayloadTooLargeError(
-            f"event {printable(event.id, 80)!r} ({event.type}) is {size} bytes; this store "
-            f"takes events up to {max_bytes} (max_event_bytes): keep large results outside "
-            "the log and record a reference", size=size, limit=max_bytes)
-    if event.type in _INDEXED_KINDS:
-        _check_index_fields(event)
-    return body
-
-
-def _check_index_fields(event: EventEnvelope) -> None:
-    """The payload fields the index keeps as keys or integers (see ``index_change``)."""
-    p = event.payload
-    kind = event.type
-    if kind is EventType.EXECUTION_STARTED and event.sequence == 0:
-        check_text(p.get("flowId", ""), "flow id")
-        owner = p.get("owner") or {}
-        for what in ("actor", "tenant"):
-            value = owner.get(what) if isinstance(owner, dict) else None
-            if value is not None:
-                check_text(value, f"owner {what}")
-    elif kind is EventType.EXECUTION_SUSPENDED:
-        condition = p.get("condition") or {}
-        on = condition.get("on") if isinstance(condition, dict) else None
-        if on is not None:
-            check_text(on, "the gate an execution waits on")
-    elif kind is EventType.TIMER_SCHEDULED:
-        check_text(p.get("timerId"), "timer id")
-        check_int64(p.get("dueAt"), "timer due time (dueAt)")
-    elif kind is EventType.TIMER_FIRED or kind is EventType.TIMER_CANCELLED:
-        check_text(p.get("timerId"), "timer id")
-
-
-def encode_state(snapshot: Snapshot) -> str:
-    """The stored form of a snapshot's state (JSON text), or a typed refusal.
-
-    NUL is kept (JSON escapes it); a lone surrogate and a value that is not JSON
-    are refused, alike on every snapshot store.
-    """
-    check_id(snapshot.execution_id)
-    check_int64(snapshot.sequence, "snapshot sequence")
-    try:
-        text = dumps(snapshot.state)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise NotSerializableError(f"snapshot of {printable(snapshot.execution_id, 80)!r} is "
-                                   f"not JSON: {printable(exc, 300)}") from exc
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise UnstorableValueError(
-                f"snapshot of {printable(snapshot.execution_id, 80)!r} holds text that is "
-                "not valid Unicode (a lone surrogate); no store can keep it") from exc
-    return text
-
-
-def creation_anchor(first: EventEnvelope) -> str:
-    """The creation marker of a log: timestamp and id of its sequence-0 event."""
-    return f"{first.timestamp}:{first.id}"
 
 
 def check_batch(events: Sequence[EventEnvelope]) -> str:

@@ -55,6 +55,7 @@ from fleet.kernel.store.spi import (
     APPEND_MANY_LEASED,
     COUNT_EXECUTIONS,
     DEFAULT_MAX_EVENT_BYTES,
+    DEFAULT_MAX_LEASE_MS,
     ORIGIN,
     AcquiringAppend,
     AppendRequest,
@@ -74,10 +75,12 @@ from fleet.kernel.store.spi import (
     check_lease_ms,
     check_limit,
     check_listing,
+    check_max_lease_ms,
+    lease_live,
 )
 from fleet.kernel.store.sqlite_schema import FEED_SQL, SCHEMA_VERSION, migrate
 from fleet.kernel.store.sqlite_writes import Write as _Write
-from fleet.kernel.values import check_int64, check_ms, check_text
+from fleet.kernel.values import INT64_MAX, check_int64, check_ms, check_text
 
 __all__ = ["SCHEMA_VERSION", "SqliteEventStore", "open_database"]
 
@@ -414,9 +417,11 @@ class SqliteEventStore:
     Args:
         path: The database file (created when missing). ``":memory:"`` is
             refused: the store needs two connections to one database.
-        clock: Milliseconds since the epoch, read for leases.
+        clock: Milliseconds since the epoch: the store's clock (one host), on which
+            leases are granted and judged (spi).
         max_event_bytes: An event whose JSON is larger is refused with
             ``PayloadTooLargeError`` before anything is written (None: no limit).
+        max_lease_ms: The longest lease granted or honoured (spi, decision 0044).
     """
 
     capabilities: frozenset[str] = frozenset({APPEND_MANY, APPEND_LEASED, APPEND_MANY_LEASED,
@@ -424,7 +429,9 @@ class SqliteEventStore:
 
     def __init__(self, path: str | os.PathLike[str], *,
                  clock: Callable[[], int] | None = None,
-                 max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES) -> None:
+                 max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES,
+                 max_lease_ms: int = DEFAULT_MAX_LEASE_MS) -> None:
+        self.max_lease_ms = check_max_lease_ms(max_lease_ms)
         self._db = _Database.acquire(path)
         self._clock = clock or wall_clock_ms
         self._max_event_bytes = max_event_bytes
@@ -590,14 +597,14 @@ class SqliteEventStore:
                        lease_ms: int) -> tuple[FenceGrant | None, int | None]:
         """The fence if no live lease holds it (None otherwise), and the log's head."""
         tip = _tip(conn, execution_id)
-        if tip.lease_expires_at is not None and tip.lease_expires_at > self._clock():
+        if lease_live(tip.lease_expires_at, self._clock(), self.max_lease_ms):
             return None, tip.head
         return self._grant(conn, execution_id, holder, lease_ms), tip.head
 
     def _check_acquire(self, execution_id: str, holder: str, lease_ms: int) -> None:
         check_id(execution_id)
         check_text(holder, "holder")
-        check_lease_ms(lease_ms)
+        check_lease_ms(lease_ms, self.max_lease_ms)
         check_int64(self._clock() + lease_ms, "lease expiry")
 
     def _grant(self, conn: sqlite3.Connection, execution_id: str, holder: str,
@@ -613,7 +620,7 @@ class SqliteEventStore:
     async def renew_lease(self, execution_id: str, token: int, *, lease_ms: int) -> bool:
         check_id(execution_id)
         check_int64(token, "token")
-        check_lease_ms(lease_ms)
+        check_lease_ms(lease_ms, self.max_lease_ms)
 
         def job(conn: sqlite3.Connection) -> bool:
             return conn.execute(
@@ -705,12 +712,14 @@ class SqliteEventStore:
                               ("e.tenant = ?", tenant), ("e.waiting_on = ?", waiting_on),
                               ("e.updated_at < ?", updated_before),
                               ("e.updated_at > ?", updated_after),
-                              ("(f.lease_expires_at IS NULL OR f.lease_expires_at <= ?)",
-                               lease_expired_at),
                               ("e.execution_id > ?", after_id)):
             if value is not None:
                 where.append(clause)
                 params.append(value)
+        if lease_expired_at is not None:  # no live lease (spi.lease_live)
+            where.append("(f.lease_expires_at IS NULL OR f.lease_expires_at <= ? "
+                         "OR f.lease_expires_at > ?)")
+            params += [lease_expired_at, min(lease_expired_at + self.max_lease_ms, INT64_MAX)]
         sql = (_SUMMARY_SQL + (" WHERE " + " AND ".join(where) if where else "")
                + " ORDER BY e.execution_id LIMIT ?")
         params.append(limit)

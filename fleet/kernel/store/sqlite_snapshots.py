@@ -12,7 +12,11 @@ import os
 import sqlite3
 
 from fleet.kernel.errors import CorruptLogError
-from fleet.kernel.store.spi import Snapshot, check_id, encode_state
+from fleet.kernel.store.encoding import encode_state
+from fleet.kernel.store.spi import (
+    Snapshot,
+    check_id,
+)
 from fleet.kernel.store.sqlite import open_database
 
 __all__ = ["SqliteSnapshotStore"]

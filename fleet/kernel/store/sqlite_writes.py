@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 
 from fleet.kernel.errors import DuplicateSequenceError, SequenceGapError, ValidationError
 from fleet.kernel.events import EventEnvelope, Status
-from fleet.kernel.store.spi import DueTimer, creation_anchor, encode_event, index_change
+from fleet.kernel.store.encoding import creation_anchor, encode_event
+from fleet.kernel.store.spi import (
+    DueTimer,
+    index_change,
+)
 from fleet.kernel.store.sqlite_schema import next_positions
 
 __all__ = ["Write", "move_timers"]

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 from kernel_kit import dumped, kinds, settle, started
+from refusals import hidden
 
 from fleet import (
-    AccessDeniedError,
     Context,
     ExecutionCancelledError,
     ExecutionFailedError,
@@ -277,7 +277,7 @@ async def test_bad_cancel_requests_are_refused_and_write_nothing(stores: Stores)
     with pytest.raises(ExecutionNotFoundError):
         await runtime.cancel("no-such-execution")
     assert dumped(await store.read(eid)) == before
-    with pytest.raises(AccessDeniedError):
+    with hidden():
         await runtime.cancel(eid, principal=Principal("mallory", tenant="evil"))
     assert "CANCEL_REQUESTED" not in kinds(await store.read(eid))
     await runtime.close()

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from kernel_kit import FaultyStore, dumped, eventually, kinds, started
+from refusals import hidden
 
 from fleet import (
     AccessDeniedError,
@@ -173,7 +174,7 @@ async def test_values_are_read_while_the_flow_runs_and_after_it_ends(stores: Sto
     assert await runtime.get_value(eid, "progress") == 1.0
     with pytest.raises(ExecutionFinishedError, match="without setting"):
         await runtime.get_value(eid, "never", timeout=5)
-    with pytest.raises(AccessDeniedError):
+    with hidden():
         await runtime.get_value(eid, "progress", principal=Principal("eve", tenant="evil"))
     assert [e.payload["name"] for e in await store.read(eid) if e.type == "VALUE_SET"] == [
         "set#0", "set#1"]

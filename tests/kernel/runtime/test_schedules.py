@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 from kernel_kit import ManualClock, settle
+from refusals import hidden
 
 from fleet import (
-    AccessDeniedError,
     ConfigurationError,
     Context,
     ExecutionConflictError,
@@ -371,7 +371,7 @@ async def test_delete_ends_the_schedule_its_runs_go_on_and_the_id_is_free_again(
     await settle(rt)
     await advance(rt, clock, 60)
     running = tick("temp", T0 + 60_000)
-    with pytest.raises(AccessDeniedError):
+    with hidden():
         await rt.delete_schedule("temp", principal=MALLORY)
     await rt.delete_schedule("temp", principal=ALICE)
     assert await rt.schedules() == []
@@ -436,7 +436,7 @@ async def test_another_tenant_can_neither_see_nor_steer_nor_take_a_schedule(stor
                  rt.trigger_schedule("private", principal=MALLORY),
                  rt.backfill_schedule("private", at(T0 - 3_600_000), at(T0),
                                       principal=MALLORY)):
-        with pytest.raises(AccessDeniedError):
+        with hidden():
             await call
     with pytest.raises(ExecutionConflictError):
         await rt.schedule("private", job, every=timedelta(minutes=1), principal=MALLORY)

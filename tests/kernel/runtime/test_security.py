@@ -1,8 +1,16 @@
-"""Principal and AccessPolicy: defaults, widening, strict, denials and their audit."""
+"""Principal and AccessPolicy: defaults, widening, strict, denials and their audit.
+
+A principal refused an op on an execution it may not even read is told that the
+execution does not exist, word for word as for an id with no log (issue 25 item 11:
+no existence oracle); ``hidden`` below expects that.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,6 +21,10 @@ from fleet import (
     AccessPolicy,
     ConfigurationError,
     Context,
+    Decision,
+    ExecutionNotFoundError,
+    FleetError,
+    Policy,
     Principal,
     Runtime,
     flow,
@@ -29,6 +41,17 @@ async def guarded(ctx: Context, _: Any) -> Any:
     first = await ctx.wait("approve")
     second = await ctx.receive("note")
     return [first, second]
+
+
+@contextlib.contextmanager
+def hidden(execution_id: str, because: str = "") -> Iterator[None]:
+    """The refusal of one who may not read ``execution_id``: "no execution", exactly as
+    for an id with no log; the denial (its reason matching ``because``) is its cause."""
+    with pytest.raises(ExecutionNotFoundError) as refused:
+        yield
+    assert str(refused.value) == f"no execution {execution_id!r}"
+    assert isinstance(refused.value.__cause__, AccessDeniedError)
+    assert re.search(because, str(refused.value.__cause__))
 
 
 def _runtime(store: EventStore, **kw: Any) -> tuple[Runtime, list[dict[str, Any]]]:
@@ -62,9 +85,9 @@ async def test_defaults_owner_for_resume_tenant_for_read(clocked_store: EventSto
 
     # read: the tenant may, another tenant may not.
     assert (await runtime.load_state(eid, principal=BOB)).status == "parked"
-    with pytest.raises(AccessDeniedError, match="tenant"):
+    with hidden(eid, "tenant"):
         await runtime.load_state(eid, principal=EVE)
-    # resume: owner only; a same-tenant colleague is refused.
+    # resume: owner only; a same-tenant colleague (who may read it) is refused.
     with pytest.raises(AccessDeniedError, match="owner-only"):
         await runtime.resume(eid, "approve", 1, principal=BOB)
     await runtime.resume(eid, "approve", 1, principal=ALICE)
@@ -92,7 +115,7 @@ async def test_cancel_is_owner_only_by_default(store: EventStore) -> None:
 async def test_tenant_rule_widens_resume(store: EventStore) -> None:
     runtime, _ = _runtime(store, access_policy=AccessPolicy(rules={"resume": "tenant"}))
     eid = await started(runtime, "guarded", principal=ALICE)
-    with pytest.raises(AccessDeniedError):
+    with hidden(eid, "tenant"):
         await runtime.resume(eid, "approve", 1, principal=EVE)
     await runtime.resume(eid, "approve", "by bob", principal=BOB)
     await settle(runtime)
@@ -130,7 +153,7 @@ async def test_a_scope_is_what_the_tenant_rule_judges(store: EventStore) -> None
     for who, eid in allowed:
         assert (await runtime.load_state(eid, principal=who)).execution_id == eid
     for who, eid in refused:
-        with pytest.raises(AccessDeniedError, match="may act for"):
+        with hidden(eid, "may act for"):
             await runtime.load_state(eid, principal=who)
     assert [(d["executionId"], d["actor"]) for d in denied] == [
         (eid, who.actor) for who, eid in refused]
@@ -158,7 +181,7 @@ async def test_strict_refuses_calls_without_a_principal(store: EventStore,
     eid = await started(runtime, "guarded", principal=ALICE)
     for call in (runtime.resume(eid, "approve", 1), runtime.send(eid, "note", 1),
                  runtime.load_state(eid), runtime.cancel(eid)):
-        with pytest.raises(AccessDeniedError, match="strict"):
+        with hidden(eid, "strict"):  # strict: without a principal it may not read either
             await call
     assert [d["op"] for d in denied] == ["start", "resume", "send", "read", "cancel"]
     assert (await runtime.load_state(eid, principal=ALICE)).status == "parked"
@@ -169,10 +192,10 @@ async def test_a_denied_resume_or_cancel_is_audited_on_the_log(clocked_store: Ev
     store = clocked_store
     runtime, denied = _runtime(store, clock=clock)
     eid = await started(runtime, "guarded", principal=ALICE)
-    for attempt in (runtime.resume(eid, "approve", 1, principal=EVE),
-                    runtime.cancel(eid, principal=BOB)):
-        with pytest.raises(AccessDeniedError):
-            await attempt
+    with hidden(eid):  # EVE may not read it; BOB may, and hears "denied"
+        await runtime.resume(eid, "approve", 1, principal=EVE)
+    with pytest.raises(AccessDeniedError):
+        await runtime.cancel(eid, principal=BOB)
     log = await store.read(eid)
     audits = [e for e in log if str(e.type) == "EXECUTION_DENIED"]
     assert [(a.payload["op"], a.payload["actor"], a.payload["tenant"]) for a in audits] == [
@@ -192,9 +215,9 @@ async def test_a_denied_send_or_read_appends_nothing(clocked_store: EventStore,
     runtime, denied = _runtime(store, clock=clock)
     eid = await started(runtime, "guarded", principal=ALICE)
     before = dumped(await store.read(eid))
-    with pytest.raises(AccessDeniedError):
+    with hidden(eid):
         await runtime.send(eid, "note", 1, principal=EVE)
-    with pytest.raises(AccessDeniedError):
+    with hidden(eid):
         await runtime.load_state(eid, principal=EVE)
     assert dumped(await store.read(eid)) == before
     assert [d["op"] for d in denied] == ["send", "read"]
@@ -215,7 +238,7 @@ async def test_a_denial_while_a_live_holder_runs_is_not_audited(store: EventStor
     runtime = Runtime(store, flows=[body])
     handle = await runtime.start("running", principal=ALICE)
     await asyncio.wait_for(entered.wait(), 2)
-    with pytest.raises(AccessDeniedError):
+    with hidden(handle.execution_id):
         await runtime.cancel(handle.execution_id, principal=EVE)
     release.set()
     assert await handle.result() == "ok"
@@ -249,6 +272,54 @@ async def test_denial_callback_that_throws_is_warned_not_raised(store: EventStor
     runtime = Runtime(store, flows=[guarded], on_execution_denied=broken,
                       on_warn=warnings.append)
     eid = await started(runtime, "guarded", principal=ALICE)
-    with pytest.raises(AccessDeniedError):
+    with hidden(eid):
         await runtime.load_state(eid, principal=EVE)
     assert any("audit sink down" in w for w in warnings)
+
+
+@flow("decided")
+async def decided(ctx: Context, _: Any) -> Any:
+    return await ctx.decide("plan", lambda: Decision("a", policy=Policy("p", 1, 0.5)))
+
+
+def _answer(exc: FleetError, execution_id: str) -> tuple[Any, ...]:
+    """What a caller hears, with the id it asked about taken out."""
+    return (type(exc), exc.code, exc.retryable, str(exc).replace(repr(execution_id), "<id>"),
+            exc.details)
+
+
+async def test_not_yours_and_no_such_execution_are_one_answer(stores: Any) -> None:
+    """Issue 25 item 11: for a principal who may not read an execution, every op answers
+    exactly what it answers for an id that has no log (type, code, retryable, message,
+    details), on every backend; the denial is still counted, reported and, for resume
+    and cancel, audited on the log."""
+    store = stores[0]
+    runtime, denied = _runtime(store)
+    runtime.register(decided)
+    eid = await started(runtime, "guarded", principal=ALICE)
+    done = await runtime.start("decided", principal=ALICE)
+    await done.result(timeout=10)
+    ghost = "no-such-execution"
+
+    def calls(guarded_id: str, decided_id: str) -> list[tuple[str, Any]]:
+        return [(guarded_id, lambda: runtime.load_state(guarded_id, principal=EVE)),
+                (guarded_id, lambda: runtime.resume(guarded_id, "approve", 1, principal=EVE)),
+                (guarded_id, lambda: runtime.send(guarded_id, "note", 1, principal=EVE)),
+                (guarded_id, lambda: runtime.cancel(guarded_id, principal=EVE)),
+                (guarded_id, lambda: runtime.wait(guarded_id, principal=EVE)),
+                (decided_id, lambda: runtime.record_outcome(
+                    decided_id, decision_id="plan", key="k", score=1.0, principal=EVE))]
+
+    for (real_id, real), (_, absent) in zip(calls(eid, done.execution_id),
+                                            calls(ghost, ghost), strict=True):
+        with pytest.raises(FleetError) as theirs:
+            await real()
+        with pytest.raises(FleetError) as nothing:
+            await absent()
+        assert _answer(theirs.value, real_id) == _answer(nothing.value, ghost), theirs.value
+    assert [d["op"] for d in denied] == ["read", "resume", "send", "cancel", "read",
+                                         "annotate"]
+    assert runtime.denied == 6
+    audits = [e.payload["op"] for e in await store.read(eid)
+              if str(e.type) == "EXECUTION_DENIED"]
+    assert audits == ["resume", "cancel"]

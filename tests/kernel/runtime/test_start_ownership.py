@@ -70,7 +70,7 @@ async def test_an_existing_id_is_handed_back_only_to_a_reader_of_the_same_flow(
     with pytest.raises(ExecutionConflictError, match="taken by another execution") as taken:
         await runtime.start("ledger", "mallory", principal=MALLORY, execution_id="order-1")
     assert "alice" not in str(taken.value)  # the refusal says nothing about the owner
-    assert isinstance(taken.value.__cause__, AccessDeniedError)
+    assert isinstance(taken.value.__cause__.__cause__, AccessDeniedError)  # read: hidden
     assert (runtime.denied, [d["op"] for d in denied]) == (1, ["read"])
     with pytest.raises(ExecutionConflictError, match="exists for flow 'ledger', not 'other'"):
         await runtime.start("other", None, principal=ALICE, execution_id="order-1")
@@ -155,3 +155,60 @@ async def test_a_successor_of_the_same_run_is_found_again_after_a_crash(
     await runtime.drive("mine~1")  # what recovery does for the successor left running
     assert await handle.result(timeout=10) == "chain ended at 1"
     assert (await runtime.load_state("mine")).next_execution_id == "mine~1"
+
+
+# Issue 25 item 3: the generation of a successor id is ASCII digits only. int() and
+# str.isdigit() also take '٣' (Arabic-Indic), '\uff13' (fullwidth) and '²' (superscript), so
+# 'victim~٣' continued into 'victim~4' (the victim's own chain then failed with
+# ExecutionConflictError) and 'run~²' raised a bare ValueError.
+UNICODE_DIGIT_TAILS = ("victim~\u0663", "victim~\uff13", "run~\u00b2", "victim~\u2167",
+                       "victim~1\u0663")
+
+
+@pytest.mark.parametrize("squat", UNICODE_DIGIT_TAILS)
+async def test_an_id_ending_in_digits_of_any_script_is_refused_typed(
+        stores: tuple[EventStore, SnapshotStore], squat: str) -> None:
+    store = stores[0]
+    runtime = runtime_for(store)
+    with pytest.raises(ReservedNameError, match="digits of any script"):
+        await runtime.start("chain", 0, principal=MALLORY, execution_id=squat)
+    assert await store.head(squat) is None
+    assert await store.list_executions() == []
+    # Lookalikes that are not '~<digits>' stay ordinary ids.
+    for fine in ("victim~3a", "victim~", "victim-\u0663"):
+        handle = await runtime.start("ledger", "alice", principal=ALICE, execution_id=fine)
+        assert await handle.result(timeout=10) == "alice's balance: 1,000,000"
+
+
+async def test_an_old_unicode_digit_id_continues_into_its_own_ascii_successor(
+        stores: tuple[EventStore, SnapshotStore]) -> None:
+    """Written before the rule (straight to the store), 'victim~٣' and 'run~²' continue
+    into '<id>~1', never into the victim's 'victim~4', and never raise ValueError."""
+    store = stores[0]
+    runtime = runtime_for(store)
+    for old in ("victim~\u0663", "victim~\uff13", "run~\u00b2"):
+        await _squat(store, old, input=0, flowVersion=chain.version,
+                     flowHash=chain.content_hash(runtime.features))
+        handle = await runtime.drive(old)
+        assert await handle.result(timeout=10) == "chain ended at 1"  # through its successor
+        assert (await runtime.load_state(old)).next_execution_id == f"{old}~1"
+        assert (await runtime.load_state(f"{old}~1")).status == "completed"
+    for victims in ("victim~4", "run~3", "run~1"):
+        assert await store.head(victims) is None
+
+    # The victim's own chain is untouched by the old ids.
+    victim = await runtime.start("chain", 0, principal=ALICE, execution_id="victim")
+    assert await victim.result(timeout=10) == "chain ended at 1"
+    assert (await runtime.load_state("victim")).next_execution_id == "victim~1"
+
+
+def test_successor_id_reads_ascii_digits_only() -> None:
+    from fleet.kernel.ids import successor_id
+
+    assert successor_id("victim") == "victim~1"
+    assert successor_id("victim~3") == "victim~4"
+    assert successor_id("victim~09") == "victim~10"
+    assert successor_id("victim~\u0663") == "victim~\u0663~1"
+    assert successor_id("victim~\uff13") == "victim~\uff13~1"
+    assert successor_id("run~\u00b2") == "run~\u00b2~1"
+    assert successor_id("~7") == "~7~1"
