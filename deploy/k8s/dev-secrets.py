@@ -9,7 +9,7 @@ the template holds, so a user added there needs no change here) gets a password,
 in its ``redis-url-<user>`` key and hashed into ``fleet-redis-acl``'s ``users.acl``
 (``deploy/redis/render-acl.sh`` renders it); the two database roles get one each, used
 in their URLs and in the dev Postgres's bootstrap keys; Flower's basic auth, a reward
-key and KEDA's Redis password get one. Nothing is printed: the passwords are in the
+key, the operators' control key and KEDA's Redis password get one. Nothing is printed: the passwords are in the
 file only (``deploy/k8s/secret.yaml`` is gitignored). Standard library only.
 """
 
@@ -68,6 +68,8 @@ def fill(template: str, redis: dict[str, str], acl: str) -> str:
                 indent + row for row in acl.splitlines())
         elif key is not None and key.group(1) == "reward-keys":
             line = line.replace("CHANGE_ME", _password())
+        elif key is not None and key.group(1) == "control-keys":
+            line = line.replace("CHANGE_ME_TO_64_RANDOM_HEX_CHARACTERS", secrets.token_hex(32))
         elif key is not None and key.group(1) == "flower-basic-auth":
             line = line.replace("CHANGE_ME", _password())
         elif key is not None and key.group(1) in singles:

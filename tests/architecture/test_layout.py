@@ -14,6 +14,7 @@ contracts under ``python -m pytest`` and shows each guard refusing a break.
 from __future__ import annotations
 
 import ast
+import logging
 import secrets
 import textwrap
 from pathlib import Path
@@ -94,9 +95,25 @@ def function_level_imports(root: Path) -> set[tuple[str, str]]:
     return found
 
 
+def lint(config: Path) -> int:
+    """import-linter's ``lint_imports``, which configures logging with
+    ``disable_existing_loggers``: every logger it disabled is enabled again, or the tests
+    after this one (``caplog`` on ``fleet.keys``...) would see nothing logged."""
+    loggers = [logging.getLogger(), *(logger for logger in
+                                      logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    enabled = [logger for logger in loggers if not logger.disabled]
+    try:
+        return int(lint_imports(config_filename=str(config), no_cache=True, no_logo=True))
+    finally:
+        for logger in enabled:
+            logger.disabled = False
+
+
 def test_the_import_contracts_hold(capsys: pytest.CaptureFixture[str]) -> None:
-    code = lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True,
-                        no_logo=True)
+    keys = logging.getLogger("fleet.keys")
+    code = lint(ROOT / "pyproject.toml")
+    assert not keys.disabled
     out = capsys.readouterr().out
     assert code == 0, out
     assert "5 kept, 0 broken" in out
@@ -140,7 +157,7 @@ def test_the_contracts_refuse_a_cycle_and_a_client_that_imports_the_workers(
         ancestors = ["{name}"]
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    code = lint_imports(config_filename=str(config), no_cache=True, no_logo=True)
+    code = lint(config)
     out = capsys.readouterr().out
     assert code == 1
     assert "0 kept, 2 broken" in out

@@ -113,7 +113,10 @@ def test_cancel_needs_a_filter_and_an_operator(fleet_env: Path,
     code, out = run("executions", "cancel", "--flow", "shape", "--json")
     assert code == 0, out
     assert json.loads(out.splitlines()[-1])["summary"]["acted"] == 2
-    for eid in ids:
-        assert asyncio.run(_last(fleet_env, eid))["type"] == "EXECUTION_CANCELLED"
+    for eid in ids:  # requested, who by and why; a worker delivers it (decision 0033)
+        last = asyncio.run(_last(fleet_env, eid))
+        assert last["type"] == "CANCEL_REQUESTED"
+        assert last["by"] == "operator:oncall"
+        assert str(last["reason"]).startswith("bulk cancel by operator:oncall (flow=shape")
     code, out = run("executions", "cancel", "--flow", "shape", "--older-than", "soon")
     assert code == 2

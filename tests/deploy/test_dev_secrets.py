@@ -7,6 +7,7 @@ template."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -58,6 +59,9 @@ def test_the_dev_recipe_writes_every_secret_and_the_acl_lets_each_user_in(
     assert (runtime, migrator) == (secrets["postgres-runtime-password"],
                                    secrets["postgres-migrator-password"])
     assert len({runtime, migrator, secrets["postgres-password"]}) == 3
+    control = json.loads(secrets["control-keys"])  # the operators' ring, a fresh key
+    assert list(control) == ["ops-1"]
+    assert re.fullmatch(r"[0-9a-f]{64}", control["ops-1"])
 
     # A real Redis with that ACL: each component logs in as itself, a wrong password not.
     (tmp_path / "users.acl").write_text(acl)

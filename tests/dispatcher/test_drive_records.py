@@ -40,6 +40,13 @@ def test_a_timed_task_id_is_a_uuid_that_carries_its_enqueue_time() -> None:
     # No queue to read (an AMQP broker): the grace alone, as decision 0019.
     (DriveRecord(NOW, 3), "lost"),
     (DriveRecord(NOW + 999_000, 3), "queued"),
+    # Dated more than the grace ahead (a fast clock, or a record written by hand with the
+    # client's Redis user): it says nothing, whatever its queue or marks (issue 25 item 12).
+    (DriveRecord(NOW + 1_006_000, 1, queue="q", oldest_queued_ms=NOW, list_known=True),
+     "lost"),
+    (DriveRecord(NOW, 1, taken_ms=NOW + 1_000_000 + 86_400_000, by="w", by_live=True),
+     "lost"),
+    (DriveRecord(NOW + 1_004_000, 1, taken_ms=NOW + 1_004_000, by="w", by_live=True), "held"),
 ])
 def test_the_verdict(record: DriveRecord, verdict: str) -> None:
     assert record.verdict(NOW + 1_000_000, grace_ms=5_000) == verdict

@@ -75,7 +75,9 @@ def test_a_healthy_process_is_live_and_ready_over_http(
     _, ready = until(lambda: (r := get(port, "/readyz"))[0] == 200 and r,
                      f"{name} ready", timeout=30)
     assert ready["ok"] is True
-    assert {c["name"] for c in ready["checks"]} == {"heartbeat", "broker", "store"}
+    # A worker's readiness also reads its key files (issue 25 item 4: they fail closed).
+    keys = {"keys"} if name == "worker" else set()
+    assert {c["name"] for c in ready["checks"]} == {"heartbeat", "broker", "store", *keys}
     assert proc.alive()
 
 

@@ -84,7 +84,7 @@ async def test_without_wait_it_says_accepted_not_attached(setup: Setup) -> None:
     eid = (await setup.runtime.start("wait-deal", 1)).execution_id
     code, out = await asyncio.to_thread(setup.cli, *_submit(eid, "nowhere"))
     assert code == 0, out
-    assert "accepted for attachment as stream entry" in out
+    assert "accepted for attachment as reward " in out
     assert "submitted" not in out
     code, out = await asyncio.to_thread(setup.cli, *_submit(eid, "nowhere", "--json"))
     assert json.loads(out)["status"] == "accepted"

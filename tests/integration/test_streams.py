@@ -1087,7 +1087,7 @@ async def test_fleet_reward_submit_signs_with_the_key_file_fleet_up_writes(
             _cli, *submit, "--key", "csat:1", "--score", "0.5", "--producer", "local",
             "--key-file", str(key_file), env=env)
         assert code == 0, out
-        assert "accepted for attachment as stream entry" in out
+        assert "accepted for attachment as reward " in out
         await eventually(lambda: attacher.stats()["attached"] == 1, 10, "attached")
         assert [(o["key"], o["recordedBy"]) for o in late_outcomes(
             await rt.store.read(eid))] == [("csat:1", "producer:local")]
