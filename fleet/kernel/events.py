@@ -20,7 +20,7 @@ from pydantic import ValidationError as PydanticValidationError
 from fleet.kernel.errors import CorruptLogError, NotSerializableError, UnstorableValueError
 from fleet.kernel.values import has_lone_surrogate, printable
 
-EVENT_SCHEMA = "1.1.0"  # 1.1.0: EXECUTION_DENIED.count
+EVENT_SCHEMA = "1.2.0"  # 1.1.0: EXECUTION_DENIED.count; 1.2.0: STEP_HEARTBEAT
 
 
 class EventType(StrEnum):
@@ -48,6 +48,7 @@ class EventType(StrEnum):
     EXECUTION_CANCELLED = "EXECUTION_CANCELLED"
     EXECUTION_DENIED = "EXECUTION_DENIED"
     RECOVERED = "RECOVERED"
+    STEP_HEARTBEAT = "STEP_HEARTBEAT"
 
 
 def wall_clock_ms() -> int:
@@ -261,6 +262,14 @@ class Recovered(_Payload):
     reason: str = ""
 
 
+class StepHeartbeat(_Payload):
+    """A running step's progress (``fleet.heartbeat(details)``; decision 0053)."""
+
+    stepId: str
+    attempt: int = Field(ge=1)
+    details: Json = None
+
+
 PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.EXECUTION_STARTED: ExecutionStarted,
     EventType.STEP_STARTED: StepStarted,
@@ -286,6 +295,7 @@ PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.EXECUTION_CANCELLED: ExecutionCancelled,
     EventType.EXECUTION_DENIED: ExecutionDenied,
     EventType.RECOVERED: Recovered,
+    EventType.STEP_HEARTBEAT: StepHeartbeat,
 }
 
 

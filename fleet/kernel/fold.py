@@ -42,6 +42,7 @@ class Frame:
     retry_at: int | None = None
     started_at: int | None = None
     updated_at: int | None = None
+    heartbeat: Any = None  # the details of its last STEP_HEARTBEAT (decision 0053)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status, "attempts": self.attempts,
@@ -56,6 +57,8 @@ class Frame:
             out["retryAt"] = self.retry_at
         out["startedAt"] = self.started_at
         out["updatedAt"] = self.updated_at
+        if self.heartbeat is not None:
+            out["heartbeat"] = self.heartbeat
         return out
 
     @classmethod
@@ -64,7 +67,7 @@ class Frame:
                    attempts=d.get("attempts", 0), first_seq=d.get("firstSeq"),
                    scope=d.get("scope"), output=d.get("output"), error=d.get("error"),
                    retry_at=d.get("retryAt"), started_at=d.get("startedAt"),
-                   updated_at=d.get("updatedAt"))
+                   updated_at=d.get("updatedAt"), heartbeat=d.get("heartbeat"))
 
 
 @dataclass(slots=True)
@@ -417,6 +420,17 @@ def _recovered(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: in
     st.recoveries += 1
 
 
+def _step_heartbeat(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+                    ts: int) -> None:
+    # Only the runtime writes heartbeats, and only for a step it started: one
+    # for an unknown step id makes no frame (replay and divergence read frames).
+    frame = st.frames.get(str(p.get("stepId", "")))
+    if frame is None or not ev.kernel:
+        return
+    frame.heartbeat = p.get("details")
+    frame.updated_at = ts
+
+
 _HANDLERS: dict[EventType, Any] = {
     EventType.EXECUTION_STARTED: _started,
     EventType.STEP_STARTED: _step_started,
@@ -442,4 +456,5 @@ _HANDLERS: dict[EventType, Any] = {
     EventType.EXECUTION_CANCELLED: _terminal("cancelled"),
     EventType.EXECUTION_DENIED: _denied,
     EventType.RECOVERED: _recovered,
+    EventType.STEP_HEARTBEAT: _step_heartbeat,
 }

@@ -32,6 +32,8 @@ EXPECTED = {
     "SqliteSnapshotStore", "StaleFenceError", "StepFailedError", "StepFailure", "StoreError",
     "StoreUnavailableError", "UnstorableValueError", "ValidationError", "WaitTimeoutError",
     "flow", "fold", "fold_log",
+    # issue 27 item 4: step controls (decisions 0053, 0054)
+    "StepTimeoutError", "current_attempt", "heartbeat", "last_heartbeat",
 }
 
 
