@@ -253,3 +253,5 @@ class Renewal:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+        if self._lease.renewal is self:
+            self._lease.renewal = None  # no cycle left for the collector (lease <-> renewal)

@@ -571,3 +571,39 @@ async def test_a_flow_cannot_emit_a_heartbeat(store: EventStore) -> None:
     handle = await runtime.start("forge-beat")
     await failed_with(handle, "kernel_event_forgery")
     assert "STEP_HEARTBEAT" not in kinds(await store.read(handle.execution_id))
+
+
+async def test_runs_leave_no_reference_cycle_for_the_collector(store: EventStore) -> None:
+    """A run's lease, its renewal, its journal and state are freed when it ends, not by
+    the cyclic collector (a lease <-> renewal cycle made every run garbage for it: 3x the
+    kernel's collector time, decision 0054)."""
+    import gc
+
+    async def async_step(n: int) -> int:
+        return fleet.current_attempt() + n
+
+    @flow("no-cycles")
+    async def body(ctx: Context, n: int) -> Any:
+        n = await ctx.step("sync", lambda: n + 1)
+        n = await ctx.step("async", async_step, n)
+        return await ctx.step("beat", fleet.heartbeat, heartbeat=timedelta(seconds=5))
+
+    runtime = Runtime(store, flows=[body])
+    handle = await runtime.start("no-cycles", 1)
+    await handle.result(timeout=10)  # warm: imports, caches
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for n in range(20):
+            handle = await runtime.start("no-cycles", n)
+            await handle.result(timeout=10)
+        await settle(runtime)
+        gc.collect()
+        kinds_ = {type(o).__name__ for o in gc.garbage}
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not kinds_ & {"Run", "Lease", "Renewal", "Journal", "ExecutionState",
+                         "StepAttempt", "HeartbeatWatch"}, kinds_
