@@ -58,7 +58,8 @@ class StepAttempt:
         self.step_id = step_id
         self.attempt = attempt
         self.last = last  # what the earlier attempts recorded (the frame's ``heartbeat``)
-        self.beat_at = time.monotonic()
+        # When it last beat (time.monotonic()); set by the watch when it starts.
+        self.beat_at = 0.0
         # The newest details, boxed: a new box for every heartbeat that gave some.
         self.details: tuple[Any] | None = None
         self.written: tuple[Any] | None = None  # the box last committed
@@ -70,20 +71,13 @@ class StepAttempt:
         return None if box is None or box is self.written else box
 
 
-_CURRENT: ContextVar[StepAttempt | None] = ContextVar("fleet_step_attempt", default=None)
-
-
-def enter(attempt: StepAttempt) -> Any:
-    """Make ``attempt`` the current one (for the step's function); a token for ``leave``."""
-    return _CURRENT.set(attempt)
-
-
-def leave(token: Any) -> None:
-    _CURRENT.reset(token)
+# The attempt whose function runs in this context: set around it by
+# ``step_controls.call_step`` (a thread gets a copy of the context).
+CURRENT: ContextVar[StepAttempt | None] = ContextVar("fleet_step_attempt", default=None)
 
 
 def _current(what: str) -> StepAttempt:
-    attempt = _CURRENT.get()
+    attempt = CURRENT.get()
     if attempt is None:
         raise ValidationError(
             f"fleet.{what}() is called inside a step's function (the function ctx.step "
@@ -182,6 +176,7 @@ class HeartbeatWatch:
         self._writes: set[asyncio.Task[None]] = set()
         self.late = False
         self._loop = asyncio.get_running_loop()
+        attempt.beat_at = time.monotonic()  # the first beat is due within the timeout
         lease = run.journal.lease
         self._renewal = None if lease is None else lease.renewal
         self._lease_ms = max(1, round(heartbeat_s * 1000))
@@ -231,6 +226,5 @@ class HeartbeatWatch:
             self._renewal = None
 
 
-__all__ = ["DETAILS_MAX_BYTES", "HeartbeatWatch", "StepAttempt", "commit_details",
-           "current_attempt", "enter", "heartbeat", "last_heartbeat", "leave",
-           "record_unwritten"]
+__all__ = ["CURRENT", "DETAILS_MAX_BYTES", "HeartbeatWatch", "StepAttempt", "commit_details",
+           "current_attempt", "heartbeat", "last_heartbeat", "record_unwritten"]

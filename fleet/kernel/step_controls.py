@@ -40,7 +40,7 @@ from typing import Any
 
 from fleet.kernel.errors import RunInterrupt, StepFailedError, StepTimeoutError, ValidationError
 from fleet.kernel.flow_run import FlowRun
-from fleet.kernel.heartbeat import HeartbeatWatch, StepAttempt, enter, leave, record_unwritten
+from fleet.kernel.heartbeat import CURRENT, HeartbeatWatch, StepAttempt, record_unwritten
 from fleet.kernel.step_threads import run_in_thread
 from fleet.kernel.values import printable
 
@@ -115,12 +115,19 @@ async def call_step(run: FlowRun, step_id: str, attempt: int, fn: Callable[..., 
     """
     frame = run.state.frames.get(step_id)
     current = StepAttempt(step_id, attempt, None if frame is None else frame.heartbeat)
-    token = enter(current)
+    token = CURRENT.set(current)
     try:
-        if controls is not None and (controls.timeout is not None
-                                     or controls.heartbeat is not None):
+        if controls is None:
+            # The common case, kept short (decision 0031): an async def on the loop,
+            # anything else in a thread.
+            if (fn.__code__.co_flags & _CO_COROUTINE if type(fn) is FunctionType
+                    else is_async(fn)):
+                result = fn(*args, **kwargs)
+            else:
+                result = await run_in_thread(fn, args, kwargs)
+        elif controls.timeout is not None or controls.heartbeat is not None:
             return await _limited(run, current, fn, args, kwargs, controls)
-        if (controls is None or controls.blocking) and not is_async(fn):
+        elif controls.blocking and not is_async(fn):
             result = await run_in_thread(fn, args, kwargs)
         else:
             result = fn(*args, **kwargs)
@@ -135,7 +142,7 @@ async def call_step(run: FlowRun, step_id: str, attempt: int, fn: Callable[..., 
         raise
     finally:
         current.ended = True
-        leave(token)
+        CURRENT.reset(token)
 
 
 async def _limited(run: FlowRun, current: StepAttempt, fn: Callable[..., Any],

@@ -72,7 +72,8 @@ async def run_step(run: FlowRun, scope: str | None, step_id: str, fn: Callable[.
                    heartbeat: Any = None, blocking: Any = True) -> Any:
     """``ctx.step``: run ``fn(*args, **kwargs)`` once, durably (see the module)."""
     check_op_id(step_id, "step")
-    controls = step_controls(timeout, heartbeat, blocking)
+    controls = None if timeout is None and heartbeat is None and blocking is True \
+        else step_controls(timeout, heartbeat, blocking)
     if step_id in run.asked_steps:
         raise DuplicateStepError(
             f"step id {step_id!r} was asked for twice in execution "
