@@ -61,6 +61,9 @@ class StepControls:
     blocking: bool = True
 
 
+ON_THE_LOOP = StepControls(blocking=False)
+
+
 def _limit(value: Any, name: str, minimum: timedelta | None = None) -> float | None:
     if value is None:
         return None
@@ -87,8 +90,11 @@ def step_controls(timeout: Any, heartbeat: Any, blocking: Any) -> StepControls |
             positive ``timedelta`` (a heartbeat under ``HEARTBEAT_MIN``), a
             ``blocking`` that is not a bool.
     """
-    if timeout is None and heartbeat is None and blocking is True:
-        return None
+    if timeout is None and heartbeat is None:
+        if blocking is True:
+            return None
+        if blocking is False:
+            return ON_THE_LOOP  # no new object per step: the opt-out is for quick steps
     if not isinstance(blocking, bool):
         raise ValidationError(f"ctx.step's blocking is True or False, got {blocking!r}",
                               field="blocking")
@@ -213,5 +219,5 @@ def step_failed(step_id: str, error: dict[str, Any]) -> StepFailedError:
     return StepFailedError(message, step_id=step_id, error=error)
 
 
-__all__ = ["HEARTBEAT_MIN", "StepControls", "attempt_error", "call_step", "is_async",
+__all__ = ["HEARTBEAT_MIN", "ON_THE_LOOP", "StepControls", "attempt_error", "call_step", "is_async",
            "step_controls", "step_failed"]

@@ -436,6 +436,34 @@ async def test_a_heartbeat_step_holds_the_lease_to_its_heartbeat_timeout(
     assert _of(log, "STEP_HEARTBEAT") == []  # liveness beats write nothing
 
 
+async def test_a_heartbeat_longer_than_the_lease_never_lengthens_it(store: EventStore) -> None:
+    entered, release = threading.Event(), threading.Event()
+    seen: list[float] = []
+
+    def long_step() -> str:
+        entered.set()
+        while not release.wait(0.1):
+            fleet.heartbeat()
+        return "done"
+
+    @flow("short-lease")
+    async def body(ctx: Context, _: Any) -> Any:
+        return await ctx.step("long", long_step, heartbeat=timedelta(minutes=10))
+
+    runtime = Runtime(store, flows=[body], lease_ms=1500)
+    handle = await runtime.start("short-lease")
+    await _wait_set(entered)
+    for _ in range(10):  # over several renewals (every 0.5 s)
+        row = await store.get_execution(handle.execution_id)
+        assert row is not None
+        assert row.lease_expires_at is not None
+        seen.append((row.lease_expires_at - runtime.clock()) / 1000)
+        await asyncio.sleep(0.2)
+    release.set()
+    assert await handle.result(timeout=10) == "done"
+    assert max(seen) <= 1.5, seen  # the runtime's lease_ms bounds every lease
+
+
 async def _under(left: Any, limit: float) -> bool:
     return float(await left) <= limit
 
