@@ -161,7 +161,7 @@ async def _limited(run: FlowRun, current: StepAttempt, fn: Callable[..., Any],
         async with limit:
             if controls.heartbeat is not None:
                 watch = HeartbeatWatch(run, current, controls.heartbeat,
-                                       lambda: limit.reschedule(0))
+                                       lambda: _bring_forward(limit))
             if controls.blocking and not is_async(fn):
                 result = await run_in_thread(fn, args, kwargs)
             else:
@@ -180,6 +180,12 @@ async def _limited(run: FlowRun, current: StepAttempt, fn: Callable[..., Any],
         # (as for a sync body, whose late result is dropped).
         raise _timed_out(current, controls, watch)
     return result
+
+
+def _bring_forward(limit: asyncio.Timeout) -> None:
+    """The heartbeat is late: the attempt's limit is now (unless it already passed)."""
+    if not limit.expired():
+        limit.reschedule(0)
 
 
 def _timed_out(current: StepAttempt, controls: StepControls,
