@@ -50,6 +50,7 @@ from fleet.kernel.errors import (
     StaleFenceError,
     StepFailedError,
     StepFailure,
+    StepTimeoutError,
     StoreError,
     StoreUnavailableError,
     TooFewSamplesError,
@@ -62,6 +63,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EVENT_SCHEMA, EventEnvelope, EventType
 from fleet.kernel.flows import Features, FlowDefinition, flow
 from fleet.kernel.fold import ExecutionState, fold, fold_log
+from fleet.kernel.heartbeat import current_attempt, heartbeat, last_heartbeat
 from fleet.kernel.options import RuntimeOptions, RuntimeStats
 from fleet.kernel.outcomes import OutcomeResult
 from fleet.kernel.recovery import RecoveryReport
@@ -147,6 +149,7 @@ __all__ = [
     "StaleFenceError",
     "StepFailedError",
     "StepFailure",
+    "StepTimeoutError",
     "StoreError",
     "StoreUnavailableError",
     "TooFewSamplesError",
@@ -157,9 +160,12 @@ __all__ = [
     "Wait",
     "WaitTimeoutError",
     "WeightOverflowError",
+    "current_attempt",
     "flow",
     "fold",
     "fold_log",
+    "heartbeat",
+    "last_heartbeat",
     "open_store",
 ]
 

@@ -149,17 +149,25 @@ class Context:
     # -- steps ----------------------------------------------------------------
     async def step(self, step_id: str, fn: Callable[..., Any], *args: Any,
                    retry: RetryPolicy | None = None, idempotent: bool = True,
-                   **kwargs: Any) -> Any:
+                   timeout: timedelta | None = None, heartbeat: timedelta | None = None,
+                   blocking: bool = True, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` once, durably; a replay returns its recorded output.
 
         A step found started but unfinished after a crash is in doubt: it is
         re-run (at least once) unless ``idempotent=False``, in which case the
         execution parks on the in-doubt gate for an operator. The flow gets a copy
         of the output it may mutate; the log keeps what the step returned.
+
+        A sync ``fn`` runs in a thread, off the event loop (``blocking=False``:
+        on the loop, for a function known to be quick). ``timeout`` limits each
+        attempt, ``heartbeat`` the time between two ``fleet.heartbeat()`` calls:
+        an attempt past either fails with ``StepTimeoutError`` and ``retry``
+        decides (``fleet.kernel.step_controls``; decisions 0053, 0054).
         """
         self._run.check_unwinding()
         return await run_step(self._where, step_id, fn, args, kwargs, retry=retry,
-                              idempotent=idempotent)
+                              idempotent=idempotent, timeout=timeout, heartbeat=heartbeat,
+                              blocking=blocking)
 
     # -- decisions and outcomes ----------------------------------------------
     async def decide(self, decision_id: str, decider: Callable[..., Any], *args: Any) -> Any:

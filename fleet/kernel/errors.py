@@ -39,6 +39,7 @@ can succeed (``retryable``). Messages say what was wrong and what to do.
     ├── AccessDeniedError             the principal may not do that op
     ├── StepFailure                   raised by a step's own code: fail it for good, no retry
     ├── StepFailedError               a step failed for good; the flow may catch it
+    │   └── StepTimeoutError          ... its last attempt ran out of time (a TimeoutError too)
     ├── ExecutionFailedError          handle.result() of a failed execution
     ├── ExecutionCancelledError       handle.result() of a cancelled execution
     ├── ChildFailedError              a child flow failed or was cancelled (in the parent)
@@ -262,6 +263,21 @@ class StepFailedError(FleetError):
         super().__init__(message, step_id=step_id)
         self.step_id = step_id
         self.error = error
+
+
+class StepTimeoutError(StepFailedError, TimeoutError):
+    """A step failed for good because its last attempt ran out of time: over its
+    ``timeout`` (``kind="timeout"``) or silent for longer than its ``heartbeat``
+    (``kind="heartbeat"``). A ``StepFailedError`` (and a ``TimeoutError``); each
+    attempt that timed out is a ``STEP_FAILED`` in the log, and the retry policy
+    decided there would be no other (decision 0053)."""
+
+    code = "step_timeout"
+
+    def __init__(self, message: str, *, step_id: str, error: dict[str, Any],
+                 kind: str = "timeout") -> None:
+        super().__init__(message, step_id=step_id, error=error)
+        self.kind = kind
 
 
 class ExecutionFailedError(FleetError):

@@ -20,11 +20,12 @@ from pydantic import ValidationError as PydanticValidationError
 from fleet.kernel.errors import CorruptLogError, NotSerializableError, UnstorableValueError
 from fleet.kernel.values import has_lone_surrogate, printable
 
-EVENT_SCHEMA = "1.2.0"
+EVENT_SCHEMA = "1.3.0"
 # 1.1.0: EXECUTION_DENIED.count. 1.2.0 (decision 0033): CANCEL_REQUESTED, CANCEL_DELIVERED,
 # FIRST_RESOLVED, TIMER_CANCELLED; a "first" park condition (its "waits"); CHILD_STARTED,
 # CHILD_ENDED, MESSAGE_SENT, VALUE_SET, UPDATE_REPLIED; EXECUTION_STARTED.parent and
 # .messages; MESSAGE_RECEIVED.sendId and .updateId; EXECUTION_RESUMED.sendId.
+# 1.3.0 (decision 0053): STEP_HEARTBEAT.
 
 
 class EventType(StrEnum):
@@ -61,6 +62,7 @@ class EventType(StrEnum):
     MESSAGE_SENT = "MESSAGE_SENT"
     VALUE_SET = "VALUE_SET"
     UPDATE_REPLIED = "UPDATE_REPLIED"
+    STEP_HEARTBEAT = "STEP_HEARTBEAT"
 
 
 def wall_clock_ms() -> int:
@@ -339,6 +341,14 @@ class UpdateReplied(_Payload):
     error: ErrorInfo | None = None
 
 
+class StepHeartbeat(_Payload):
+    """A running step's progress (``fleet.heartbeat(details)``; decision 0053)."""
+
+    stepId: str
+    attempt: int = Field(ge=1)
+    details: Json = None
+
+
 PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.EXECUTION_STARTED: ExecutionStarted,
     EventType.STEP_STARTED: StepStarted,
@@ -373,6 +383,7 @@ PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.MESSAGE_SENT: MessageSent,
     EventType.VALUE_SET: ValueSet,
     EventType.UPDATE_REPLIED: UpdateReplied,
+    EventType.STEP_HEARTBEAT: StepHeartbeat,
 }
 
 

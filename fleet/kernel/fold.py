@@ -400,6 +400,17 @@ def _recovered(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: in
     st.recoveries += 1
 
 
+def _step_heartbeat(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+                    ts: int) -> None:
+    # Only the runtime writes heartbeats, and only for a step it started: one
+    # for an unknown step id makes no frame (replay and divergence read frames).
+    frame = st.frames.get(str(p.get("stepId", "")))
+    if frame is None or not ev.kernel:
+        return
+    frame.heartbeat = p.get("details")
+    frame.updated_at = ts
+
+
 _HANDLERS: dict[EventType, Any] = {
     EventType.EXECUTION_STARTED: _started,
     EventType.STEP_STARTED: _step_started,
@@ -434,6 +445,7 @@ _HANDLERS: dict[EventType, Any] = {
     EventType.MESSAGE_SENT: _message_sent,
     EventType.VALUE_SET: _value_set,
     EventType.UPDATE_REPLIED: _update_replied,
+    EventType.STEP_HEARTBEAT: _step_heartbeat,
 }
 
 

@@ -60,7 +60,7 @@ class Lease:
         warner: Where a failed release is reported (the lease then expires on its own).
     """
 
-    __slots__ = ("_done", "_wanted", "grant", "kept", "store", "warner")
+    __slots__ = ("_done", "_wanted", "grant", "kept", "renewal", "store", "warner")
 
     def __init__(self, store: EventStore, grant: FenceGrant | None, *, warner: Warner,
                  wanted: tuple[str, str, int] | None = None) -> None:
@@ -75,6 +75,8 @@ class Lease:
         # Why the lease is left to expire (a write under it failed that way), or None.
         self.kept: BaseException | None = None
         self._done = False
+        # The run's renewal (``keep_alive``): a heartbeat step narrows it (decision 0053).
+        self.renewal: Renewal | None = None
 
     @classmethod
     def deferred(cls, store: EventStore, execution_id: str, *, holder: str, lease_ms: int,
@@ -176,7 +178,9 @@ class Lease:
                    on_lost: Callable[[], None] | None = None) -> Renewal:
         """Renew this lease every ``lease_ms / 3`` while ``alive()``; ``stop()`` the result.
         ``on_lost`` is called when a renewal finds the fence taken by another holder."""
-        return Renewal(self, lease_ms=lease_ms, alive=alive, tasks=tasks, on_lost=on_lost)
+        self.renewal = Renewal(self, lease_ms=lease_ms, alive=alive, tasks=tasks,
+                               on_lost=on_lost)
+        return self.renewal
 
     def __repr__(self) -> str:
         token = "deferred" if self.grant is None else self.grant.token
@@ -190,23 +194,47 @@ class Renewal:
     fails too, or the lease lapses and the next holder fences the run out. A
     renewal the store refuses (another holder took the fence: a cancel, a recovery)
     calls ``on_lost``, so the run stops now instead of at its next write.
+
+    While a step with ``heartbeat=`` runs, ``narrow`` holds the lease to its
+    heartbeat timeout (when shorter), so a dead worker's lease lapses that soon
+    (decision 0053); ``widen`` gives it its own length back. Both renew at once.
     """
 
-    __slots__ = ("_alive", "_handle", "_interval", "_lease", "_lease_ms", "_loop", "_on_lost",
-                 "_tasks")
+    __slots__ = ("_alive", "_handle", "_interval", "_lease", "_lease_ms", "_loop", "_narrowed",
+                 "_on_lost", "_own_ms", "_tasks")
 
     def __init__(self, lease: Lease, *, lease_ms: int, alive: Callable[[], bool],
                  tasks: set[asyncio.Task[Any]],
                  on_lost: Callable[[], None] | None = None) -> None:
         self._on_lost = on_lost
         self._lease = lease
-        self._lease_ms = lease_ms
+        self._lease_ms = self._own_ms = lease_ms
+        self._narrowed: list[int] = []
         self._alive = alive
         self._tasks = tasks
         self._interval = lease_ms / 3000
         self._loop = asyncio.get_running_loop()
-        self._handle: asyncio.TimerHandle | None = self._loop.call_later(self._interval,
-                                                                         self._beat)
+        self._handle: asyncio.Handle | None = self._loop.call_later(self._interval, self._beat)
+
+    def narrow(self, lease_ms: int) -> None:
+        """Hold the lease to at most ``lease_ms`` until ``widen(lease_ms)``."""
+        self._narrowed.append(lease_ms)
+        self._resize()
+
+    def widen(self, lease_ms: int) -> None:
+        """Undo one ``narrow(lease_ms)``."""
+        self._narrowed.remove(lease_ms)
+        self._resize()
+
+    def _resize(self) -> None:
+        length = min(self._own_ms, *self._narrowed) if self._narrowed else self._own_ms
+        if length == self._lease_ms:
+            return
+        self._lease_ms = length
+        self._interval = length / 3000
+        if self._handle is not None:  # renew at once with the new length, then every third
+            self._handle.cancel()
+            self._handle = self._loop.call_soon(self._beat)
 
     def _beat(self) -> None:
         if self._handle is None or not self._alive():
@@ -237,3 +265,5 @@ class Renewal:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+        if self._lease.renewal is self:
+            self._lease.renewal = None  # no cycle left for the collector (lease <-> renewal)

@@ -60,6 +60,7 @@ class Frame:
     retry_at: int | None = None
     started_at: int | None = None
     updated_at: int | None = None
+    heartbeat: Any = None  # the details of its last STEP_HEARTBEAT (decision 0053)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status, "attempts": self.attempts,
@@ -74,6 +75,8 @@ class Frame:
             out["retryAt"] = self.retry_at
         out["startedAt"] = self.started_at
         out["updatedAt"] = self.updated_at
+        if self.heartbeat is not None:
+            out["heartbeat"] = self.heartbeat
         return out
 
     @classmethod
@@ -82,7 +85,7 @@ class Frame:
                    attempts=d.get("attempts", 0), first_seq=d.get("firstSeq"),
                    scope=d.get("scope"), output=d.get("output"), error=d.get("error"),
                    retry_at=d.get("retryAt"), started_at=d.get("startedAt"),
-                   updated_at=d.get("updatedAt"))
+                   updated_at=d.get("updatedAt"), heartbeat=d.get("heartbeat"))
 
 
 @dataclass(slots=True)

@@ -7,7 +7,9 @@ failing attempt is recorded in ``STEP_FAILED`` with its ``retryAt``; the
 ``RetryPolicy`` decides whether another attempt follows. A step found started
 but unfinished after a crash is in doubt: it runs again (at least once) unless
 ``idempotent=False``, which parks the execution on the in-doubt gate for an
-operator (decision 0005).
+operator (decision 0005). How an attempt runs (a sync function in a thread,
+within its ``timeout`` and ``heartbeat``) is ``step_controls``; the
+``RetryPolicy`` is ``retry`` (decisions 0053, 0054).
 
 The output is recorded as the step returned it: the log keeps a snapshot taken
 when the step returned, and the flow gets a copy of its own that it may mutate
@@ -18,10 +20,8 @@ it got would otherwise change what the log records).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -32,37 +32,22 @@ from fleet.kernel.errors import (
     ExecutionParked,
     NotSerializableError,
     RunInterrupt,
-    StepFailedError,
-    StepFailure,
     ValidationError,
 )
 from fleet.kernel.events import EventType, dumps, ensure_json
 from fleet.kernel.flow_run import FlowRun, Where, check_op_id
 from fleet.kernel.fold import INDOUBT_GATE
+from fleet.kernel.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
+from fleet.kernel.step_controls import (
+    StepControls,
+    attempt_error,
+    call_step,
+    step_controls,
+    step_failed,
+)
 from fleet.kernel.typed import from_log, return_adapter, to_log
-from fleet.kernel.values import due_after, printable
+from fleet.kernel.values import due_after
 
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """How a failing step is retried; every attempt and its ``retryAt`` is logged."""
-
-    max_attempts: int = 3
-    initial_interval: float = 0.1
-    backoff: float = 2.0
-    max_interval: float = 60.0
-    non_retryable: tuple[type[BaseException], ...] = ()
-
-    def delay(self, attempt: int) -> float:
-        return float(min(self.max_interval, self.initial_interval * self.backoff ** (attempt - 1)))
-
-
-NO_RETRY = RetryPolicy(max_attempts=1)
-# A step's policy when it names none: one frozen instance, not a new one per step.
-DEFAULT_RETRY = RetryPolicy()
-
-# What a step returns most, never awaitable: no ABC check (inspect.isawaitable) for it.
-_PLAIN = frozenset({type(None), bool, int, float, str, dict, list})
 # JSON values no caller can mutate: handed to the flow as they are recorded.
 _IMMUTABLE = frozenset({type(None), bool, int, float, str})
 
@@ -96,7 +81,8 @@ _RETRY: Any = _RetrySentinel()
 
 async def run_step(where: Where, step_id: str, fn: Callable[..., Any],
                    args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                   retry: RetryPolicy | None, idempotent: bool) -> Any:
+                   retry: RetryPolicy | None, idempotent: bool, timeout: Any = None,
+                   heartbeat: Any = None, blocking: Any = True) -> Any:
     """``ctx.step``: run ``fn(*args, **kwargs)`` once, durably (see the module).
 
     A cancellation owed to the flow is delivered here when the log does not hold
@@ -106,6 +92,8 @@ async def run_step(where: Where, step_id: str, fn: Callable[..., Any],
     """
     run, scope = where.run, where.scope
     check_op_id(step_id, "step")
+    controls = None if timeout is None and heartbeat is None and blocking is True \
+        else step_controls(timeout, heartbeat, blocking)
     if step_id in run.asked_steps:
         raise DuplicateStepError(
             f"step id {step_id!r} was asked for twice in execution "
@@ -125,9 +113,7 @@ async def run_step(where: Where, step_id: str, fn: Callable[..., Any],
         if frame.status == "completed":
             return from_log(frame.output, return_adapter(fn), f"the output of step {step_id!r}")
         if frame.status in ("failed", "cancelled"):
-            raise StepFailedError(
-                f"step {step_id!r} failed: {(frame.error or {}).get('message', '')}",
-                step_id=step_id, error=frame.error or {})
+            raise step_failed(step_id, frame.error or {})
         if frame.status in ("started", "indoubt"):
             answer = await _in_doubt(run, scope, step_id, frame.attempts, idempotent)
             if answer is not _RETRY:
@@ -137,7 +123,7 @@ async def run_step(where: Where, step_id: str, fn: Callable[..., Any],
             if delay > 0:
                 await asyncio.sleep(delay)
     return await _run_live(run, scope, step_id, fn, args, kwargs, retry or DEFAULT_RETRY,
-                           frame.attempts if frame is not None else 0)
+                           frame.attempts if frame is not None else 0, controls)
 
 
 async def _in_doubt(run: FlowRun, scope: str | None, step_id: str, attempts: int,
@@ -166,7 +152,7 @@ async def _in_doubt(run: FlowRun, scope: str | None, step_id: str, attempts: int
 
 async def _run_live(run: FlowRun, scope: str | None, step_id: str, fn: Callable[..., Any],
                     args: tuple[Any, ...], kwargs: dict[str, Any], retry: RetryPolicy,
-                    attempts: int) -> Any:
+                    attempts: int, controls: StepControls | None) -> Any:
     journal = run.journal
     while True:
         attempt = attempts + 1
@@ -183,17 +169,14 @@ async def _run_live(run: FlowRun, scope: str | None, step_id: str, fn: Callable[
         journal.commit(EventType.STEP_STARTED, payload)
         await journal.barrier()
         try:
-            result = fn(*args, **kwargs)
-            if type(result) not in _PLAIN and inspect.isawaitable(result):
-                result = await result
+            # In a thread when blocking, within the step's limits (step_controls).
+            result = await call_step(run, step_id, attempt, fn, args, kwargs, controls)
         except (RunInterrupt, asyncio.CancelledError):
             raise
         except Exception as exc:
-            typed = isinstance(exc, (StepFailure, StepFailedError)) or (
-                bool(retry.non_retryable) and isinstance(exc, retry.non_retryable))
-            final = typed or attempt >= retry.max_attempts
-            error = {"type": type(exc).__name__, "message": printable(str(exc), 4000),
-                     "retryable": not typed}
+            retryable = retry.retries(exc)
+            final = not retryable or attempt >= retry.max_attempts
+            error = attempt_error(exc, retryable)
             fail: dict[str, Any] = {"stepId": step_id, "attempt": attempt, "error": error,
                                     "final": final}
             delay = 0.0
@@ -202,8 +185,7 @@ async def _run_live(run: FlowRun, scope: str | None, step_id: str, fn: Callable[
                 fail["retryAt"] = due_after(run.clock(), delay, "a retry delay")
             journal.commit(EventType.STEP_FAILED, fail)
             if final:
-                raise StepFailedError(f"step {step_id!r} failed: {exc}", step_id=step_id,
-                                      error=error) from exc
+                raise step_failed(step_id, error) from exc
             await journal.barrier()
             await asyncio.sleep(delay)
             attempts = attempt

@@ -39,6 +39,8 @@ EXPECTED = {
     "Wait",
     # decision 0050: the one way to open a store
     "GroupCommit", "open_store",
+    # issue 27 item 4: step controls (decisions 0053, 0054)
+    "StepTimeoutError", "current_attempt", "heartbeat", "last_heartbeat",
 }
 
 

@@ -212,8 +212,8 @@ def test_health_fails_when_the_broker_or_the_store_is_unreachable(fleet: Fleet) 
 
 def test_health_fails_while_a_step_blocks_the_worker_loop(fleet: Fleet) -> None:
     a, b = fleet.procs["a"], fleet.procs["b"]
-    # proc-block is routed to a queue only worker a takes; its step time.sleep()s
-    # on the loop, as a step that forgot to await would.
+    # proc-block is routed to a queue only worker a takes; its async step
+    # time.sleep()s on the loop, as a step that forgot to await would.
     eid = fleet.cli("start", "proc-block", "--input", "3.0").stdout.strip()
     failed = None
     deadline = time.monotonic() + 10

@@ -54,9 +54,10 @@ async def _nap(marker: str, first: float | str, again: float) -> dict[str, Any]:
     return {"worker": _who(), "attempt": attempt}
 
 
-def _block(seconds: float) -> str:
-    # Blocks the worker's event loop on purpose: what a stuck loop looks like.
-    time.sleep(seconds)
+async def _block(seconds: float) -> str:
+    # Blocks the worker's event loop on purpose: what a stuck loop looks like. (An
+    # async step that forgot to await: a sync step would run in a thread.)
+    time.sleep(seconds)  # noqa: ASYNC251
     return _who()
 
 
