@@ -15,6 +15,7 @@ from fleet.kernel.store.conformance import (
     make_event,
     started,
 )
+from fleet.kernel.store.conformance_backlog import BacklogConformance
 from fleet.kernel.store.forwarding import ForwardingEventStore
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.spi import (
@@ -27,7 +28,7 @@ from fleet.kernel.store.spi import (
 )
 
 
-class TestMemoryEventStore(EventStoreConformance):
+class TestMemoryEventStore(EventStoreConformance, BacklogConformance):
     @pytest.fixture
     async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
@@ -39,7 +40,7 @@ class TestMemoryEventStore(EventStoreConformance):
         self.clock.advance(ms)
 
 
-class TestForwardedMemoryEventStore(EventStoreConformance):
+class TestForwardedMemoryEventStore(EventStoreConformance, BacklogConformance):
     """Through a decorator without ``append_many_leased`` (``ForwardingEventStore``):
     the kit's leased requests of one ``append_many`` are served by ``spi.append_many``
     with the single calls, and must get the same answers."""

@@ -32,6 +32,7 @@ from fleet.kernel.store.conformance import (
     make_event,
     started,
 )
+from fleet.kernel.store.conformance_backlog import BacklogConformance
 from fleet.kernel.store.conformance_feed import settled_feed
 from fleet.kernel.store.factory import (
     StoreOptions,
@@ -69,7 +70,7 @@ def fresh_schema() -> str:
     return f"t_{secrets.token_hex(5)}"
 
 
-class TestPostgresEventStore(EventStoreConformance):
+class TestPostgresEventStore(EventStoreConformance, BacklogConformance):
     max_event_bytes = SMALL_LIMIT
 
     @pytest.fixture
@@ -84,7 +85,7 @@ class TestPostgresEventStore(EventStoreConformance):
         self.clock.advance(ms)
 
 
-class TestCoalescedPostgresEventStore(EventStoreConformance):
+class TestCoalescedPostgresEventStore(EventStoreConformance, BacklogConformance):
     max_event_bytes = SMALL_LIMIT
 
     @pytest.fixture
@@ -256,7 +257,7 @@ async def test_a_version_5_schema_is_upgraded_to_6_and_its_calls_keep_their_answ
         raw = await _raw(store, database_url)
         try:
             assert await raw.fetchval("SELECT max(version) FROM fleet_schema_version") == (
-                SCHEMA_VERSION) == 6
+                SCHEMA_VERSION) >= 6
             configs = dict(await raw.fetch(
                 "SELECT p.proname, p.proconfig FROM pg_proc AS p "
                 "WHERE p.pronamespace = $1::regnamespace AND p.proname LIKE 'fleet_append%'",

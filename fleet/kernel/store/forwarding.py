@@ -20,6 +20,7 @@ from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.spi import (
     ORIGIN,
     AppendRequest,
+    Backlog,
     CommittedEvent,
     ConditionalAppendResult,
     CountsExecutions,
@@ -28,6 +29,7 @@ from fleet.kernel.store.spi import (
     ExecutionSummary,
     FenceGrant,
     Position,
+    ReportsBacklog,
     TipObservation,
     append_acquiring,
     append_many,
@@ -112,6 +114,12 @@ class ForwardingEventStore:
         if not isinstance(self.inner, CountsExecutions):
             raise ConfigurationError(f"{type(self.inner).__name__} does not count executions")
         return await self.inner.count_executions()
+
+    async def backlog(self, now_ms: int, *, gates: Sequence[str] = ()) -> Backlog:
+        """The inner store's backlog (``ReportsBacklog``), if it has one."""
+        if not isinstance(self.inner, ReportsBacklog):
+            raise ConfigurationError(f"{type(self.inner).__name__} does not report its backlog")
+        return await self.inner.backlog(now_ms, gates=gates)
 
     async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
         return await self.inner.get_execution(execution_id)

@@ -34,10 +34,31 @@ from fleet.kernel.store.spi import (
     index_change,
 )
 
-__all__ = ["APPENDS", "APPENDS_IF", "APPENDS_LEASED", "APPEND_IF_SQL", "APPEND_LEASED_SQL",
-           "APPEND_MANY_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL", "DUE_TIMERS_SQL",
-           "INLINE_EVENTS", "SUMMARY_SQL", "TIP_SQL", "LeaseOp", "Write", "execution_key",
-           "lease_columns", "listing_sql", "many_columns", "parse_event", "refusal", "summary"]
+__all__ = [
+    "APPENDS",
+    "APPENDS_IF",
+    "APPENDS_LEASED",
+    "APPEND_IF_SQL",
+    "APPEND_LEASED_SQL",
+    "APPEND_MANY_LEASED_SQL",
+    "APPEND_MANY_SQL",
+    "APPEND_SQL",
+    "BACKLOG_SQL",
+    "DUE_TIMERS_SQL",
+    "INLINE_EVENTS",
+    "PARKED_SQL",
+    "SUMMARY_SQL",
+    "TIP_SQL",
+    "LeaseOp",
+    "Write",
+    "execution_key",
+    "lease_columns",
+    "listing_sql",
+    "many_columns",
+    "parse_event",
+    "refusal",
+    "summary",
+]
 
 PREFIX = 200  # characters of a text key that listing indexes hold (see pg_migrations)
 
@@ -54,6 +75,12 @@ FROM executions AS e LEFT JOIN fences AS f ON f.ekey = e.ekey
 """
 DUE_TIMERS_SQL = ("SELECT execution_id, timer_id, due_at FROM timers WHERE due_at <= $1 "
                   "ORDER BY due_at, execution_id, timer_id LIMIT $2")
+#: The backlog per flow and tenant (migration 7's function) and the executions parked on
+#: each gate asked for ($1; ``executions_by_gate`` by their prefixes, $2, then the names).
+BACKLOG_SQL = "SELECT * FROM fleet_backlog($1)"
+PARKED_SQL = ("SELECT waiting_on, count(*) AS n FROM executions WHERE waiting_on IS NOT NULL "
+              f"AND left(waiting_on, {PREFIX}) = ANY($2::text[]) AND waiting_on = ANY($1::text[]) "
+              "AND status = 'parked' GROUP BY waiting_on")
 INLINE_EVENTS = 8  # a write of up to this many events sends their fields as scalars
 
 

@@ -60,7 +60,10 @@ from fleet.kernel.store.pg_queries import (
     APPENDS,
     APPENDS_IF,
     APPENDS_LEASED,
+    BACKLOG_SQL,
     DUE_TIMERS_SQL,
+    PARKED_SQL,
+    PREFIX,
     SUMMARY_SQL,
     TIP_SQL,
     LeaseOp,
@@ -78,6 +81,7 @@ from fleet.kernel.store.spi import (
     ORIGIN,
     AcquiringAppend,
     AppendRequest,
+    Backlog,
     CommittedEvent,
     ConditionalAppendResult,
     DueTimer,
@@ -89,6 +93,8 @@ from fleet.kernel.store.spi import (
     ReleasingAppend,
     Snapshot,
     TipObservation,
+    backlog_groups,
+    check_backlog,
     check_batch,
     check_feed_read,
     check_lease_ms,
@@ -586,6 +592,17 @@ class PostgresEventStore(_PostgresBase):
             return []
         rows = await self._call("fetch", DUE_TIMERS_SQL, now_ms, limit, idempotent=True)
         return [DueTimer(row["execution_id"], row["timer_id"], row["due_at"]) for row in rows]
+
+    async def backlog(self, now_ms: int, *, gates: Sequence[str] = ()) -> Backlog:
+        wanted = check_backlog(now_ms, gates)
+        rows = await self._call("fetch", BACKLOG_SQL, now_ms, idempotent=True)
+        parked = dict.fromkeys(wanted, 0)
+        if wanted:
+            prefixes = sorted({gate[:PREFIX] for gate in wanted})
+            for row in await self._call("fetch", PARKED_SQL, list(wanted), prefixes,
+                                        idempotent=True):
+                parked[str(row["waiting_on"])] = int(row["n"])
+        return Backlog(backlog_groups(tuple(r) for r in rows), parked)
 
     async def read_committed(self, *, after: Position = ORIGIN, limit: int = 500,
                              max_bytes: int | None = None) -> list[CommittedEvent]:

@@ -54,6 +54,7 @@ from fleet.kernel.store.spi import (
     ORIGIN,
     AcquiringAppend,
     AppendRequest,
+    Backlog,
     CommittedEvent,
     ConditionalAppendResult,
     DueTimer,
@@ -64,6 +65,8 @@ from fleet.kernel.store.spi import (
     Position,
     ReleasingAppend,
     TipObservation,
+    backlog_groups,
+    check_backlog,
     check_batch,
     check_feed_read,
     check_id,
@@ -71,7 +74,7 @@ from fleet.kernel.store.spi import (
     check_limit,
     check_listing,
 )
-from fleet.kernel.store.sqlite_schema import FEED_SQL, SCHEMA_VERSION, migrate
+from fleet.kernel.store.sqlite_schema import BACKLOG_SQL, FEED_SQL, SCHEMA_VERSION, migrate
 from fleet.kernel.store.sqlite_writes import Write as _Write
 from fleet.kernel.values import check_int64, check_ms, check_text
 
@@ -724,6 +727,20 @@ class SqliteEventStore:
             row = conn.execute(_SUMMARY_SQL + " WHERE e.execution_id = ?",
                                (execution_id,)).fetchone()
             return None if row is None else _summary(row)
+
+        return await self._db.reader.call(job)
+
+    async def backlog(self, now_ms: int, *, gates: Sequence[str] = ()) -> Backlog:
+        wanted = check_backlog(now_ms, gates)
+
+        def job(conn: sqlite3.Connection) -> Backlog:
+            rows = conn.execute(BACKLOG_SQL, {"now": now_ms}).fetchall()
+            parked = dict.fromkeys(wanted, 0)
+            for gate in wanted:
+                parked[gate] = int(conn.execute(
+                    "SELECT count(*) FROM executions WHERE waiting_on = ? AND status = "
+                    "'parked'", (gate,)).fetchone()[0])
+            return Backlog(backlog_groups(rows), parked)
 
         return await self._db.reader.call(job)
 
