@@ -19,6 +19,7 @@ from celery.concurrency import get_implementation as _get_implementation  # type
 from celery.utils.time import (  # type: ignore[import-untyped]
     get_exponential_backoff_interval as _backoff,
 )
+from celery.worker import state as _worker_state  # type: ignore[import-untyped]
 from click.exceptions import Exit
 from kombu.connection import Connection as _Connection
 
@@ -26,6 +27,8 @@ Celery: Any = _celery.Celery
 Task: Any = _celery.Task
 StartStopStep: Any = _bootsteps.StartStopStep
 signals: Any = _signals
+#: A worker's request bookkeeping (``reserved_requests``: taken, not yet finished).
+worker_state: Any = _worker_state
 AMQP: Any = _AMQP
 Connection: Any = _Connection
 #: The countdown Celery's ``retry_backoff`` gives a retry (full jitter).
@@ -125,4 +128,4 @@ def current_app() -> Any:
 
 __all__ = ["AMQP", "FLEET_AMQP", "Celery", "Connection", "StartStopStep", "Task", "broker_app",
            "celery_version", "current_app", "get_exponential_backoff_interval", "is_prefork",
-           "pool_class", "process_index", "run_command", "signals"]
+           "pool_class", "process_index", "run_command", "signals", "worker_state"]

@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,18 +273,30 @@ class WorkerProcess:
         finally:
             self.write_stats_row()
 
-    def drive_many(self, execution_ids: list[str]) -> list[str | StoreUnavailableError]:
+    def drive_many(self, execution_ids: list[str], *,
+                   on_done: Callable[[], Any] | None = None,
+                   ) -> list[str | StoreUnavailableError]:
         """Drive each of ``execution_ids`` at once on the loop (a ``fleet.drives`` message);
         how each run stopped, or the ``StoreUnavailableError`` that stopped its drive (the
         task retries those). Any other error of one drive is logged and reported as
-        ``refused``; the others are driven regardless (sync)."""
+        ``refused``; the others are driven regardless (sync). ``on_done()`` is called on
+        the loop as each drive stops (the worker's reservation counts it free)."""
         try:
-            return self.loop.run_coroutine(self._drive_many(execution_ids))
+            return self.loop.run_coroutine(self._drive_many(execution_ids, on_done))
         finally:
             self.write_stats_row()
 
-    async def _drive_many(self, execution_ids: list[str]) -> list[str | StoreUnavailableError]:
-        answers = await asyncio.gather(*(self.drive_async(i) for i in execution_ids),
+    async def _drive_many(self, execution_ids: list[str],
+                          on_done: Callable[[], Any] | None = None,
+                          ) -> list[str | StoreUnavailableError]:
+        async def one(execution_id: str) -> DriveResult:
+            try:
+                return await self.drive_async(execution_id)
+            finally:
+                if on_done is not None:
+                    on_done()
+
+        answers = await asyncio.gather(*(one(i) for i in execution_ids),
                                        return_exceptions=True)
         out: list[str | StoreUnavailableError] = []
         for execution_id, answer in zip(execution_ids, answers, strict=True):
