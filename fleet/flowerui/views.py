@@ -27,6 +27,7 @@ from base64 import b64decode
 from collections import OrderedDict
 from typing import Any
 
+import tornado.escape
 import tornado.web
 from flower.api import BaseApiHandler  # type: ignore[import-untyped]  # no type hints
 from flower.views import BaseHandler  # type: ignore[import-untyped]  # no type hints
@@ -150,6 +151,14 @@ def format_number(value: Any) -> str:
     return f"{int(number):,}" if number.is_integer() else f"{number:,.1f}"
 
 
+def code_spans(text: str) -> str:
+    """``text`` as HTML, escaped, its `backticked` parts as ``<code>`` (the runbook's)."""
+    parts = str(text).split("`")
+    return "".join(tornado.escape.xhtml_escape(part) if i % 2 == 0
+                   else f"<code>{tornado.escape.xhtml_escape(part)}</code>"
+                   for i, part in enumerate(parts))
+
+
 def format_ms(ms: float | None) -> str:
     if not ms:
         return ""
@@ -212,7 +221,7 @@ class FleetView(_FleetHandler):
                     services=[p for p in processes if p["role"] != "worker"],
                     can_retry=can_retry, retry_off=retry_off, refresh_s=REFRESH_S,
                     events_stream=settings.events_stream, format_number=format_number,
-                    format_ms=format_ms)
+                    format_ms=format_ms, code_spans=code_spans)
 
 
 class FleetLogView(_FleetHandler):
@@ -232,7 +241,8 @@ class FleetRunbook(_FleetHandler):
 
     @tornado.web.authenticated
     async def get(self) -> None:
-        self.render("fleet_runbook.html", entries=list(RUNBOOK.values()))
+        self.render("fleet_runbook.html", entries=list(RUNBOOK.values()),
+                    code_spans=code_spans)
 
 
 class FleetStatusApi(BaseApiHandler):  # type: ignore[misc]  # Flower's class is untyped

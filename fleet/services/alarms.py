@@ -98,6 +98,10 @@ RUNBOOK: dict[str, RunbookEntry] = {
         "Messages wait in a stream's dead-letter stream.",
         "Read them (`XRANGE <stream>:dead - +`), fix the cause, then delete or replay "
         "them."),
+    "other": _entry(
+        "Other counters that rose",
+        "A counter that needs an operator rose in some process.",
+        "Read the log of the process whose row is red on the page."),
 }
 
 
@@ -112,7 +116,7 @@ class Alarm:
 
     @property
     def entry(self) -> RunbookEntry:
-        return RUNBOOK[self.kind]
+        return RUNBOOK.get(self.kind) or RUNBOOK["other"]
 
     def to_dict(self, runbook_url: str) -> dict[str, Any]:
         entry = self.entry

@@ -123,7 +123,9 @@ class BacklogReader:
 
     async def _read(self) -> BacklogSnapshot:
         if self._store is None:
-            self._store = open_store_to_read(self.settings)
+            # One query at a time: one connection (Postgres; it wins over the URL's sizes).
+            self._store = open_store_to_read(self.settings.model_copy(
+                update={"pg_pool_min": 1, "pg_pool_max": 1}))
         store = self._store
         if not isinstance(store, ReportsBacklog):
             raise ConfigurationError(f"{type(store).__name__} cannot report its backlog "
