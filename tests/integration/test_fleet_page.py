@@ -11,6 +11,7 @@ prefix too (FLEET_STATS_PREFIX), so other fleets on the same Redis are not read.
 
 from __future__ import annotations
 
+import asyncio
 import http.cookiejar
 import json
 import os
@@ -561,6 +562,63 @@ def test_flowers_metrics_parse_and_carry_every_counter_by_process(
     assert browser.json("/fleet/api/status")["totals"]["divergence_parked"] >= scraped_total
     assert "fleet_stream_dead_letters" in found
     assert "fleet_stream_group_lag" in found
+
+
+def test_a_scrape_never_holds_flowers_loop(fleet: Fleet) -> None:
+    """Issue 25 item 6: a scrape waiting on the store (here: a lock the test holds on the
+    index) leaves Flower answering its health check and its pages; it completes, right,
+    when the store answers."""
+    import threading
+
+    import asyncpg
+    from postgres_server import run_async
+
+    url = fleet.settings.database_url
+    held = threading.Event()
+    release = threading.Event()
+
+    async def hold_the_index() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            async with conn.transaction():
+                await conn.execute("LOCK TABLE executions IN ACCESS EXCLUSIVE MODE")
+                held.set()
+                await asyncio.to_thread(release.wait, 60)
+        finally:
+            await conn.close()
+
+    async def waiting_on_the_lock() -> bool:
+        conn = await asyncpg.connect(url)
+        try:
+            return bool(await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE '%fleet_backlog%'"))
+        finally:
+            await conn.close()
+
+    holder = threading.Thread(target=lambda: run_async(hold_the_index), daemon=True)
+    holder.start()
+    assert held.wait(30)
+    time.sleep(1.2)  # past the exporter's one-second reuse of its last read
+    scraped: dict[str, Any] = {}
+
+    def scrape() -> None:
+        scraped["status"], scraped["text"] = Browser(fleet.flower_url).get("/metrics")
+    scraper = threading.Thread(target=scrape, daemon=True)
+    try:
+        scraper.start()
+        until(lambda: run_async(waiting_on_the_lock), "the scrape to wait on the store")
+        browser = Browser(fleet.flower_url)
+        for path in ("/healthcheck", "/fleet/runbook"):
+            status, _ = browser.get(path)
+            assert status == 200, path
+        assert scraper.is_alive()  # still waiting: the loop answered meanwhile
+    finally:
+        release.set()
+        holder.join(30)
+    scraper.join(60)
+    assert scraped["status"] == 200
+    assert "fleet_executions_unowned" in families(scraped["text"])
 
 
 def scrape_port(port: int) -> dict[str, Any]:
