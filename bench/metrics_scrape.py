@@ -144,8 +144,8 @@ async def seed(url: str, kind: str, first: int, last: int, token: str) -> None:
 
 async def query_ms(url: str) -> float | None:
     """The store's ``backlog()`` alone (median of 5, ms); None where it has none."""
+    from fleet.kernel.store.backlog import ReportsBacklog
     from fleet.kernel.store.factory import open_postgres_event_store
-    from fleet.kernel.store.spi import ReportsBacklog
 
     store = open_postgres_event_store(url, pool_max=1)
     try:

@@ -29,7 +29,8 @@ from fleet.host.kernel import open_store_to_read
 from fleet.host.loop import EventLoopThread
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
-from fleet.kernel.store.spi import Backlog, EventStore, ReportsBacklog
+from fleet.kernel.store.backlog import Backlog, ReportsBacklog
+from fleet.kernel.store.spi import EventStore
 
 #: The operator's gates, by the name the metrics and the page give them.
 GATE_KINDS: dict[str, str] = {DIVERGED_GATE: "diverged", INDOUBT_GATE: "in-doubt"}

@@ -14,7 +14,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.kernel.store.spi import Backlog, BacklogGroup
+from fleet.kernel.store.backlog import Backlog, BacklogGroup
 from fleet.services.alarms import RUNBOOK, Alarm, fleet_alarms
 from fleet.services.backlog import BacklogSnapshot, QueueBacklog, route_backlog
 from fleet.services.counters import (

@@ -16,8 +16,9 @@ import pytest
 
 from fleet.kernel.errors import ValidationError
 from fleet.kernel.events import EventType
+from fleet.kernel.store.backlog import Backlog, BacklogGroup, ReportsBacklog
 from fleet.kernel.store.conformance_events import HOSTILE_STRINGS, T0, make_event, started
-from fleet.kernel.store.spi import Backlog, BacklogGroup, EventStore, ReportsBacklog
+from fleet.kernel.store.spi import EventStore
 
 __all__ = ["BacklogConformance"]
 

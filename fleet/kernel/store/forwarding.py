@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.events import EventEnvelope
+from fleet.kernel.store.backlog import Backlog, ReportsBacklog
 from fleet.kernel.store.spi import (
     ORIGIN,
     AppendRequest,
-    Backlog,
     CommittedEvent,
     ConditionalAppendResult,
     CountsExecutions,
@@ -29,7 +29,6 @@ from fleet.kernel.store.spi import (
     ExecutionSummary,
     FenceGrant,
     Position,
-    ReportsBacklog,
     TipObservation,
     append_acquiring,
     append_many,

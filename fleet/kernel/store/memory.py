@@ -31,12 +31,12 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
+from fleet.kernel.store.backlog import Backlog, backlog_groups, check_backlog
 from fleet.kernel.store.spi import (
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
     AcquiringAppend,
     AppendRequest,
-    Backlog,
     CommittedEvent,
     ConditionalAppendResult,
     DueTimer,
@@ -48,8 +48,6 @@ from fleet.kernel.store.spi import (
     ReleasingAppend,
     Snapshot,
     TipObservation,
-    backlog_groups,
-    check_backlog,
     check_batch,
     check_feed_read,
     check_id,

@@ -34,31 +34,11 @@ from fleet.kernel.store.spi import (
     index_change,
 )
 
-__all__ = [
-    "APPENDS",
-    "APPENDS_IF",
-    "APPENDS_LEASED",
-    "APPEND_IF_SQL",
-    "APPEND_LEASED_SQL",
-    "APPEND_MANY_LEASED_SQL",
-    "APPEND_MANY_SQL",
-    "APPEND_SQL",
-    "BACKLOG_SQL",
-    "DUE_TIMERS_SQL",
-    "INLINE_EVENTS",
-    "PARKED_SQL",
-    "SUMMARY_SQL",
-    "TIP_SQL",
-    "LeaseOp",
-    "Write",
-    "execution_key",
-    "lease_columns",
-    "listing_sql",
-    "many_columns",
-    "parse_event",
-    "refusal",
-    "summary",
-]
+__all__ = ["APPENDS", "APPENDS_IF", "APPENDS_LEASED", "APPEND_IF_SQL", "APPEND_LEASED_SQL",
+           "APPEND_MANY_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL", "BACKLOG_SQL",
+           "DUE_TIMERS_SQL", "INLINE_EVENTS", "PARKED_SQL", "SUMMARY_SQL", "TIP_SQL", "LeaseOp",
+           "Write", "execution_key", "lease_columns", "listing_sql", "many_columns",
+           "parse_event", "refusal", "summary"]
 
 PREFIX = 200  # characters of a text key that listing indexes hold (see pg_migrations)
 

@@ -45,6 +45,7 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, wall_clock_ms
+from fleet.kernel.store.backlog import Backlog, backlog_groups, check_backlog
 from fleet.kernel.store.pg_connections import (
     CONNECTION_LOST,
     Database,
@@ -81,7 +82,6 @@ from fleet.kernel.store.spi import (
     ORIGIN,
     AcquiringAppend,
     AppendRequest,
-    Backlog,
     CommittedEvent,
     ConditionalAppendResult,
     DueTimer,
@@ -93,8 +93,6 @@ from fleet.kernel.store.spi import (
     ReleasingAppend,
     Snapshot,
     TipObservation,
-    backlog_groups,
-    check_backlog,
     check_batch,
     check_feed_read,
     check_lease_ms,

@@ -49,12 +49,12 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, wall_clock_ms
+from fleet.kernel.store.backlog import Backlog, backlog_groups, check_backlog
 from fleet.kernel.store.spi import (
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
     AcquiringAppend,
     AppendRequest,
-    Backlog,
     CommittedEvent,
     ConditionalAppendResult,
     DueTimer,
@@ -65,8 +65,6 @@ from fleet.kernel.store.spi import (
     Position,
     ReleasingAppend,
     TipObservation,
-    backlog_groups,
-    check_backlog,
     check_batch,
     check_feed_read,
     check_id,
