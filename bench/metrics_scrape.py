@@ -28,7 +28,13 @@ no good); ``query`` is the store's ``backlog()`` alone, called from the bench
 
 Prints a table (milliseconds) and merges the run into
 ``bench/results/metrics_scrape.json`` under ``--tag``, with the command, the load
-average before and after, and the versions.
+average before and after, and the versions. The peer is the code before decision
+0046, run from an export of that commit with this script copied in::
+
+    git archive 9066fe9 | tar -x -C /tmp/before && cp bench/metrics_scrape.py \
+        /tmp/before/bench/ && (cd /tmp/before && PYTHONPATH=/tmp/before \
+        /path/to/.venv/bin/python -m bench.metrics_scrape --tag before)
+    # then copy the "before" entry of /tmp/before/bench/results/metrics_scrape.json
 """
 
 from __future__ import annotations
@@ -144,9 +150,12 @@ async def seed(url: str, kind: str, first: int, last: int, token: str) -> None:
 
 async def query_ms(url: str) -> float | None:
     """The store's ``backlog()`` alone (median of 5, ms); None where it has none."""
-    from fleet.kernel.store.backlog import ReportsBacklog
     from fleet.kernel.store.factory import open_postgres_event_store
 
+    try:
+        from fleet.kernel.store.backlog import ReportsBacklog
+    except ImportError:  # a checkout before decision 0046 (the "before" peer)
+        return None
     store = open_postgres_event_store(url, pool_max=1)
     try:
         if not isinstance(store, ReportsBacklog):

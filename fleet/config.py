@@ -191,6 +191,10 @@ class FleetSettings(BaseSettings):
         "flower`, the whole fleet's metrics (the one scrape target; decision 0046); in a "
         "service process (timers, recovery, attacher, relay), that process's own Python "
         "and process metrics only; unset: none")
+    metrics_refresh_s: float = Field(
+        5.0, gt=0, description="how often `fleet flower` reads the store's backlog for the "
+        "metrics and the Fleet page while anyone reads them (one indexed query each time; "
+        "a scrape answers the latest, decision 0046)")
     runbook_url: str | None = Field(
         None, description="where the Fleet page's alarms link to (the runbook of "
         "docs/operations.md as you host it; each alarm adds #<its entry>); unset: the "

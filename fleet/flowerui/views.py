@@ -60,7 +60,8 @@ class FleetState:
         self._lock = threading.Lock()
         self._reader: CountersReader | None = None
         self._operator: Operator | None = None
-        self.backlog_reader = BacklogReader(settings, self.route)
+        self.backlog_reader = BacklogReader(settings, self.route,
+                                            refresh_s=settings.metrics_refresh_s)
         self.results: OrderedDict[str, tuple[str, bool]] = OrderedDict()
         self.metrics_server: Any = None
 

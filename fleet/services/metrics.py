@@ -23,13 +23,16 @@ Families:
   ``fleet_executions_unowned`` (runnable, no live lease),
   ``fleet_executions_unowned_oldest_seconds``, ``fleet_timers_due`` (due, not
   fired) and ``fleet_timers_late_seconds`` (the oldest due one's lateness); and
-  ``fleet_executions_parked{gate="diverged"|"in-doubt"}`` (parked now).
+  ``fleet_executions_parked{gate="diverged"|"in-doubt"}`` (parked now), and
+  ``fleet_backlog_age_seconds`` (how old those numbers are: the exporter reads the
+  store every ``FLEET_METRICS_REFRESH_S``, and a scrape answers the latest read).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -174,6 +177,9 @@ def backlog_families(snapshot: BacklogSnapshot) -> Iterator[Metric]:
     for kind in ("diverged", "in-doubt"):
         parked.add_metric([kind], snapshot.parked.get(kind, 0))
     yield parked
+    yield GaugeMetricFamily("fleet_backlog_age_seconds", "how old the store's numbers above "
+                            "are (read every FLEET_METRICS_REFRESH_S)",
+                            value=round(max(0.0, time.time() - snapshot.at), 3))
 
 
 __all__ = ["HELP", "FleetCollector", "backlog_families", "metric_name"]

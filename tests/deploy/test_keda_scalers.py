@@ -242,7 +242,7 @@ def test_each_rendered_query_answers_what_the_gauges_show_as_the_scaler_role(
     # The same function with routes, and the exporter's gauges over the same store.
     settings = FleetSettings(database_url=database.runtime, queue="fleet.drive")
     reader = BacklogReader(settings, lambda flow, tenant: route_queue(
-        ROUTES, "fleet.drive", flow_id=flow, tenant=tenant), max_age_s=0)
+        ROUTES, "fleet.drive", flow_id=flow, tenant=tenant))
     try:
         snapshot = reader.read()
     finally:

@@ -106,7 +106,7 @@ def test_the_unowned_gauge_tracks_the_unclaimed_runs_and_falls_to_zero_with_a_se
 
         samples: list[tuple[float, float]] = []
         for _ in range(3):
-            time.sleep(1.5)  # past the exporter's one-second reuse of a read
+            time.sleep(1.5)  # three of the exporter's reads of the store
             truth_before = unclaimed()
             found = scrape(metrics_port)
             truth_after = unclaimed()
@@ -149,7 +149,7 @@ class _fleet:  # noqa: N801 - a context manager used like a function
             "FLEET_DATABASE_URL": database_url, "FLEET_BROKER_URL": broker,
             "FLEET_REDIS_URL": broker, "FLEET_QUEUE": queue, "FLEET_FLOWS": ALL,
             "FLEET_STATS_PREFIX": f"fleet-test:{token}:stats:",
-            "FLEET_STATS_INTERVAL_S": "0.5",
+            "FLEET_STATS_INTERVAL_S": "0.5", "FLEET_METRICS_REFRESH_S": "0.5",
             "FLEET_EVENTS_STREAM": f"fleet-test:{token}:events"}
         self.settings = FleetSettings(database_url=database_url, broker_url=broker,
                                       redis_url=broker, queue=queue, flows=[ALL])
