@@ -13,9 +13,10 @@ the store's backlog. It is served twice, never on Flower's event loop:
   page, the collection run on an executor thread, so ``/healthcheck`` and the UI
   never wait behind a scrape.
 
-A scrape reads Redis once (``read_fleet``) and the store once (``BacklogReader``:
-one indexed query, shared by scrapes that arrive together), whatever the number of
-parked or queued executions.
+A scrape reads Redis once (``read_fleet``) and answers the store's backlog as
+``BacklogReader``'s thread last read it (one indexed query every
+``FLEET_METRICS_REFRESH_S``), so it costs the same whatever the number of parked or
+queued executions.
 """
 
 from __future__ import annotations
