@@ -53,13 +53,13 @@ def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     return out
 
 
-def drives_in(raw: bytes | str) -> int:
+def drives_in(raw: bytes | str) -> list[str]:
     """The executions one kombu message on a fleet queue drives (``fleet.drives``: its ids)."""
     message = json.loads(raw)
     body = json.loads(base64.b64decode(message["body"]))
     if message["headers"]["task"] == "fleet.drives":
-        return len(body[0][0])
-    return 1
+        return list(body[0][0])
+    return [body[0][0]]
 
 
 def gauge(samples: dict[str, Any], name: str, queue: str) -> float | None:
@@ -95,14 +95,17 @@ def test_the_unowned_gauge_tracks_the_unclaimed_runs_and_falls_to_zero_with_a_se
                 after = rows[-1].execution_id
 
         def held() -> tuple[int, int]:
-            """Drives on the queue, and drives the worker took and has not acknowledged."""
-            waiting = sum(drives_in(m) for m in client.lrange(queue, 0, -1))
-            taken = 0
+            """Drives on the queue, and drives the worker took and has not finished (in
+            the messages it has not acknowledged, those still running: a message is
+            acknowledged when its last drive stops)."""
+            waiting = sum(len(drives_in(m)) for m in client.lrange(queue, 0, -1))
+            taken: list[str] = []
             for raw in client.hvals("unacked"):
                 message, _, routing_key = json.loads(raw)
                 if routing_key == queue:
                     taken += drives_in(json.dumps(message))
-            return waiting, taken
+            # Read after the messages: a drive can only have stopped since.
+            return waiting, sum(1 for eid in taken if store.status(eid) == "running")
 
         samples: list[tuple[float, float]] = []
         for _ in range(3):
@@ -118,8 +121,8 @@ def test_the_unowned_gauge_tracks_the_unclaimed_runs_and_falls_to_zero_with_a_se
             truth = (truth_before + truth_after) / 2
             assert truth > RUNS / 2  # the backlog persists: one slow worker
             assert abs(unowned - truth) <= 0.1 * truth, (unowned, truth_before, truth_after)
-            # The worker holds no more drives than it runs (plus one message's worth),
-            # so the queue holds the backlog: the gauge and the queue agree.
+            # The worker holds no more unfinished drives than it runs (plus one message's
+            # worth), so the queue holds the backlog: the gauge and the queue agree.
             assert taken <= FIRST_DRIVES + BATCH - 1, taken
             assert abs(unowned - waiting) <= FIRST_DRIVES + BATCH + 0.1 * unowned, (
                 unowned, waiting, taken)
