@@ -55,8 +55,9 @@ FROM executions AS e LEFT JOIN fences AS f ON f.ekey = e.ekey
 """
 DUE_TIMERS_SQL = ("SELECT execution_id, timer_id, due_at FROM timers WHERE due_at <= $1 "
                   "ORDER BY due_at, execution_id, timer_id LIMIT $2")
-#: The backlog per flow and tenant (migration 7's function) and the executions parked on
-#: each gate asked for ($1; ``executions_by_gate`` by their prefixes, $2, then the names).
+#: The backlog per flow and tenant (``pg_migration_backlog``'s function) and the executions
+#: parked on each gate asked for ($1; ``executions_by_gate`` by their prefixes, $2, then the
+#: names).
 BACKLOG_SQL = "SELECT * FROM fleet_backlog($1)"
 PARKED_SQL = ("SELECT waiting_on, count(*) AS n FROM executions WHERE waiting_on IS NOT NULL "
               f"AND left(waiting_on, {PREFIX}) = ANY($2::text[]) AND waiting_on = ANY($1::text[]) "

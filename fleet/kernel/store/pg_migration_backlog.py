@@ -1,6 +1,8 @@
-"""Postgres schema version 7: the backlog, read by one query (issue 28 item 1, decision 0046).
+"""A Postgres schema migration: the backlog, read by one query (issue 28 item 1, decision 0046).
 
-Split from ``pg_migrations`` (which lists it as migration 7) to keep modules small.
+Split from ``pg_migrations`` (which gives it its number) to keep modules small. It only
+adds three functions, which read ``executions``, ``fences`` and ``timers``: it depends
+on no other migration after version 3, and none depends on it.
 
 ``fleet_backlog(p_now)`` answers, per flow and tenant, what waits for a worker and
 for the timer service at ``p_now`` (ms): the runnable executions (status
@@ -23,9 +25,9 @@ else the default queue (``fleet.dispatcher.routing.route_queue``).
 
 from __future__ import annotations
 
-__all__ = ["MIGRATION_7"]
+__all__ = ["MIGRATION_BACKLOG"]
 
-_V7_BACKLOG = """
+_BACKLOG = """
 CREATE FUNCTION fleet_backlog(p_now bigint)
 RETURNS TABLE (flow_id text, tenant text, unowned bigint, unowned_since bigint,
                timers_due bigint, due_since bigint)
@@ -72,4 +74,4 @@ AS $$
 $$;
 """
 
-MIGRATION_7 = _V7_BACKLOG
+MIGRATION_BACKLOG = _BACKLOG
