@@ -182,14 +182,32 @@ class FleetSettings(BaseSettings):
         10.0, gt=0, description="a process whose last report is older than this shows as "
         "stale (its last values and their age, never zeros)")
     stats_ttl_s: int = Field(
-        86_400, ge=60, description="how long a stopped process's last report is kept "
-        "(shown as stale) before Redis forgets it")
+        86_400, ge=60, description="how long a process's last report is kept (its "
+        "counters stay in the totals) before Redis forgets it")
     health_port: int | None = Field(
         None, ge=0, le=65535, description="serve GET /livez and /readyz (the checks of "
         "`fleet health`) on this port, for HTTP probes; unset: off")
+    stats_missing_s: float = Field(
+        900.0, gt=0, description="a process that stopped reporting without a clean stop "
+        "is missing (red on the Fleet page, fleet_process_stale=1) for this long, unless a "
+        "newer process of its role replaced it first; then it is gone (decision 0047)")
+    alarm_window_s: float = Field(
+        900.0, gt=0, description="a counter that needs an operator (fenced_out, errors, "
+        "dead letters...) is red on the Fleet page while it rose within this many seconds "
+        "(decision 0047)")
     metrics_port: int | None = Field(
-        None, ge=1, le=65535, description="serve Prometheus /metrics on this port in every "
-        "fleet service process (timers, recovery, attacher, relay); unset: none")
+        None, ge=1, le=65535, description="Prometheus /metrics on this port: in `fleet "
+        "flower`, the whole fleet's metrics (the one scrape target; decision 0046); in a "
+        "service process (timers, recovery, attacher, relay), that process's own Python "
+        "and process metrics only; unset: none")
+    metrics_refresh_s: float = Field(
+        5.0, gt=0, description="how often `fleet flower` reads the store's backlog for the "
+        "metrics and the Fleet page while anyone reads them (one indexed query each time; "
+        "a scrape answers the latest, decision 0046)")
+    runbook_url: str | None = Field(
+        None, description="where the Fleet page's alarms link to (the runbook of "
+        "docs/operations.md as you host it; each alarm adds #<its entry>); unset: the "
+        "runbook Flower serves at /fleet/runbook")
     operator: str | None = Field(
         None, description="the principal (actor) the Fleet page and `fleet diverged retry` "
         "retry diverged executions as; recorded on the log as who resumed. Unset: retry "

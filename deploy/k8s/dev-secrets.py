@@ -9,8 +9,9 @@ the template holds, so a user added there needs no change here) gets a password,
 in its ``redis-url-<user>`` key and hashed into ``fleet-redis-acl``'s ``users.acl``
 (``deploy/redis/render-acl.sh`` renders it); the two database roles get one each, used
 in their URLs and in the dev Postgres's bootstrap keys; Flower's basic auth, a reward
-key, the operators' control key and KEDA's Redis password get one. Nothing is printed: the passwords are in the
-file only (``deploy/k8s/secret.yaml`` is gitignored). Standard library only.
+key, the operators' control key and KEDA's database role (``fleet_scaler``) get one.
+Nothing is printed: the passwords are in the file only (``deploy/k8s/secret.yaml`` is
+gitignored). Standard library only.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def fill(template: str, redis: dict[str, str], acl: str) -> str:
     singles = {"postgres-password": _password(),
                "postgres-migrator-password": roles["fleet_migrator"],
                "postgres-runtime-password": roles["fleet_runtime"],
-               "password": redis.get("keda", _password())}
+               "password": _password()}  # fleet-keda-postgres: the fleet_scaler role
     out: list[str] = []
     for line in template.splitlines():
         url = re.search(r"(redis|postgresql)://([A-Za-z0-9_-]+):CHANGE_ME@", line)
@@ -89,7 +90,7 @@ def main(argv: list[str]) -> int:
     target.write_text(fill(TEMPLATE.read_text(), redis, render_acl(redis)))
     target.chmod(0o600)
     print(f"wrote {target}: fleet-secrets, fleet-redis-acl ({len(redis)} Redis users), "
-          "fleet-keda-redis; every password random")
+          "fleet-keda-postgres; every password random")
     return 0
 
 

@@ -36,12 +36,17 @@ import asyncio
 import functools
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
@@ -66,14 +71,11 @@ from fleet.kernel.timers import FiredTimer
 from fleet.recovery.sweeper import RecoverySweeper
 from fleet.services.base import PeriodicService, Service, run_services
 from fleet.services.counters import (
-    FleetCounters,
-    ProcessReport,
     StatsReporter,
     numbers,
     process_name,
 )
 from fleet.services.health import Heartbeat
-from fleet.services.metrics import FleetCollector
 from fleet.services.probes import serve_probes
 from fleet.streams.attacher import RewardAttacher
 from fleet.streams.redis_client import aioredis
@@ -387,22 +389,20 @@ async def serve(settings: FleetSettings, name: str, *,
 
 
 def serve_metrics(settings: FleetSettings, role: Role) -> Any:
-    """This process's ``/metrics`` on ``FLEET_METRICS_PORT`` (None when unset): its own
-    counters, in the families Flower's ``/metrics`` serves for the whole fleet."""
+    """This process's ``/metrics`` on ``FLEET_METRICS_PORT`` (None when unset): its Python
+    and process metrics only (CPU, memory, open files, the collector's counts). Its
+    fleet counters reach Prometheus once, through ``fleet flower``'s exporter, which
+    reads every process's report from Redis (decision 0046): served here too, they
+    would be counted twice."""
     if settings.metrics_port is None:
         return None
-    reporter = next((s for s in role.services if isinstance(s, StatsReporter)), None)
-    process = reporter.process if reporter is not None else process_name()
-
-    def read() -> FleetCounters:
-        counters = role_counters(role)
-        return FleetCounters((ProcessReport(role.name, process, counters, at=time.time(),
-                                            age_s=0.0, stale=False, pid=os.getpid()),))
-
     registry = CollectorRegistry()
-    registry.register(FleetCollector(read))
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
     server, _ = start_http_server(settings.metrics_port, registry=registry)
-    log.info("fleet %s: Prometheus /metrics on port %d", role.name, settings.metrics_port)
+    log.info("fleet %s: its process metrics on port %d (/metrics)", role.name,
+             settings.metrics_port)
     return server
 
 

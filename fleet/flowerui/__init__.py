@@ -11,8 +11,10 @@ builds its Tornado application. It
 * gives Flower a template loader that serves the Fleet templates beside
   Flower's, and Flower's ``navbar.html`` with a "Fleet" link after "Broker"
   (so the page is one click from Flower's first page, in Flower's look);
-* registers ``FleetCollector`` in the Prometheus registry Flower's
-  ``/metrics`` serves.
+* serves the fleet's metrics (``fleet.flowerui.exporter``, decision 0046): on
+  ``FLEET_METRICS_PORT`` for the scraper, and on Flower's ``/metrics`` behind
+  Flower's authentication (a handler in front of Flower's, which needs none),
+  both off Flower's event loop.
 
 Nothing of Flower is copied or forked: its handlers, authentication, static
 files and templates are used as they are (decision 0028).
@@ -29,10 +31,11 @@ from typing import Any
 import flower.app  # type: ignore[import-untyped]  # Flower ships no type hints
 import flower.urls  # type: ignore[import-untyped]  # Flower ships no type hints
 import tornado.template
-from prometheus_client import REGISTRY
+from prometheus_client.registry import CollectorRegistry
 from tornado.web import url
 
 from fleet.config import FleetSettings
+from fleet.flowerui.exporter import AuthenticatedMetrics, exporter_registry, serve_port
 from fleet.flowerui.roles import guard_handlers
 from fleet.flowerui.views import (
     FleetBulkRetry,
@@ -40,6 +43,7 @@ from fleet.flowerui.views import (
     FleetLogView,
     FleetRetry,
     FleetRetryApi,
+    FleetRunbook,
     FleetState,
     FleetStatusApi,
     FleetView,
@@ -86,9 +90,12 @@ class FleetTemplateLoader(tornado.template.Loader):
         return super()._create_template(name)
 
 
-def handlers(state: FleetState) -> list[Any]:
+def handlers(state: FleetState, registry: CollectorRegistry) -> list[Any]:
     kwargs = {"state": state}
-    return [url(r"/fleet", FleetView, kwargs, name="fleet"),
+    return [url(r"/metrics", AuthenticatedMetrics, {"registry": registry},
+                name="fleet-metrics"),
+            url(r"/fleet", FleetView, kwargs, name="fleet"),
+            url(r"/fleet/runbook", FleetRunbook, kwargs, name="fleet-runbook"),
             url(r"/fleet/api/status", FleetStatusApi, kwargs, name="fleet-api-status"),
             url(r"/fleet/execution/(.+)", FleetLogView, kwargs, name="fleet-log"),
             url(r"/fleet/diverged/retry", FleetBulkRetry, kwargs, name="fleet-retry-all"),
@@ -105,14 +112,16 @@ def install(settings: FleetSettings) -> FleetState:
     if _installed is not None:
         return _installed
     state = FleetState(settings)
-    ours = handlers(state)
+    registry = exporter_registry(FleetCollector(state.counters, state.backlog))
+    ours = handlers(state, registry)
     # Flower's own handlers behind the fleet's roles (issue 25 item 5): mutations need the
-    # operator role, pages of every tenant's tasks need every tenant.
+    # operator role, pages of every tenant's tasks need every tenant. Ours come first
+    # (/metrics behind Flower's login, decision 0046).
     flower.app.default_handlers = [*ours, *guard_handlers(flower.app.default_handlers,
                                                           settings)]
     flower.urls.settings["template_loader"] = FleetTemplateLoader(
         flower.urls.settings["template_path"])
-    REGISTRY.register(FleetCollector(state.counters, state.parked_counts))
+    state.metrics_server = serve_port(settings, registry)
     _installed = state
     log.info("fleet: the Fleet page is at /fleet (Flower's navigation: Fleet)")
     return state

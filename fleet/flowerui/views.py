@@ -2,6 +2,7 @@
 
 ==============================  ======  ==============================================
 ``/fleet``                      GET     the page (Flower's look, auto-refresh)
+``/fleet/runbook``              GET     what each alarm means and what to do
 ``/fleet/api/status``           GET     the same as JSON
 ``/fleet/execution/<id>``       GET     an execution's log
 ``/fleet/diverged/<id>/retry``  POST    Retry (a form; redirects to the page)
@@ -30,6 +31,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import tornado.escape
 import tornado.web
 from flower.api import BaseApiHandler  # type: ignore[import-untyped]  # no type hints
 from flower.views import BaseHandler  # type: ignore[import-untyped]  # no type hints
@@ -37,11 +39,13 @@ from tornado.ioloop import IOLoop
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.operator import GATES, Operator, ParkedExecution, RetryResult
+from fleet.dispatcher.routing import route_queue
 from fleet.flowerui.roles import Viewer, flower_user, has_operator_role, viewer_of
 from fleet.kernel.bulk import BulkReport, ExecutionFilter
 from fleet.kernel.errors import FleetError
-from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
-from fleet.services.counters import ALARMS, WORKER_COUNTERS, CountersReader, FleetCounters
+from fleet.services.alarms import RUNBOOK, fleet_alarms
+from fleet.services.backlog import BacklogReader, BacklogSnapshot
+from fleet.services.counters import WORKER_COUNTERS, CountersReader, FleetCounters
 
 log = logging.getLogger("fleet.flower")
 
@@ -67,14 +71,23 @@ BULK_RATE = 20.0
 
 
 class FleetState:
-    """What the handlers share: the counters' reader and the operator (opened lazily)."""
+    """What the handlers share: the counters' and the backlog's readers and the operator
+    (each opened lazily)."""
 
     def __init__(self, settings: FleetSettings) -> None:
         self.settings = settings
         self._lock = threading.Lock()
         self._reader: CountersReader | None = None
         self._operator: Operator | None = None
+        self.backlog_reader = BacklogReader(settings, self.route,
+                                            refresh_s=settings.metrics_refresh_s)
         self.results: OrderedDict[str, tuple[str, bool]] = OrderedDict()
+        self.metrics_server: Any = None
+
+    def route(self, flow_id: str, tenant: str | None) -> str:
+        """The queue a drive of this flow and tenant goes to (``FLEET_ROUTES``)."""
+        return route_queue(self.settings.routes, self.settings.queue, flow_id=flow_id,
+                           tenant=tenant)
 
     @property
     def reader(self) -> CountersReader:
@@ -96,15 +109,18 @@ class FleetState:
                                                "FLEET_REDIS_URL for Flower",))
         return self.reader.read()
 
-    def parked_counts(self) -> dict[str, int]:
-        parked = self.operator.parked(limit=10_000)
-        return {"diverged": sum(1 for p in parked if p.gate == DIVERGED_GATE),
-                "in-doubt": sum(1 for p in parked if p.gate == INDOUBT_GATE)}
+    def backlog(self) -> BacklogSnapshot:
+        """What waits now and what is parked (the store's index; decision 0046)."""
+        return self.backlog_reader.read()
 
-    def snapshot_for(self, viewer: Viewer) -> dict[str, Any]:
+    def runbook_url(self, handler: Any) -> str:
+        """Where the alarms link to: ``FLEET_RUNBOOK_URL``, else Flower's copy."""
+        return self.settings.runbook_url or handler.reverse_url("fleet-runbook")
+
+    def snapshot_for(self, viewer: Viewer, runbook_url: str = "") -> dict[str, Any]:
         """``snapshot`` as ``viewer`` may read it: the parked executions of its tenants only,
         and no execution ids in the workers' reports unless it reads every tenant."""
-        data = self.snapshot()
+        data = self.snapshot(runbook_url)
         if viewer.reads_every_tenant:
             return data
         data["parked"] = [p for p in data["parked"] if viewer.sees(p.get("tenant"))]
@@ -113,11 +129,16 @@ class FleetState:
         data["scoped_to"] = sorted(viewer.tenants or ())
         return data
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, runbook_url: str = "") -> dict[str, Any]:
         """The page's data (also ``/fleet/api/status``), every tenant's."""
         counters = self.counters()
         data = counters.to_dict()
         parked: list[ParkedExecution] = []
+        backlog: BacklogSnapshot | None = None
+        try:
+            backlog = self.backlog()
+        except Exception as exc:  # noqa: BLE001 - shown on the page, the rest still served
+            data["problems"].append(f"backlog: {type(exc).__name__}: {exc}")
         try:
             parked = self.operator.parked(gates=GATES)
         except Exception as exc:  # noqa: BLE001 - shown on the page, the rest still served
@@ -130,17 +151,15 @@ class FleetState:
         by = counters.parked_by()
         data["parked"] = [{**p.to_dict(), "worker": p.worker or by.get(p.execution_id)}
                           for p in parked]
-        if parked:
-            data["alarms"]["executions parked diverged"] = sum(
-                1 for p in parked if p.gate == DIVERGED_GATE)
-            indoubt = sum(1 for p in parked if p.gate == INDOUBT_GATE)
-            if indoubt:
-                data["alarms"]["executions parked in-doubt"] = indoubt
-            if not data["alarms"]["executions parked diverged"]:
-                del data["alarms"]["executions parked diverged"]
-        stale = [p for p in counters.processes if p.stale]
-        if stale:
-            data["alarms"]["stale processes"] = len(stale)
+        data["parked_now"] = dict(backlog.parked) if backlog is not None else None
+        data["backlog"] = [] if backlog is None else [
+            {"queue": r.queue, "flow": r.flow_id, "unowned": r.unowned,
+             "oldestUnownedS": r.oldest_unowned_s, "timersDue": r.timers_due,
+             "timersLateS": r.timers_late_s} for r in backlog.rows]
+        alarms = fleet_alarms(counters, parked=None if backlog is None else backlog.parked,
+                              now=time.time(), window_s=self.settings.alarm_window_s)
+        data["alarms"] = {a.name: a.to_dict(runbook_url) for a in alarms}
+        data["risen"] = sorted({a.kind for a in alarms})
         data["operator"] = {"principal": self.settings.operator,
                             "retry": bool(self.settings.operator)}
         return data
@@ -153,8 +172,11 @@ class FleetState:
         return token
 
     def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         if self._reader is not None:
             self._reader.close()
+        self.backlog_reader.close()
         if self._operator is not None:
             self._operator.close()
 
@@ -164,6 +186,14 @@ def format_number(value: Any) -> str:
         return "—"
     number = float(value)
     return f"{int(number):,}" if number.is_integer() else f"{number:,.1f}"
+
+
+def code_spans(text: str) -> str:
+    """``text`` as HTML, escaped, its `backticked` parts as ``<code>`` (the runbook's)."""
+    parts = str(text).split("`")
+    return "".join(tornado.escape.xhtml_escape(part) if i % 2 == 0
+                   else f"<code>{tornado.escape.xhtml_escape(part)}</code>"
+                   for i, part in enumerate(parts))
 
 
 def format_ms(ms: float | None) -> str:
@@ -185,22 +215,26 @@ class FleetView(_FleetHandler):
     async def get(self) -> None:
         settings = self.state.settings
         viewer = viewer_of(self, settings)
-        data = await self.blocking(self.state.snapshot_for, viewer)
+        data = await self.blocking(self.state.snapshot_for, viewer, self.state.runbook_url(self))
         token = self.get_argument("result", None)
         message, bad = self.state.results.get(token or "", ("", False))
         can_retry = bool(settings.operator) and viewer.operator
         retry_off = ("set FLEET_OPERATOR to retry" if not settings.operator
                      else "needs the operator role (FLEET_OPERATORS)")
-        processes = data["processes"]
+        # Stopped and gone processes leave the page (their counters stay in the totals).
+        processes = [p for p in data["processes"] if p["state"] in ("live", "missing")]
+        now, window = time.time(), settings.alarm_window_s
         self.render("fleet.html", data=data, message=message, message_bad=bad,
-                    headline=HEADLINE, alarm_names=frozenset(ALARMS),
+                    headline=HEADLINE, risen=frozenset(data["risen"]),
+                    rose=lambda p, name: now - p["rose"].get(name, -1e18) <= window,
+                    hidden=len(data["processes"]) - len(processes), alarm_window_s=window,
                     worker_counters=WORKER_COUNTERS, worker_columns=WORKER_COLUMNS,
                     short=SHORT,
                     workers=[p for p in processes if p["role"] == "worker"],
                     services=[p for p in processes if p["role"] != "worker"],
                     can_retry=can_retry, retry_off=retry_off, refresh_s=REFRESH_S,
                     events_stream=settings.events_stream, format_number=format_number,
-                    format_ms=format_ms)
+                    format_ms=format_ms, code_spans=code_spans)
 
 
 class FleetLogView(_FleetHandler):
@@ -219,6 +253,15 @@ class FleetLogView(_FleetHandler):
                     format_ms=format_ms)
 
 
+class FleetRunbook(_FleetHandler):
+    """The runbook's entries for the alarms (``docs/operations.md``, section Runbook)."""
+
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        self.render("fleet_runbook.html", entries=list(RUNBOOK.values()),
+                    code_spans=code_spans)
+
+
 class FleetStatusApi(BaseApiHandler):  # type: ignore[misc]  # Flower's class is untyped
     def initialize(self, state: FleetState) -> None:
         self.state = state
@@ -226,7 +269,8 @@ class FleetStatusApi(BaseApiHandler):  # type: ignore[misc]  # Flower's class is
     @tornado.web.authenticated
     async def get(self) -> None:
         viewer = viewer_of(self, self.state.settings)
-        data = await IOLoop.current().run_in_executor(None, self.state.snapshot_for, viewer)
+        data = await IOLoop.current().run_in_executor(None, self.state.snapshot_for, viewer,
+                                                      self.state.runbook_url(self))
         self.set_header("Content-Type", "application/json; charset=UTF-8")
         self.write(json.dumps(data))
 
@@ -345,5 +389,5 @@ class FleetRetryApi(_Retry):
 
 
 __all__ = ["BULK_LIMIT", "BULK_RATE", "SHORT", "WORKER_COLUMNS", "FleetBulkRetry",
-           "FleetBulkRetryApi", "FleetLogView", "FleetRetry", "FleetRetryApi", "FleetState",
-           "FleetStatusApi", "FleetView"]
+           "FleetBulkRetryApi", "FleetLogView", "FleetRetry", "FleetRetryApi", "FleetRunbook",
+           "FleetState", "FleetStatusApi", "FleetView"]

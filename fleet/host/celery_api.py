@@ -20,6 +20,7 @@ from celery.concurrency import get_implementation as _get_implementation  # type
 from celery.utils.time import (  # type: ignore[import-untyped]
     get_exponential_backoff_interval as _backoff,
 )
+from celery.worker import state as _worker_state  # type: ignore[import-untyped]
 from click.exceptions import Exit
 from kombu.connection import Connection as _Connection
 
@@ -27,6 +28,8 @@ Celery: Any = _celery.Celery
 Task: Any = _celery.Task
 StartStopStep: Any = _bootsteps.StartStopStep
 signals: Any = _signals
+#: A worker's request bookkeeping (``reserved_requests``: taken, not yet finished).
+worker_state: Any = _worker_state
 AMQP: Any = _AMQP
 #: Celery's remote-control client (``app.control``); ``fleet.host.control`` extends it.
 Control: Any = _Control
@@ -138,4 +141,4 @@ def current_app() -> Any:
 __all__ = ["AMQP", "FLEET_AMQP", "FLEET_CONTROL", "Celery", "Connection", "Control",
            "StartStopStep", "Task", "broker_app",
            "celery_version", "current_app", "get_exponential_backoff_interval", "is_prefork",
-           "pool_class", "process_index", "run_command", "signals"]
+           "pool_class", "process_index", "run_command", "signals", "worker_state"]

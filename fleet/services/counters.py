@@ -25,13 +25,19 @@ pool         a worker's Celery pool (its ``slots`` counter: drives at once)
 problems     JSON list of what makes the process unhealthy now (a worker that
              consumes no fleet queue, a key file that cannot be read; issue 25):
              the Fleet page shows the process red with them
+rose         JSON ``{name: epoch seconds}``: when each counter of ``ALARMS``
+             last rose in this process (decision 0047)
 ===========  ===============================================================
 
 ``read_fleet`` is the one reader the Fleet page in Flower, ``fleet status`` and
-the Prometheus collectors use: every process's last report, its age, and
-whether it is **stale** (older than ``FLEET_STATS_STALE_S``, or stopped): a
-stale process shows its last values and their age, never zeros. It also reads
-the streams' lags (``XINFO GROUPS``) and dead letters (``XLEN``).
+the Prometheus collector use: every process's last report, its age, and its
+**state** (decision 0047): ``live`` (reported within ``FLEET_STATS_STALE_S``),
+``stopped`` (a clean stop: it leaves the page and the metrics at once),
+``missing`` (silent without a clean stop, and still expected back: red, with its
+last values and their age, never zeros) or ``gone`` (silent for longer than
+``FLEET_STATS_MISSING_S``, or replaced by a newer process of its role). Every
+report's counters stay in the totals until Redis forgets it. It also reads the
+streams' lags (``XINFO GROUPS``) and dead letters (``XLEN``).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleet.config import FleetSettings
@@ -72,10 +78,14 @@ SERVICE_COUNTERS: dict[str, tuple[str, ...]] = {
     "relay": ("published", "present", "batches", "errors", "lag_ms", "leader",
               "peak_batch_bytes"),
 }
-#: Counters that need an operator when above zero (red on the Fleet page).
-ALARMS: tuple[str, ...] = ("divergence_warnings", "divergence_parked", "fenced_out",
-                           "outcomes_dead_lettered", "dispatch_refused", "errors",
-                           "enqueue_errors", "failed", "control_refused")
+#: Counters that need an operator when they rose lately (``FLEET_ALARM_WINDOW_S``; red
+#: on the Fleet page). Parks on the divergence gate are judged by what is parked now
+#: (the store), not by ``divergence_parked``, which only grows (decision 0047).
+ALARMS: tuple[str, ...] = ("divergence_warnings", "fenced_out", "outcomes_dead_lettered",
+                           "dispatch_refused", "errors", "enqueue_errors", "failed",
+                           "control_refused")
+#: A process's state, as the reader judges it (``classify``).
+LIVE, STOPPED, MISSING, GONE = "live", "stopped", "missing", "gone"
 #: The most problems one report carries, and the longest one.
 _PROBLEMS_KEPT, _PROBLEM_CHARS = 10, 500
 #: Gauges: read as they are, never summed into totals.
@@ -159,6 +169,9 @@ class StatsReporter(PeriodicService):
         self.ttl_s = ttl_s
         self.reports = 0
         self.started_at = time.time()
+        #: When each alarm counter last rose here (epoch s), and its last value.
+        self.rose: dict[str, float] = {}
+        self._last: dict[str, float] = {}
         self._client: aioredis.Redis | None = None
 
     @classmethod
@@ -191,13 +204,18 @@ class StatsReporter(PeriodicService):
                         type(exc).__name__, exc)
             counters = {}
         now = time.time()
+        for name in ALARMS:
+            value = counters.get(name, 0)
+            if value > self._last.get(name, 0):
+                self.rose[name] = now
+            self._last[name] = value
         out = {"role": self.role, "name": self.process, "pid": str(os.getpid()),
                "host": socket.gethostname(), "at": f"{now:.3f}",
                "interval_s": f"{self.interval_s:g}", "started_at": f"{self.started_at:.3f}",
                "counters": json.dumps(counters, separators=(",", ":")), "stopped_at": "",
                "parks": json.dumps(parks, separators=(",", ":")),
                "problems": json.dumps(problems, separators=(",", ":")),
-               "pool": str(pool)[:40]}
+               "pool": str(pool)[:40], "rose": json.dumps(self.rose, separators=(",", ":"))}
         if stopped:
             out["stopped_at"] = f"{now:.3f}"
         return out
@@ -278,14 +296,29 @@ class ProcessReport:
     #: A worker's Celery pool (``thread``, ``prefork``, ``solo``); its ``slots`` counter
     #: is how many drives it runs at once (what ``fleet status`` shows without inspect).
     pool: str = ""
+    #: When each of ``ALARMS`` last rose in this process (epoch seconds).
+    rose: dict[str, float] = field(default_factory=dict)
+    #: ``live``, ``stopped``, ``missing`` or ``gone`` (``classify``; decision 0047).
+    state: str = LIVE
+
+    @property
+    def shown(self) -> bool:
+        """Whether the Fleet page, ``fleet status`` and ``/metrics`` show it: live, or
+        missing (expected back)."""
+        return self.state in (LIVE, MISSING)
+
+    def rose_within(self, name: str, now: float, window_s: float) -> bool:
+        at = self.rose.get(name)
+        return at is not None and now - at <= window_s
 
     def to_dict(self) -> dict[str, Any]:
         return {"role": self.role, "name": self.name, "counters": dict(self.counters),
                 "parks": [dict(p) for p in self.parks], "problems": list(self.problems),
-                "pool": self.pool,
+                "pool": self.pool, "rose": dict(self.rose),
                 "at": self.at, "age_s": round(self.age_s, 1), "stale": self.stale,
-                "stopped": self.stopped, "pid": self.pid, "host": self.host,
-                "interval_s": self.interval_s, "started_at": self.started_at}
+                "stopped": self.stopped, "state": self.state, "pid": self.pid,
+                "host": self.host, "interval_s": self.interval_s,
+                "started_at": self.started_at}
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,24 +375,41 @@ class FleetCounters:
     def stale(self) -> list[ProcessReport]:
         return [p for p in self.processes if p.stale]
 
-    def alarms(self) -> dict[str, float]:
-        """The alarm counters above zero, the processes that report a problem, and the
-        streams' dead letters."""
+    @property
+    def shown(self) -> list[ProcessReport]:
+        """The processes the page and the metrics show: live, and missing ones."""
+        return [p for p in self.processes if p.shown]
+
+    @property
+    def unhealthy(self) -> list[ProcessReport]:
+        """The live processes that report a problem now (no fleet queue, a key file)."""
+        return [p for p in self.processes if p.problems and p.state == LIVE]
+
+    @property
+    def missing(self) -> list[ProcessReport]:
+        return [p for p in self.processes if p.state == MISSING]
+
+    def live(self, role: str) -> int:
+        """How many processes of ``role`` report now."""
+        return sum(1 for p in self.processes if p.role == role and p.state == LIVE)
+
+    def risen(self, now: float, window_s: float) -> dict[str, tuple[float, float]]:
+        """``{counter: (total, when it last rose)}`` for the ``ALARMS`` that rose in some
+        process within ``window_s`` of ``now``."""
         totals = self.totals
-        out = {name: totals[name] for name in ALARMS if totals.get(name, 0) > 0}
-        unhealthy = [p for p in self.processes if p.problems and not p.stale]
-        if unhealthy:
-            out["unhealthy processes"] = len(unhealthy)
-        for stream in self.streams:
-            if stream.dead_letters:
-                out[f"dead letters on {stream.dead_stream}"] = stream.dead_letters
+        out: dict[str, tuple[float, float]] = {}
+        for name in ALARMS:
+            last = max((p.rose[name] for p in self.processes
+                        if p.rose_within(name, now, window_s)), default=None)
+            if last is not None:
+                out[name] = (totals.get(name, 0), last)
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"at": self.at, "totals": self.totals,
                 "processes": [p.to_dict() for p in self.processes],
                 "streams": [s.to_dict() for s in self.streams], "relay": dict(self.relay),
-                "alarms": self.alarms(), "problems": list(self.problems)}
+                "problems": list(self.problems)}
 
 
 def parse_report(raw: Mapping[Any, Any], *, now: float, stale_s: float) -> ProcessReport | None:
@@ -398,12 +448,50 @@ def parse_report(raw: Mapping[Any, Any], *, now: float, stale_s: float) -> Proce
         problems_raw = []
     problems = tuple(str(p)[:_PROBLEM_CHARS] for p in problems_raw[:_PROBLEMS_KEPT]) \
         if isinstance(problems_raw, list) else ()
+    try:
+        rose_raw = json.loads(data.get("rose") or "{}")
+    except ValueError:
+        rose_raw = {}
+    rose = numbers(rose_raw) if isinstance(rose_raw, dict) else {}
     # A process reporting less often than the stale limit is judged by its own interval.
     limit = max(stale_s, 3 * interval)
     return ProcessReport(role=role, name=name, counters=counters, at=at, age_s=age,
                          stale=stopped or age > limit, stopped=stopped, pid=pid,
                          host=data.get("host", ""), interval_s=interval, started_at=started,
-                         parks=parks, problems=problems, pool=data.get("pool", ""))
+                         parks=parks, problems=problems, pool=data.get("pool", ""),
+                         rose=rose,
+                         state=STOPPED if stopped else (MISSING if age > limit else LIVE))
+
+
+def classify(reports: Iterable[ProcessReport], *, missing_s: float) -> list[ProcessReport]:
+    """Each silent process (stale, not stopped) as ``missing`` or ``gone`` (decision 0047).
+
+    It is gone once it has been silent for more than ``missing_s``, or once a newer
+    process of its role took its place: a live one that started after its last
+    report (each newer process replaces one silent process, the most recent first,
+    so a pod that restarts under a new name clears the old one and a worker that
+    died while another kept running stays missing). Otherwise it is missing.
+    """
+    reports = list(reports)
+    newer: dict[str, list[float]] = {}
+    for report in reports:
+        if report.state == LIVE and report.started_at is not None:
+            newer.setdefault(report.role, []).append(report.started_at)
+    out: dict[int, ProcessReport] = {}
+    silent = sorted((i for i, r in enumerate(reports) if r.state in (MISSING, GONE)),
+                    key=lambda i: -reports[i].at)
+    for i in silent:
+        report = reports[i]
+        state = MISSING
+        if report.age_s > missing_s:
+            state = GONE
+        else:
+            takers = [at for at in newer.get(report.role, []) if at > report.at]
+            if takers:
+                newer[report.role].remove(min(takers))
+                state = GONE
+        out[i] = replace(report, state=state)
+    return [out.get(i, r) for i, r in enumerate(reports)]
 
 
 def _keys(client: Any, limit: int, prefix: str, since: float) -> list[str]:
@@ -440,7 +528,8 @@ def stream_infos(client: Any, streams: Iterable[tuple[str, str]]) -> list[Stream
 def read_fleet(client: Any, *, stale_s: float = 10.0,
                streams: Iterable[tuple[str, str]] = (), relay_key: str | None = None,
                limit: int = 10_000, now: float | None = None,
-               prefix: str = PREFIX, ttl_s: float = 86_400) -> FleetCounters:
+               prefix: str = PREFIX, ttl_s: float = 86_400,
+               missing_s: float = 900.0) -> FleetCounters:
     """Every ``fleet:stats:*`` report (a sync Redis client), and the streams asked for.
 
     A part that cannot be read is named in ``problems``; the rest is still read.
@@ -473,6 +562,7 @@ def read_fleet(client: Any, *, stale_s: float = 10.0,
             relay = {as_text(k): as_text(v) for k, v in (client.hgetall(relay_key) or {}).items()}
         except Exception as exc:  # noqa: BLE001 - shown, and the rest still read
             problems.append(f"relay: {type(exc).__name__}: {exc}")
+    reports = classify(reports, missing_s=missing_s)
     order = {role: i for i, role in enumerate(ROLES)}
     reports.sort(key=lambda r: (order.get(r.role, 99), r.name))
     return FleetCounters(tuple(reports), tuple(infos), relay, tuple(problems))
@@ -498,6 +588,7 @@ class CountersReader:
     def read(self, *, streams: bool = True) -> FleetCounters:
         return read_fleet(self.client, stale_s=self.settings.stats_stale_s,
                           prefix=self.settings.stats_prefix, ttl_s=self.settings.stats_ttl_s,
+                          missing_s=self.settings.stats_missing_s,
                           streams=fleet_streams(self.settings) if streams else (),
                           relay_key=f"{self.settings.events_stream}:relay" if streams else None)
 
@@ -506,8 +597,9 @@ class CountersReader:
             self.client.close()
 
 
-__all__ = ["ALARMS", "GAUGES", "PARKS_KEPT", "PREFIX", "ROLES", "SERVICE_COUNTERS",
-           "WORKER_COUNTERS",
+__all__ = ["ALARMS", "GAUGES", "GONE", "LIVE", "MISSING", "PARKS_KEPT", "PREFIX", "ROLES",
+           "SERVICE_COUNTERS", "STOPPED", "WORKER_COUNTERS",
            "CountersReader", "FleetCounters", "ProcessReport", "StatsReporter", "StreamInfo",
-           "fleet_streams", "numbers", "parse_report", "process_name", "read_fleet",
+           "classify", "fleet_streams", "numbers", "parse_report", "process_name",
+           "read_fleet",
            "stats_key", "stream_infos"]

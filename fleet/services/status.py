@@ -71,7 +71,7 @@ class FleetStatus:
 
     @property
     def services(self) -> list[ProcessReport]:
-        return [] if self.counters is None else [p for p in self.counters.processes
+        return [] if self.counters is None else [p for p in self.counters.shown
                                                  if p.role != "worker"]
 
     def to_dict(self) -> dict[str, Any]:
@@ -250,7 +250,9 @@ class StatusReader:
                 self._counters = CountersReader(self.settings)
             counters = self._counters.read()
             problems += counters.problems
-            workers = merge_workers(workers, counters.of("worker"))
+            # A stopped or gone worker is not shown (decision 0047); its counters stay
+            # in the totals.
+            workers = merge_workers(workers, [r for r in counters.of("worker") if r.shown])
         return FleetStatus(counts, tuple(workers), tuple(problems), capped=capped,
                            counters=counters)
 

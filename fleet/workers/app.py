@@ -9,9 +9,11 @@ broker for correctness: the log and the fences are in the store.
 
 ``worker_prefetch_multiplier = 1``: a drive runs until its run parks or ends,
 which can take long, so a worker reserves only as many messages as it has
-drive slots (``worker_drives``, the thread pool's size). A message never waits
-in the buffer of a busy worker while another is idle, and a killed worker
-holds at most its in-flight drives, not a backlog.
+drive slots (``worker_drives``, the thread pool's size), and, since a
+``fleet.drives`` message carries several drives, no more drives than that
+either (``fleet.workers.reservation``, decision 0046). A drive never waits in the
+buffer of a busy worker while another is idle, and a killed worker holds at most
+its in-flight drives, not a backlog.
 
 The pool defaults to ``threads`` with ``worker_drives`` threads: one process,
 one event loop, many concurrent drives on it (decision 0012). Prefork works
@@ -37,6 +39,7 @@ from fleet.workers import shutdown, stats
 from fleet.workers.bootstep import FleetStatsStep
 from fleet.workers.consuming import ConsumerWatch
 from fleet.workers.process import close_process, local_process, log, open_process, set_node_name
+from fleet.workers.reservation import ReservationStep
 from fleet.workers.tasks import register_tasks
 
 
@@ -77,6 +80,8 @@ def make_app(settings: FleetSettings, *, main: str = "fleet",
     app.conf.update(conf)
     app.steps["worker"].add(FleetStatsStep)
     app.steps["consumer"].add(ConsumerWatch)
+    # A worker takes no more drives than it runs (decision 0046; threads pool, Redis).
+    app.steps["consumer"].add(ReservationStep)
     register_tasks(app)
     _connect_process_hooks(app)
     return app

@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -301,26 +301,29 @@ class WorkerProcess:
 
     def drive_many(self, execution_ids: list[str], *,
                    traces: Mapping[str, str] | None = None,
+                   on_done: Callable[[], Any] | None = None,
                    ) -> list[str | StoreUnavailableError]:
         """Drive each of ``execution_ids`` at once on the loop (a ``fleet.drives`` message);
         how each run stopped, or the ``StoreUnavailableError`` that stopped its drive (the
         task retries those). Any other error of one drive is logged and reported as
-        ``refused``; the others are driven regardless (sync)."""
+        ``refused``; the others are driven regardless (sync). ``on_done()`` is called on
+        the loop as each drive stops (the worker's reservation counts it free)."""
         try:
             return self.loop.run_coroutine(self._marked(execution_ids, many=True,
-                                                        traces=traces))
+                                                        traces=traces, on_done=on_done))
         finally:
             self.write_stats_row()
 
     async def _marked(self, execution_ids: list[str], *, many: bool = False,
-                      traces: Mapping[str, str] | None = None) -> list[Any]:
+                      traces: Mapping[str, str] | None = None,
+                      on_done: Callable[[], Any] | None = None) -> list[Any]:
         """The drives of one message, its records marked taken before and done after."""
         marks = self.marks
         if marks is not None:
             marks.taken(execution_ids)
         try:
             if many:
-                return await self._drive_many(execution_ids, traces or {})
+                return await self._drive_many(execution_ids, traces or {}, on_done)
             return [await self.drive_async(execution_ids[0],
                                            (traces or {}).get(execution_ids[0]))]
         finally:
@@ -328,9 +331,17 @@ class WorkerProcess:
                 marks.done(execution_ids)
 
     async def _drive_many(self, execution_ids: list[str], traces: Mapping[str, str],
+                          on_done: Callable[[], Any] | None = None,
                           ) -> list[str | StoreUnavailableError]:
-        answers = await asyncio.gather(*(self.drive_async(i, traces.get(i))
-                                         for i in execution_ids), return_exceptions=True)
+        async def one(execution_id: str) -> DriveResult:
+            try:
+                return await self.drive_async(execution_id, traces.get(execution_id))
+            finally:
+                if on_done is not None:
+                    on_done()
+
+        answers = await asyncio.gather(*(one(i) for i in execution_ids),
+                                       return_exceptions=True)
         out: list[str | StoreUnavailableError] = []
         for execution_id, answer in zip(execution_ids, answers, strict=True):
             if isinstance(answer, (StoreUnavailableError, str)):

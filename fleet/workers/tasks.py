@@ -46,6 +46,7 @@ from fleet.dispatcher.routing import DISPATCH_TASK, DRIVE_TASK, DRIVES_TASK
 from fleet.host.celery_api import get_exponential_backoff_interval
 from fleet.host.tracing import TRACE_HEADER
 from fleet.kernel.errors import StoreUnavailableError
+from fleet.workers import reservation
 from fleet.workers.process import HANDED_BACK, REFUSED, DriveResult, open_process
 
 log = logging.getLogger("fleet.workers")
@@ -70,8 +71,10 @@ def register_tasks(app: Any) -> None:
             log.error("fleet.drives refused: execution_ids must be a list of 1 to %d ids "
                       "(strings); got %s", MAX_BATCH, _describe(execution_ids))
             return [REFUSED]
+        request_id = task.request.id
         outcomes = open_process(app.fleet_settings).drive_many(
-            ids, traces=message_traces(task.request))
+            ids, traces=message_traces(task.request),
+            on_done=lambda: reservation.finished(request_id))
         failed = [i for i, o in zip(ids, outcomes, strict=True)
                   if isinstance(o, StoreUnavailableError)]
         for execution_id, outcome in zip(ids, outcomes, strict=True):

@@ -21,6 +21,7 @@ from fleet.kernel.errors import (
 )
 from fleet.kernel.store.coalescing import CoalescingEventStore
 from fleet.kernel.store.conformance import EventStoreConformance, make_event, started
+from fleet.kernel.store.conformance_backlog import BacklogConformance
 from fleet.kernel.store.forwarding import ForwardingEventStore
 from fleet.kernel.store.memory import MemoryEventStore
 from fleet.kernel.store.spi import (
@@ -40,7 +41,7 @@ from fleet.kernel.store.sqlite import SqliteEventStore
 SMALL_LIMIT = 64 * 1024
 
 
-class TestCoalescedMemoryEventStore(EventStoreConformance):
+class TestCoalescedMemoryEventStore(EventStoreConformance, BacklogConformance):
     max_event_bytes = SMALL_LIMIT
 
     @pytest.fixture
@@ -55,7 +56,7 @@ class TestCoalescedMemoryEventStore(EventStoreConformance):
         self.clock.advance(ms)
 
 
-class TestCoalescedSqliteEventStore(EventStoreConformance):
+class TestCoalescedSqliteEventStore(EventStoreConformance, BacklogConformance):
     max_event_bytes = SMALL_LIMIT
 
     @pytest.fixture

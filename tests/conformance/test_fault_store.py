@@ -12,6 +12,7 @@ from conftest import ManualClock
 from fleet.kernel.errors import StoreUnavailableError, ValidationError
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.store.conformance import EventStoreConformance, make_event, started
+from fleet.kernel.store.conformance_backlog import BacklogConformance
 from fleet.kernel.store.faults import FaultInjectingEventStore
 from fleet.kernel.store.memory import MemoryEventStore
 from fleet.kernel.store.spi import EventStore
@@ -20,7 +21,7 @@ from fleet.kernel.store.spi import EventStore
 SMALL_LIMIT = 64 * 1024
 
 
-class TestFaultStoreWithFaultsOff(EventStoreConformance):
+class TestFaultStoreWithFaultsOff(EventStoreConformance, BacklogConformance):
     max_event_bytes = SMALL_LIMIT
 
     @pytest.fixture

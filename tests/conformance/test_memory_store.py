@@ -15,6 +15,7 @@ from fleet.kernel.store.conformance import (
     make_event,
     started,
 )
+from fleet.kernel.store.conformance_backlog import BacklogConformance
 from fleet.kernel.store.forwarding import ForwardingEventStore
 from fleet.kernel.store.memory import MemoryEventStore, MemorySnapshotStore
 from fleet.kernel.store.spi import (
@@ -28,7 +29,7 @@ from fleet.kernel.store.spi import (
 )
 
 
-class TestMemoryEventStore(EventStoreConformance):
+class TestMemoryEventStore(EventStoreConformance, BacklogConformance):
     @pytest.fixture
     async def store(self, clock: ManualClock) -> AsyncIterator[EventStore]:
         self.clock = clock
@@ -46,7 +47,7 @@ class _Undeclared(ForwardingEventStore):
     capabilities = frozenset()
 
 
-class TestForwardedMemoryEventStore(EventStoreConformance):
+class TestForwardedMemoryEventStore(EventStoreConformance, BacklogConformance):
     """Through a decorator that declares no capability: the kit's leased writes and its
     requests of one ``append_many`` are served by the ``spi`` helpers with the single
     calls (although the methods are there), and must get the same answers."""

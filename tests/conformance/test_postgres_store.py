@@ -33,6 +33,7 @@ from fleet.kernel.store.conformance import (
     make_event,
     started,
 )
+from fleet.kernel.store.conformance_backlog import BacklogConformance
 from fleet.kernel.store.conformance_feed import settled_feed
 from fleet.kernel.store.factory import (
     StoreOptions,
@@ -67,7 +68,7 @@ def fresh_schema() -> str:
     return f"t_{secrets.token_hex(5)}"
 
 
-class TestPostgresEventStore(EventStoreConformance):
+class TestPostgresEventStore(EventStoreConformance, BacklogConformance):
     max_event_bytes = SMALL_LIMIT
 
     @pytest.fixture
@@ -82,7 +83,7 @@ class TestPostgresEventStore(EventStoreConformance):
         self.clock.advance(ms)
 
 
-class TestCoalescedPostgresEventStore(EventStoreConformance):
+class TestCoalescedPostgresEventStore(EventStoreConformance, BacklogConformance):
     max_event_bytes = SMALL_LIMIT
 
     @pytest.fixture

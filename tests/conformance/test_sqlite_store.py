@@ -31,6 +31,7 @@ from fleet.kernel.store.conformance import (
     make_event,
     started,
 )
+from fleet.kernel.store.conformance_backlog import BacklogConformance
 from fleet.kernel.store.spi import EventStore, Snapshot, SnapshotStore
 from fleet.kernel.store.sqlite import SqliteEventStore
 from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
@@ -39,7 +40,7 @@ from fleet.kernel.store.sqlite_snapshots import SqliteSnapshotStore
 SMALL_LIMIT = 64 * 1024
 
 
-class TestSqliteEventStore(EventStoreConformance):
+class TestSqliteEventStore(EventStoreConformance, BacklogConformance):
     max_event_bytes = SMALL_LIMIT
 
     @pytest.fixture

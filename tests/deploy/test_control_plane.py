@@ -41,6 +41,7 @@ from fleet.config import FleetSettings
 from fleet.host.celery_api import broker_app
 from fleet.host.control import ControlAuth
 from fleet.host.keys import KeySource
+from fleet.services.alarms import fleet_alarms
 from fleet.services.counters import read_fleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -210,10 +211,16 @@ def test_the_worker_obeys_no_command_that_an_operator_key_did_not_sign(plane: Pl
     assert plane.worker.alive()
     assert "control command 'cancel_consumer' refused: unsigned" in plane.worker.log()
     # Counted and reported (the Fleet page's control_refused alarm), across processes.
-    until(lambda: _report(plane).alarms().get("control_refused", 0) >= 15,
+    until(lambda: _alarms(_report(plane)).get("control_refused", 0) >= 15,
           "the refusals in the worker's report", 15)
     plane.drive_completes()
     assert plane.health("--liveness").returncode == 0
+
+
+def _alarms(fleet: Any) -> dict[str, float]:
+    """The Fleet page's alarms now, by kind (decision 0047)."""
+    return {a.kind: a.value for a in fleet_alarms(fleet, parked=None, now=time.time(),
+                                                   window_s=900)}
 
 
 def _report(plane: Plane) -> Any:
@@ -247,7 +254,7 @@ def test_an_operators_signed_cancel_is_obeyed_and_the_idle_worker_is_unhealthy(
             mine = [p for p in fleet.processes if p.name.startswith(plane.node)]
             return fleet if mine and mine[0].problems else None
         fleet = until(reported, "the worker's report to carry the problem", 15)
-        assert fleet.alarms().get("unhealthy processes") == 1
+        assert _alarms(fleet).get("unhealthy") == 1
         (worker,) = [p for p in fleet.processes if p.name.startswith(plane.node)]
         assert "consumes no fleet queue" in worker.problems[0]
 

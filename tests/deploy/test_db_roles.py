@@ -61,9 +61,16 @@ def as_role(url: str, role: str, password: str, schema: str | None = SCHEMA) -> 
     return urlunsplit(parts._replace(netloc=netloc, query=f"schema={schema}" if schema else ""))
 
 
+def scaler_of(runtime: str) -> str:
+    """The scaler role a test's run of the script creates beside ``runtime`` (a role of
+    its own, dropped with the others: roles are the whole server's)."""
+    return f"{runtime}_sc"
+
+
 def run_script(admin_url: str, migrator: str, runtime: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([psql(), admin_url, "-X", "-q", "-v", f"migrator={migrator}",
-                           "-v", f"runtime={runtime}", "-f", str(ROLES_SQL)],
+                           "-v", f"runtime={runtime}", "-v", f"scaler={scaler_of(runtime)}",
+                           "-f", str(ROLES_SQL)],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -92,7 +99,9 @@ async def _admin(url: str, *statements: str) -> None:
 
 
 def _drop_roles(*names: str) -> None:
-    run_async(lambda: _admin(server_url(), *(f'DROP ROLE IF EXISTS "{n}"' for n in names)))
+    """The roles, and the scaler role each runtime role's run of the script made."""
+    every = [*names, *(scaler_of(n) for n in names)]
+    run_async(lambda: _admin(server_url(), *(f'DROP ROLE IF EXISTS "{n}"' for n in every)))
 
 
 @pytest.fixture(scope="module")
@@ -420,6 +429,7 @@ def test_the_dev_postgres_runs_the_same_script_and_sets_scram_passwords() -> Non
         with throwaway_database() as admin:
             env = {**os.environ, "ADMIN_URL": admin, "PSQL": psql(),
                    "DB_MIGRATOR": names[0], "DB_RUNTIME": names[1],
+                   "DB_SCALER": scaler_of(names[1]),
                    "DB_MIGRATOR_PASSWORD": passwords[0],
                    "DB_RUNTIME_PASSWORD": passwords[1]}
             shell = ('docker_process_sql() { "$PSQL" -X -q -v ON_ERROR_STOP=1 "$ADMIN_URL" '

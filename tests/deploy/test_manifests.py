@@ -337,10 +337,10 @@ def test_the_command_line_check_catches_a_password_in_argv() -> None:
 
 def test_the_secret_example_holds_only_placeholders() -> None:
     example = secret_example()
-    assert set(example) == {"fleet-secrets", "fleet-redis-acl", "fleet-keda-redis"}
+    assert set(example) == {"fleet-secrets", "fleet-redis-acl", "fleet-keda-postgres"}
     for name, data in example.items():
         for key, value in data.items():
-            if key not in ("address", "username"):
+            if name != "fleet-keda-postgres" or key == "password":  # the rest: no secret
                 assert "CHANGE_ME" in value, (name, key)
     for kustomization in K8S.rglob("kustomization.yaml"):
         text = yaml.safe_load(kustomization.read_text())
@@ -379,7 +379,10 @@ def test_processes_run_their_command_and_their_own_health_check(overlay: str) ->
                 assert not any("exec" in c.get(p, {}) for p in
                                ("startupProbe", "livenessProbe", "readinessProbe")), name
     assert seen == set(COMMANDS)
-    assert one(objs, "Deployment", "fleet-timers")["spec"]["replicas"] == 2
+    # With KEDA, its ScaledObject owns the timers' count (2 at least).
+    timers = one(objs, "Deployment", "fleet-timers")["spec"]
+    assert timers.get("replicas", 2) == 2
+    assert ("replicas" in timers) == (overlay != "prod-keda")
     assert one(objs, "Deployment", "fleet-recovery")["spec"]["replicas"] == 2
     # Two relays: one publishes (the lease), the other is ready to take over.
     assert one(objs, "Deployment", "fleet-relay")["spec"]["replicas"] == 2
@@ -548,23 +551,19 @@ def test_the_hpa_scales_the_worker_deployment_on_cpu(overlay: str) -> None:
         assert hpa["spec"]["maxReplicas"] > dev["maxReplicas"]
 
 
-def test_keda_replaces_the_hpa_with_the_queue_length() -> None:
+def test_keda_replaces_the_hpa_with_the_backlog_in_the_store() -> None:
+    """Decision 0046; what each trigger asks and as whom: tests/deploy/test_keda_scalers.py."""
     objs = render("prod-keda")
     assert not kinds(objs, "HorizontalPodAutoscaler"), "two autoscalers on one Deployment"
-    (scaled,) = kinds(objs, "ScaledObject")
-    target = scaled["spec"]["scaleTargetRef"]
-    assert component(one(objs, target["kind"], target["name"])) == "worker"
-    redis, cpu = scaled["spec"]["triggers"]
-    assert redis["type"] == "redis"
-    assert cpu["type"] == "cpu"
-    assert redis["metadata"]["listName"] == configmap_data(objs)["FLEET_QUEUE"]
-    assert int(redis["metadata"]["listLength"]) > 0
-    assert set(redis["metadata"]) <= {"listName", "listLength", "activationListLength",
-                                      "databaseIndex", "enableTLS"}
-    auth = one(objs, "TriggerAuthentication", redis["authenticationRef"]["name"])
-    assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} == {"address", "username",
-                                                                 "password"}
-    assert scaled["spec"]["minReplicaCount"] == 4
+    scaled = {o["metadata"]["name"]: o for o in kinds(objs, "ScaledObject")}
+    for name, role in (("fleet-worker", "worker"), ("fleet-timers", "timers")):
+        target = scaled[name]["spec"]["scaleTargetRef"]
+        assert component(one(objs, target["kind"], target["name"])) == role
+    backlog, cpu = scaled["fleet-worker"]["spec"]["triggers"]
+    assert (backlog["type"], cpu["type"]) == ("postgresql", "cpu")
+    assert set(backlog["metadata"]) == {"query", "targetQueryValue",
+                                        "activationTargetQueryValue"}
+    assert scaled["fleet-worker"]["spec"]["minReplicaCount"] == 4
     assert all(o["metadata"]["namespace"] == "fleet" for o in objs)
 
 

@@ -6,7 +6,8 @@ dev the in-namespace Redis and Postgres pods, in prod the external stores'
 address ranges) and flow code on the workers reaches what the labelled
 allow-list ``fleet-flow-egress`` names: nothing by default, and an overlay
 extends it for the workers alone. Ingress: Redis and Postgres accept only the
-fleet processes that use them, Flower's UI is the one open port.
+fleet processes that use them (and KEDA's operator, Postgres, with its component),
+Flower's UI is open, the metrics port only to the scraper.
 
 The analysis follows NetworkPolicy semantics: a pod selected by any policy of a
 type is isolated for that direction, and what it may do is the union of the
@@ -27,6 +28,7 @@ from k8s_kit import (
     REDIS_CLIENTS,
     Obj,
     build,
+    configmap_data,
     egress_peers,
     kinds,
     one,
@@ -182,12 +184,20 @@ def test_the_egress_check_catches_a_policy_that_opens_too_much() -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_only_the_fleet_reaches_redis_and_postgres(overlay: str) -> None:
     objs = render(overlay)
+    # KEDA's operator reads the backlog from Postgres (decision 0046), nothing from Redis.
     keda = {"namespace:keda"} if overlay == "prod-keda" else set()
-    assert store_clients(objs, {"app.kubernetes.io/name": "redis"}, 6379) == REDIS_CLIENTS | keda
-    assert store_clients(objs, {"app.kubernetes.io/name": "postgres"}, 5432) == POSTGRES_CLIENTS
+    assert store_clients(objs, {"app.kubernetes.io/name": "redis"}, 6379) == REDIS_CLIENTS
+    assert store_clients(objs, {"app.kubernetes.io/name": "postgres"}, 5432) == (
+        POSTGRES_CLIENTS | keda)
 
 
-METRICS_SERVED = {"fleet-timers", "fleet-recovery", "fleet-attacher", "fleet-relay"}
+METRICS_SERVED = {"fleet-flower", "fleet-timers", "fleet-recovery", "fleet-attacher",
+                  "fleet-relay"}
+# Prometheus in the namespace `monitoring`: the one peer of the metrics port.
+SCRAPER = {"from": [{"namespaceSelector": {"matchLabels": {
+    "kubernetes.io/metadata.name": "monitoring"}}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "prometheus"}}}],
+    "ports": [{"port": 9100, "protocol": "TCP"}]}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -201,9 +211,30 @@ def test_flowers_ui_is_the_only_port_a_fleet_process_opens(overlay: str) -> None
                  and selects(p["spec"]["podSelector"], labels)
                  for rule in p["spec"].get("ingress", [])]
         if name == "fleet-flower":
-            assert rules == [{"ports": [{"port": 5555, "protocol": "TCP"}]}]
+            assert rules == [{"ports": [{"port": 5555, "protocol": "TCP"}]}, SCRAPER]
         elif name in METRICS_SERVED:
-            # Each service's /metrics (decision 0022): counters, no control.
-            assert rules == [{"ports": [{"port": 9100, "protocol": "TCP"}]}], name
+            # Each service's /metrics: its process metrics, for the scraper alone.
+            assert rules == [SCRAPER], name
         else:
             assert rules == [], name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_metrics_port_is_open_to_the_scraper_alone_and_flowers_is_the_scrape_target(
+        overlay: str) -> None:
+    """Issue 28 item 7 (decision 0046): the fleet's metrics have no password of their
+    own, so only Prometheus reaches the port; Flower's pod is the one annotated target
+    for them, on the port the ConfigMap gives FLEET_METRICS_PORT."""
+    objs = render(overlay)
+    port = int(configmap_data(objs)["FLEET_METRICS_PORT"])
+    assert port == 9100
+    for name, labels in workload_labels(objs).items():
+        if name in METRICS_SERVED:
+            assert store_clients(objs, labels, port) == {"namespace:monitoring"}, name
+    flower = one(objs, "Deployment", "fleet-flower")
+    template = flower["spec"]["template"]
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    (main,) = template["spec"]["containers"]
+    assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in main["ports"]
+    service_ports = [p["port"] for p in one(objs, "Service", "fleet-flower")["spec"]["ports"]]
+    assert service_ports == [5555]  # the scraper reaches the pod, not a Service

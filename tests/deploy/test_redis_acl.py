@@ -13,7 +13,7 @@ component needs, and nothing else (issue 10 item 13).
   forging an event, a reward or a reply, wiping a stream, reconfiguring the
   server, and reaching any of it from inside a Lua script.
 - **Celery itself**: a Celery app on the attacher's, Flower's, a producer's or
-  KEDA's credentials cannot send a task (NOPERM, nothing queued); kombu's ack
+  the default user's credentials cannot send a task (NOPERM, nothing queued); kombu's ack
   emulation works as the worker user (a message a dead worker left is restored
   onto its queue); and Flower's and ``fleet status``'s apps, made with
   ``consumes_tasks=False``, inspect the workers without touching kombu's
@@ -129,10 +129,9 @@ def test_each_component_connects_as_its_own_redis_user(overlay: str) -> None:
         assert user in users
     assert not any(k.startswith("redis-url") and k[len("redis-url-"):] not in COMPONENT_USERS
                    for k in example), "a Redis URL no component uses"
-    if overlay == "prod-keda":
-        auth = one(objs, "TriggerAuthentication", "fleet-keda-redis")
-        assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} >= {"username"}
-        assert secret_example()["fleet-keda-redis"]["username"] == "keda"
+    # KEDA reads the backlog from Postgres (decision 0046): no Redis user, no Secret.
+    assert "fleet-keda-redis" not in secret_example()
+    assert "keda" not in users
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -151,10 +150,6 @@ def test_the_queues_and_streams_the_manifests_name_are_the_ones_the_acl_grants(
         assert f"~{stream} " in template, stream
     # kombu names the control channels after the database: the ACL's is 0.
     assert "&/0.celery.pidbox" in template
-    keda = [o for o in render(overlay) if o["kind"] == "ScaledObject"]
-    for scaled in keda:
-        trigger = scaled["spec"]["triggers"][0]["metadata"]
-        assert trigger["databaseIndex"] == "0"
 
 
 def test_the_dev_redis_reads_its_users_from_a_secret_and_no_password_from_anywhere() -> None:
@@ -283,7 +278,6 @@ ALLOWED: dict[str, list[Command]] = {
         ("BRPOP", "t3.reply.celery.pidbox", "0.01"), ("LLEN", "celeryev.x"),
         ("DEL", "t3.reply.celery.pidbox"), ("SADD", "_kombu.binding.celeryev", "b"),
         ("SREM", "_kombu.binding.reply.celery.pidbox", "b"), ("MULTI",), ("EXEC",)],
-    "keda": [("LLEN", Q), ("LLEN", QP)],
 }
 # Issue 14 (decision 0022): each component writes its own role's report hashes and
 # the index; Flower and the client (fleet status) read them, the streams' lags and
@@ -390,7 +384,6 @@ DENIED: dict[str, list[Command]] = {
     "flower": [*DISPATCH, *STEAL, *UNACKED, *EVENTS, *REWARDS, *FORGE_EVENT, *FORGE_REPLY,
                *FORGE_STATS,
                ("SMEMBERS", "_kombu.binding.fleet.drive")],
-    "keda": [*DISPATCH, *STEAL, *UNACKED, *EVENTS, *REWARDS, *COMMAND_WORKERS],
 }
 # PSUBSCRIBE needs a literal grant of the pattern.
 LISTEN_ALLOWED = {"worker": ["/0.celery.pidbox", "/0.celeryev/worker.*"],
@@ -399,7 +392,7 @@ LISTEN_DENIED = {"worker": ["/0.celeryev/*"], "client": ["/0.celeryev/*", "/0.ce
                  "timers": ["/0.celery.pidbox"], "attacher": ["/0.celeryev/*"],
                  "relay": ["/0.celery.pidbox"], "reader": ["/0.celeryev/*"],
                  "consumer": ["/0.celeryev/*"],
-                 "flower": ["/0.celery.pidbox", "/0.celeryev/worker.*"], "keda": ["*"],
+                 "flower": ["/0.celery.pidbox", "/0.celeryev/worker.*"],
                  "default": ["/0.celery.pidbox"]}
 
 
@@ -515,7 +508,7 @@ def _settings(url: str, queue: str = Q) -> FleetSettings:
     return FleetSettings(database_url="memory:", redis_url=url, broker_url=url, queue=queue)
 
 
-@pytest.mark.parametrize("user", ["attacher", "flower", "producer", "keda", "default"])
+@pytest.mark.parametrize("user", ["attacher", "flower", "producer", "default"])
 def test_celery_cannot_send_a_task_on_a_user_that_does_not_dispatch(
         server: PrivateRedis, user: str) -> None:
     app = producer_app(_settings(server.url(user)), broker_connection_retry=False)

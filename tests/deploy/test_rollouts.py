@@ -72,9 +72,12 @@ def test_the_example_flow_runs_in_dev_only(overlay: str) -> None:
 
 
 def test_keda_scales_up_and_down_by_explicit_rules() -> None:
-    (scaled,) = kinds(render("prod-keda"), "ScaledObject")
+    rendered = render("prod-keda")
+    for each in kinds(rendered, "ScaledObject"):  # the workers' and the timers'
+        rules = each["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert set(rules) == {"scaleUp", "scaleDown"}, each["metadata"]["name"]
+    scaled = one(rendered, "ScaledObject", "fleet-worker")
     behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
-    assert set(behavior) == {"scaleUp", "scaleDown"}
     hpa_behavior = one(render("prod"), "HorizontalPodAutoscaler", "fleet-worker")["spec"][
         "behavior"]
     assert behavior == hpa_behavior  # the same rules, whichever autoscaler runs

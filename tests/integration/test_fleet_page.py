@@ -11,12 +11,14 @@ prefix too (FLEET_STATS_PREFIX), so other fleets on the same Redis are not read.
 
 from __future__ import annotations
 
+import asyncio
 import http.cookiejar
 import json
 import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import time
 import urllib.error
@@ -66,7 +68,8 @@ class Fleet:
     token: str
     procs: dict[str, Proc] = field(default_factory=dict)
     flower_url: str = ""
-    metrics_port: int = 0
+    metrics_port: int = 0  # the timers service's own /metrics
+    flower_metrics_port: int = 0  # the fleet's one scrape target (decision 0046)
 
     def env_for(self, name: str, **extra: str) -> dict[str, str]:
         env = dict(self.env)
@@ -146,6 +149,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             "FLEET_RECOVERY_INTERVAL_S": "0.5", "FLEET_TIMER_INTERVAL_S": "0.2",
             "FLEET_WORKER_DRAIN_S": "2",
             "FLEET_STATS_PREFIX": f"fleet-test:{token}:stats:", "FLEET_STATS_INTERVAL_S": "0.5",
+            "FLEET_METRICS_REFRESH_S": "0.5",
             "FLEET_STATS_STALE_S": "3",
             "FLEET_OPERATOR": OPERATOR, "FLEET_OPERATORS": "ops",
             "FLEET_REWARD_KEYS": json.dumps({PRODUCER: SECRET}),
@@ -175,7 +179,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 return roles.count("worker") >= 2 and all(
                     r in roles for r in ("timers", "recovery", "attacher", "relay"))
             until(reported, "every process to report", 90)
-            built.flower_url = built.start_flower("flower", "--unauthenticated")
+            built.flower_metrics_port = free_port()
+            built.flower_url = built.start_flower(
+                "flower", "--unauthenticated",
+                FLEET_METRICS_PORT=str(built.flower_metrics_port))
             yield built
         finally:
             stop_all(built.procs.values())
@@ -416,7 +423,13 @@ def test_a_diverged_run_is_listed_with_its_reason_and_retry_reparks_until_fixed(
     assert listed["parkedAt"] > 0
     # The worker that parked it (its report names it: the index forgot the holder).
     assert listed["worker"] in {fleet.procs[n].nodename for n in ("a", "b")}
-    assert "executions parked diverged" in api["alarms"]
+    api = status_when(browser, lambda d: "executions parked diverged" in d["alarms"],
+                      "the park to be read from the store")
+    alarm = api["alarms"]["executions parked diverged"]
+    assert alarm["value"] == api["parked_now"]["diverged"] >= 1
+    assert alarm["do"].startswith("Fix, pin or migrate the flow")
+    assert alarm["runbook"] == "/fleet/runbook#executions-parked-on-the-divergence-gate"
+    parked_then = api["parked_now"]["diverged"]
     _, page = browser.get("/fleet")
     assert total_card(page, "divergence_parked") == before + 1
     row = page[page.index(f'data-execution="{eid}"'):]
@@ -457,8 +470,13 @@ def test_a_diverged_run_is_listed_with_its_reason_and_retry_reparks_until_fixed(
     assert done["settled"] is True
     assert done["status"] == "completed"
     assert fleet.store.read(eid)[-1].payload["output"] == {"b": 5, "go": "yes"}
-    assert [p for p in browser.json("/fleet/api/status")["parked"]
-            if p["executionId"] == eid] == []
+    after = status_when(browser, lambda d: d["parked_now"]["diverged"] < parked_then,
+                        "what is parked now to go down")
+    assert [p for p in after["parked"] if p["executionId"] == eid] == []
+    # What is parked now went down with it; divergence_parked (a total) did not.
+    assert after["parked_now"]["diverged"] == parked_then - 1
+    assert after["totals"]["divergence_parked"] == before + 2
+    assert "divergence_parked" not in after["alarms"]
 
 
 def test_retry_on_the_page_needs_the_operator_role_and_the_xsrf_token(
@@ -480,6 +498,12 @@ def test_retry_on_the_page_needs_the_operator_role_and_the_xsrf_token(
     assert refused[0] == 403
     assert json.loads(refused[1])["error"] == "operator_role_required"
     assert Browser(base).get("/fleet")[0] == 401  # no credentials: Flower's own auth
+    # /metrics behind the same login as every page (Flower's own handler asks none).
+    assert Browser(base).get("/metrics")[0] == 401
+    assert Browser(base, "viewer:wrong").get("/metrics")[0] == 401
+    status, text = viewer.get("/metrics")
+    assert status == 200
+    assert "fleet_drives_total" in text
     ops = Browser(base, "ops:pw1")
     _, page = ops.get("/fleet")
     assert "Retry</button>" in page
@@ -604,54 +628,165 @@ def test_flowers_metrics_parse_and_carry_every_counter_by_process(
     assert "fleet_stream_group_lag" in found
 
 
-def test_a_service_serves_its_own_metrics(fleet: Fleet) -> None:
-    url = f"http://127.0.0.1:{fleet.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        found = families(reply.read().decode())
-    (sample,) = [s for s in found["fleet_timers_fired"].samples
-                 if s.name == "fleet_timers_fired_total"]
-    assert sample.labels["role"] == "timers"
-    reported = {p.role: p for p in fleet.counters().processes}["timers"]
-    assert sample.value >= reported.counters["timers_fired"]  # live, the report a bit older
-    assert found["fleet_enqueued"].type == "counter"
-    assert [s.value for s in found["fleet_process_stale"].samples] == [0]
+def test_a_scrape_never_waits_on_the_store_nor_holds_flowers_loop(fleet: Fleet) -> None:
+    """Issue 25 item 6: while the store does not answer (a lock the test holds on the
+    index), scrapes answer at once with the last numbers read, and Flower its health
+    check and its pages; the numbers catch up once the store answers."""
+    import threading
+
+    import asyncpg
+    from postgres_server import run_async
+
+    url = fleet.settings.database_url
+    held = threading.Event()
+    release = threading.Event()
+
+    async def hold_the_index() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            async with conn.transaction():
+                await conn.execute("LOCK TABLE executions IN ACCESS EXCLUSIVE MODE")
+                held.set()
+                await asyncio.to_thread(release.wait, 60)
+        finally:
+            await conn.close()
+
+    async def waiting_on_the_lock() -> bool:
+        conn = await asyncpg.connect(url)
+        try:
+            return bool(await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE '%fleet_backlog%'"))
+        finally:
+            await conn.close()
+
+    browser = Browser(fleet.flower_url)
+    assert "fleet_executions_unowned" in families(browser.get("/metrics")[1])  # it reads
+    holder = threading.Thread(target=lambda: run_async(hold_the_index), daemon=True)
+    holder.start()
+    try:
+        assert held.wait(30)
+        until(lambda: run_async(waiting_on_the_lock), "the exporter to wait on the store")
+        for _ in range(3):
+            status, text = browser.get("/metrics")
+            assert status == 200
+            found = families(text)
+            assert "fleet_executions_unowned" in found  # the last numbers read
+            assert "fleet_drives" in found
+            (age,) = found["fleet_backlog_age_seconds"].samples
+        for path in ("/healthcheck", "/fleet/runbook"):
+            assert browser.get(path)[0] == 200, path
+        assert holder.is_alive()  # all of that while the index stayed locked
+    finally:
+        release.set()
+        holder.join(30)
+
+    def fresh() -> bool:
+        (now,) = families(browser.get("/metrics")[1])["fleet_backlog_age_seconds"].samples
+        return now.value < age.value
+    until(fresh, "the numbers to be read again")
+
+
+def scrape_port(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        return families(reply.read().decode())
+
+
+def test_each_fact_has_one_scrape_target(fleet: Fleet) -> None:
+    """Decision 0046: a service's own /metrics carries its process metrics and no fleet_*
+    family; Flower's metrics port carries every process's counters, once each."""
+    own = scrape_port(fleet.metrics_port)
+    assert "process_cpu_seconds" in own  # what only that process knows
+    assert [name for name in own if name.startswith("fleet_")] == []
+    found = scrape_port(fleet.flower_metrics_port)
+    samples = [s for s in found["fleet_timers_fired"].samples
+               if s.name == "fleet_timers_fired_total"]
+    keys = [(s.labels["role"], s.labels["process"]) for s in samples]
+    assert len(keys) == len(set(keys))  # one series per process
+    reported = {p.name: p for p in fleet.counters().processes if p.role == "timers"}
+    timers = fleet.procs["timers"]
+    (sample,) = [s for s in samples if s.labels["role"] == "timers"
+                 and reported[s.labels["process"]].pid == timers.proc.pid]
+    assert sample.value <= reported[sample.labels["process"]].counters["timers_fired"]
+    for name in ("fleet_executions_unowned", "fleet_executions_unowned_oldest_seconds",
+                 "fleet_timers_due", "fleet_timers_late_seconds", "fleet_executions_parked",
+                 "fleet_processes_live", "flower_events"):
+        assert name in found, name
+    live = {s.labels["role"]: s.value for s in found["fleet_processes_live"].samples}
+    assert live["worker"] >= 2
+    assert live["relay"] >= 1
 
 
 # -- stale --------------------------------------------------------------------------------
 
-def test_a_stopped_service_turns_stale_with_its_last_values(fleet: Fleet) -> None:
-    extra = fleet.start_service("timers", "timers-2")  # a second replica, then stopped
+def test_a_stopped_service_leaves_the_page_at_once_and_a_killed_one_is_missing_until_replaced(
+        fleet: Fleet) -> None:
+    """Decision 0047: a clean stop is no alarm; a process that vanished is red while it
+    is expected back, and no longer once a newer process of its role took its place."""
     browser = Browser(fleet.flower_url)
 
-    def mine() -> dict[str, Any] | None:
+    def mine(proc: Proc) -> dict[str, Any] | None:
         data = browser.json("/fleet/api/status")
-        return next((p for p in data["processes"] if p["pid"] == extra.proc.pid), None)
-    live = until(lambda: (m := mine()) and (not m["stale"]) and m["counters"]["ticks"] > 0
-                 and m, "the second timers process to report ticks")
-    assert live["role"] == "timers"
-    extra.stop()
-    stale = until(lambda: (m := mine()) and m["stale"] and m, "it to turn stale", 20)
-    assert stale["stopped"] is True
-    assert stale["counters"]["ticks"] >= live["counters"]["ticks"] > 0  # not zeros
-    time.sleep(1.5)
-    older = mine()
-    assert older is not None
-    assert older["age_s"] > stale["age_s"]  # its age grows; its values stay
-    assert older["counters"] == stale["counters"]
+        return next((p for p in data["processes"] if p["pid"] == proc.proc.pid), None)
+
+    def reported(proc: Proc) -> dict[str, Any]:
+        return until(lambda: (m := mine(proc)) and m["state"] == "live"
+                     and m["counters"]["ticks"] > 0 and m, f"{proc.name} to report ticks")
+
+    # A clean stop (SIGTERM): it leaves the page and the metrics at once, no alarm.
+    clean = fleet.start_service("timers", "timers-clean")
+    live = reported(clean)
+    clean.stop()
+    stopped = until(lambda: (m := mine(clean)) and m["state"] == "stopped" and m,
+                    "the stopped report", 20)
+    assert stopped["counters"]["ticks"] >= live["counters"]["ticks"] > 0
     _, page = browser.get("/fleet")
-    row = page[page.index(f'data-process="{stale["name"]}"'):]
-    row = row[:row.index("</tr>")]
-    assert "stale" in row
-    assert "(stopped)" in row
-    assert "stale processes" in browser.json("/fleet/api/status")["alarms"]
-    status = json.loads(fleet.cli("status", "--json", check=False).stdout)
-    (shown,) = [p for p in status["services"] if p["pid"] == extra.proc.pid]
-    assert shown["stale"] is True
-    assert shown["counters"]["ticks"] == stale["counters"]["ticks"]
-    _, text = browser.get("/metrics")
-    (flag,) = [s.value for s in families(text)["fleet_process_stale"].samples
-               if s.labels["process"] == stale["name"]]
-    assert flag == 1
+    assert f'data-process="{stopped["name"]}"' not in page
+    data = browser.json("/fleet/api/status")
+    assert "missing processes" not in data["alarms"]
+    assert stopped["counters"]["ticks"] <= data["totals"]["ticks"]  # it still counts
+    stale = {s.labels["process"] for s in scrape_port(
+        fleet.flower_metrics_port)["fleet_process_stale"].samples}
+    assert stopped["name"] not in stale
+    # Killed (SIGKILL: no last report): missing, red, its last values, what to do.
+    killed = fleet.start_service("timers", "timers-killed")
+    before = reported(killed)
+    killed.signal(signal.SIGKILL)
+    killed.wait_exit(10)
+    missing = until(lambda: (m := mine(killed)) and m["state"] == "missing" and m,
+                    "it to be missing", 20)
+    assert missing["counters"]["ticks"] >= before["counters"]["ticks"] > 0  # not zeros
+    data = browser.json("/fleet/api/status")
+    alarm = data["alarms"]["missing processes"]
+    assert f"timers {missing['name']} silent" in alarm["detail"]
+    assert alarm["runbook"] == "/fleet/runbook#missing-processes"
+    _, page = browser.get("/fleet")
+    row = page[page.index(f'data-process="{missing["name"]}"'):]
+    assert "missing" in row[:row.index("</tr>")]
+    assert 'href="/fleet/runbook#missing-processes"' in page
+    flags = {s.labels["process"]: s.value for s in scrape_port(
+        fleet.flower_metrics_port)["fleet_process_stale"].samples}
+    assert flags[missing["name"]] == 1
+    # A replacement of its role starts (a pod replaced): the killed one is gone.
+    reported(fleet.start_service("timers", "timers-replacement"))
+    gone = until(lambda: (m := mine(killed)) and m["state"] == "gone" and m,
+                 "the killed one to be replaced", 20)
+    assert gone["counters"] == missing["counters"]
+    data = browser.json("/fleet/api/status")
+    assert "missing processes" not in data["alarms"]
+    _, page = browser.get("/fleet")
+    assert f'data-process="{gone["name"]}"' not in page
+    assert 'id="fleet-hidden"' in page
+
+
+def test_the_runbook_flower_serves_has_an_entry_for_every_alarm(fleet: Fleet) -> None:
+    from fleet.services.alarms import RUNBOOK
+
+    status, page = Browser(fleet.flower_url).get("/fleet/runbook")
+    assert status == 200
+    for entry in RUNBOOK.values():
+        assert f'id="{entry.anchor}"' in page
+        assert entry.title in page
 
 
 # -- a real browser: headless Chromium ------------------------------------------------------

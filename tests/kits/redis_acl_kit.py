@@ -33,7 +33,7 @@ TEMPLATE = ROOT / "deploy" / "redis" / "users.acl"
 RENDER = ROOT / "deploy" / "redis" / "render-acl.sh"
 # Everyone the template names, and the Redis user each fleet component connects as.
 USERS = ("default", "admin", "worker", "client", "timers", "recovery", "attacher", "relay",
-         "reader", "consumer", "producer", "flower", "keda")
+         "reader", "consumer", "producer", "flower")
 COMPONENT_USERS = {"worker": "worker", "timers": "timers", "recovery": "recovery",
                    "attacher": "attacher", "relay": "relay", "flower": "flower"}
 # Config directives the test replaces (paths, network, persistence).

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.events import EventEnvelope
+from fleet.kernel.store.backlog import Backlog, ReportsBacklog
 from fleet.kernel.store.claims import ClaimedTimer, claim_due_timers
 from fleet.kernel.store.spi import (
     COMMIT_SIGNAL,
@@ -179,6 +180,12 @@ class ForwardingEventStore:
                 or not isinstance(self.inner, CountsExecutions):
             raise ConfigurationError(f"{type(self.inner).__name__} does not count executions")
         return await self.inner.count_executions()
+
+    async def backlog(self, now_ms: int, *, gates: Sequence[str] = ()) -> Backlog:
+        """The inner store's backlog (``ReportsBacklog``), if it has one."""
+        if not isinstance(self.inner, ReportsBacklog):
+            raise ConfigurationError(f"{type(self.inner).__name__} does not report its backlog")
+        return await self.inner.backlog(now_ms, gates=gates)
 
     async def get_execution(self, execution_id: str) -> ExecutionSummary | None:
         return await self.inner.get_execution(execution_id)

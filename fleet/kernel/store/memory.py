@@ -31,6 +31,7 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
+from fleet.kernel.store.backlog import Backlog, backlog_groups, check_backlog
 from fleet.kernel.store.encoding import creation_anchor, encode_event, encode_state
 from fleet.kernel.store.spi import (
     APPEND_LEASED,
@@ -533,6 +534,25 @@ class MemoryEventStore:
         await _tick()
         row = self._index.get(execution_id)
         return self._summary(execution_id, row) if row is not None else None
+
+    async def backlog(self, now_ms: int, *, gates: Sequence[str] = ()) -> Backlog:
+        wanted = check_backlog(now_ms, gates)
+        await _tick()
+        rows: list[tuple[str, str | None, int, int | None, int, int | None]] = []
+        parked = dict.fromkeys(wanted, 0)
+        for execution_id, row in self._index.items():
+            if row.status == "running":
+                held = self._fences.get(execution_id)
+                expires = held.lease_expires_at if held is not None else None
+                if expires is None or expires <= now_ms:
+                    rows.append((row.flow_id, row.tenant, 1,
+                                 max(row.updated_at, expires or 0), 0, None))
+            elif row.status == "parked" and row.waiting_on in parked:
+                parked[row.waiting_on] += 1
+            due = [at for at in self._timers.get(execution_id, {}).values() if at <= now_ms]
+            if due:
+                rows.append((row.flow_id, row.tenant, 0, None, len(due), min(due)))
+        return Backlog(backlog_groups(rows), parked)
 
     async def due_timers(self, now_ms: int, *, limit: int = 100) -> list[DueTimer]:
         check_ms(now_ms, "now_ms")

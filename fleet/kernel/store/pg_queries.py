@@ -37,9 +37,9 @@ from fleet.kernel.values import INT64_MAX
 
 __all__ = ["ACQUIRE_SQL", "APPENDS", "APPENDS_IF", "APPENDS_LEASED", "APPEND_IF_SQL",
            "APPEND_LEASED_SQL", "APPEND_MANY_LEASED_SQL", "APPEND_MANY_SQL", "APPEND_SQL",
-           "CLAIM_TIMERS_SQL", "DUE_TIMERS_SQL", "INLINE_EVENTS", "RENEW_SQL", "SUMMARY_SQL",
-           "TIP_SQL", "LeaseOp", "Write", "execution_key", "lease_columns", "listing_sql",
-           "many_columns", "parse_event", "refusal", "summary"]
+           "BACKLOG_SQL", "CLAIM_TIMERS_SQL", "DUE_TIMERS_SQL", "INLINE_EVENTS", "PARKED_SQL",
+           "RENEW_SQL", "SUMMARY_SQL", "TIP_SQL", "LeaseOp", "Write", "execution_key",
+           "lease_columns", "listing_sql", "many_columns", "parse_event", "refusal", "summary"]
 
 PREFIX = 200  # characters of a text key that listing indexes hold (see pg_migrations)
 
@@ -59,6 +59,13 @@ DUE_TIMERS_SQL = ("SELECT execution_id, timer_id, due_at FROM timers WHERE due_a
 # decision 0048: the fences of up to $2 executions parked on a timer due at $1, taken.
 CLAIM_TIMERS_SQL = ("SELECT execution_id, timer_id, due_at, token, head, flow_id, tenant, "
                     "expires FROM fleet_claim_timers($1, $2, $3, $4, $5, $6)")
+#: The backlog per flow and tenant (``pg_migration_backlog``'s function) and the executions
+#: parked on each gate asked for ($1; ``executions_by_gate`` by their prefixes, $2, then the
+#: names).
+BACKLOG_SQL = "SELECT * FROM fleet_backlog($1)"
+PARKED_SQL = ("SELECT waiting_on, count(*) AS n FROM executions WHERE waiting_on IS NOT NULL "
+              f"AND left(waiting_on, {PREFIX}) = ANY($2::text[]) AND waiting_on = ANY($1::text[]) "
+              "AND status = 'parked' GROUP BY waiting_on")
 INLINE_EVENTS = 8  # a write of up to this many events sends their fields as scalars
 
 

@@ -52,6 +52,7 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope
+from fleet.kernel.store.backlog import Backlog, backlog_groups, check_backlog
 from fleet.kernel.store.claims import ClaimedTimer
 from fleet.kernel.store.encoding import encode_state
 from fleet.kernel.store.pg_connections import (
@@ -70,8 +71,11 @@ from fleet.kernel.store.pg_queries import (
     APPENDS,
     APPENDS_IF,
     APPENDS_LEASED,
+    BACKLOG_SQL,
     CLAIM_TIMERS_SQL,
     DUE_TIMERS_SQL,
+    PARKED_SQL,
+    PREFIX,
     RENEW_SQL,
     SUMMARY_SQL,
     TIP_SQL,
@@ -632,6 +636,17 @@ class PostgresEventStore(_PostgresBase):
                                         int(row["expires"])),
                              int(row["head"]), row["flow_id"], row["tenant"])
                 for row in sorted(rows, key=lambda r: r["due_at"])]
+
+    async def backlog(self, now_ms: int, *, gates: Sequence[str] = ()) -> Backlog:
+        wanted = check_backlog(now_ms, gates)
+        rows = await self._call("fetch", BACKLOG_SQL, now_ms, idempotent=True)
+        parked = dict.fromkeys(wanted, 0)
+        if wanted:
+            prefixes = sorted({gate[:PREFIX] for gate in wanted})
+            for row in await self._call("fetch", PARKED_SQL, list(wanted), prefixes,
+                                        idempotent=True):
+                parked[str(row["waiting_on"])] = int(row["n"])
+        return Backlog(backlog_groups(tuple(r) for r in rows), parked)
 
     async def read_committed(self, *, after: Position = ORIGIN, limit: int = 500,
                              max_bytes: int | None = None) -> list[CommittedEvent]:

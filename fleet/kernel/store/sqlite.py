@@ -49,6 +49,7 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, wall_clock_ms
+from fleet.kernel.store.backlog import Backlog, backlog_groups, check_backlog
 from fleet.kernel.store.spi import (
     APPEND_LEASED,
     APPEND_MANY,
@@ -78,7 +79,7 @@ from fleet.kernel.store.spi import (
     check_max_lease_ms,
     lease_live,
 )
-from fleet.kernel.store.sqlite_schema import FEED_SQL, SCHEMA_VERSION, migrate
+from fleet.kernel.store.sqlite_schema import BACKLOG_SQL, FEED_SQL, SCHEMA_VERSION, migrate
 from fleet.kernel.store.sqlite_writes import Write as _Write
 from fleet.kernel.values import INT64_MAX, check_int64, check_ms, check_text
 
@@ -740,6 +741,20 @@ class SqliteEventStore:
             row = conn.execute(_SUMMARY_SQL + " WHERE e.execution_id = ?",
                                (execution_id,)).fetchone()
             return None if row is None else _summary(row)
+
+        return await self._db.reader.call(job)
+
+    async def backlog(self, now_ms: int, *, gates: Sequence[str] = ()) -> Backlog:
+        wanted = check_backlog(now_ms, gates)
+
+        def job(conn: sqlite3.Connection) -> Backlog:
+            rows = conn.execute(BACKLOG_SQL, {"now": now_ms}).fetchall()
+            parked = dict.fromkeys(wanted, 0)
+            for gate in wanted:
+                parked[gate] = int(conn.execute(
+                    "SELECT count(*) FROM executions WHERE waiting_on = ? AND status = "
+                    "'parked'", (gate,)).fetchone()[0])
+            return Backlog(backlog_groups(rows), parked)
 
         return await self._db.reader.call(job)
 

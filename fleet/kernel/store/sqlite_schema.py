@@ -19,7 +19,7 @@ import sqlite3
 
 from fleet.kernel.errors import SchemaVersionError
 
-__all__ = ["FEED_SQL", "SCHEMA_VERSION", "migrate", "next_positions"]
+__all__ = ["BACKLOG_SQL", "FEED_SQL", "SCHEMA_VERSION", "migrate", "next_positions"]
 
 SCHEMA_VERSION = 2
 
@@ -113,3 +113,22 @@ def next_positions(conn: sqlite3.Connection, count: int) -> int:
     (last,) = conn.execute("UPDATE fleet_counters SET value = value + ? WHERE name = "
                            "'position' RETURNING value", (count,)).fetchone()
     return int(last) - count + 1
+
+
+#: The backlog (``SqliteEventStore.backlog``; decision 0046): runnable executions with no
+#: live lease at ``:now`` and since when the oldest waits, and the timers due, per flow
+#: and tenant; the running rows by ``executions_by_status``, the timers by
+#: ``timers_by_due``.
+BACKLOG_SQL = """
+SELECT e.flow_id, e.tenant, count(*), min(max(e.updated_at, coalesce(f.lease_expires_at, 0))),
+       0, NULL
+FROM executions AS e LEFT JOIN fences AS f ON f.execution_id = e.execution_id
+WHERE e.status = 'running' AND (f.lease_expires_at IS NULL OR f.lease_expires_at <= :now)
+GROUP BY e.flow_id, e.tenant
+UNION ALL
+SELECT e.flow_id, e.tenant, 0, NULL, count(*), min(t.due_at)
+FROM timers AS t JOIN executions AS e ON e.execution_id = t.execution_id
+WHERE t.due_at <= :now
+GROUP BY e.flow_id, e.tenant
+"""
+

@@ -2,7 +2,7 @@
 # server starts listening (it sources every *.sh in /docker-entrypoint-initdb.d;
 # docker_process_sql is the image's psql as the bootstrap superuser).
 #
-# It creates fleet's two roles with roles.psql (a byte-for-byte copy of
+# It creates fleet's roles with roles.psql (a byte-for-byte copy of
 # deploy/postgres/roles.sql: kustomize reads files only below the overlay, and
 # tests/deploy checks the copy) and gives them the passwords of fleet-secrets.
 # psql reads the passwords from its environment (\getenv), so they never appear
@@ -10,6 +10,7 @@
 docker_process_sql \
     -v migrator="${DB_MIGRATOR:-fleet_migrator}" \
     -v runtime="${DB_RUNTIME:-fleet_runtime}" \
+    -v scaler="${DB_SCALER:-fleet_scaler}" \
     -f /docker-entrypoint-initdb.d/roles.psql
 docker_process_sql \
     -v migrator="${DB_MIGRATOR:-fleet_migrator}" \
