@@ -92,6 +92,8 @@ class Engine:
         self.hand_back = HandBack()
         # Called with the state of a run that parked (the local timers arm here).
         self.on_parked: Callable[[ExecutionState], None] | None = None
+        # Called with the state of a run that ended here (a queue's pass: decision 0056).
+        self.on_ended: Callable[[ExecutionState], None] | None = None
 
     # -- what a run reads from its host (RunHost) ------------------------------------
     @property
@@ -300,6 +302,8 @@ class Engine:
             self.results.settle(run.state)
         elif outcome.kind == "parked" and self.on_parked is not None:
             self.on_parked(run.state)
+        if self.on_ended is not None and run.state.terminal and outcome.last_sequence >= 0:
+            self.on_ended(run.state)
         return outcome
 
     async def stop_local(self, execution_id: str, reason: StopReason) -> None:

@@ -20,7 +20,7 @@ from pydantic import ValidationError as PydanticValidationError
 from fleet.kernel.errors import CorruptLogError, NotSerializableError, UnstorableValueError
 from fleet.kernel.values import has_lone_surrogate, printable
 
-EVENT_SCHEMA = "1.1.0"  # 1.1.0: EXECUTION_DENIED.count
+EVENT_SCHEMA = "1.2.0"  # 1.1.0: EXECUTION_DENIED.count; 1.2.0: EXECUTION_DEBOUNCED (0057)
 
 
 class EventType(StrEnum):
@@ -48,6 +48,7 @@ class EventType(StrEnum):
     EXECUTION_CANCELLED = "EXECUTION_CANCELLED"
     EXECUTION_DENIED = "EXECUTION_DENIED"
     RECOVERED = "RECOVERED"
+    EXECUTION_DEBOUNCED = "EXECUTION_DEBOUNCED"  # decision 0057
 
 
 def wall_clock_ms() -> int:
@@ -261,6 +262,14 @@ class Recovered(_Payload):
     reason: str = ""
 
 
+class ExecutionDebounced(_Payload):
+    """A repeat start joined a debounce window: the run's new input and due time (0057)."""
+
+    input: Json = None
+    dueAt: int
+    by: str | None = None
+
+
 PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.EXECUTION_STARTED: ExecutionStarted,
     EventType.STEP_STARTED: StepStarted,
@@ -286,6 +295,7 @@ PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.EXECUTION_CANCELLED: ExecutionCancelled,
     EventType.EXECUTION_DENIED: ExecutionDenied,
     EventType.RECOVERED: Recovered,
+    EventType.EXECUTION_DEBOUNCED: ExecutionDebounced,
 }
 
 

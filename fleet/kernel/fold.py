@@ -417,6 +417,14 @@ def _recovered(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: in
     st.recoveries += 1
 
 
+def _debounced(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+               ts: int) -> None:
+    # A repeat start's input replaces the waiting run's (decision 0057); only the
+    # runtime writes it, and only before the run's body first ran.
+    if ev.kernel and not st.terminal:
+        st.input = p.get("input")
+
+
 _HANDLERS: dict[EventType, Any] = {
     EventType.EXECUTION_STARTED: _started,
     EventType.STEP_STARTED: _step_started,
@@ -442,4 +450,5 @@ _HANDLERS: dict[EventType, Any] = {
     EventType.EXECUTION_CANCELLED: _terminal("cancelled"),
     EventType.EXECUTION_DENIED: _denied,
     EventType.RECOVERED: _recovered,
+    EventType.EXECUTION_DEBOUNCED: _debounced,
 }

@@ -18,9 +18,10 @@ import socket
 import uuid
 from collections.abc import Sequence
 from dataclasses import fields
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
+from fleet.kernel.admissions import Admissions
 from fleet.kernel.context import RESERVED_PREFIX
 from fleet.kernel.engine import Engine
 from fleet.kernel.errors import (
@@ -38,6 +39,7 @@ from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE, Executi
 from fleet.kernel.gates import check_resumable, indoubt_answer
 from fleet.kernel.handle import ExecutionHandle
 from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
+from fleet.kernel.later import start_later
 from fleet.kernel.migration import resume_as
 from fleet.kernel.observers import EventObserver, Warner, WarnSink
 from fleet.kernel.options import (
@@ -48,6 +50,7 @@ from fleet.kernel.options import (
     RuntimeStats,
 )
 from fleet.kernel.outcomes import OutcomeResult, record_outcome
+from fleet.kernel.queues import Queue
 from fleet.kernel.recovery import RecoveryReport, recover_abandoned
 from fleet.kernel.results import Until
 from fleet.kernel.run import ReplayFrontier as ReplayFrontier
@@ -55,6 +58,7 @@ from fleet.kernel.run import Run as Run
 from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.runtime_counters import StatsAttributes
 from fleet.kernel.security import AccessPolicy, Principal
+from fleet.kernel.start_plan import plan_start
 from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.timers import FiredTimer, Timers
@@ -79,8 +83,8 @@ class Runtime(StatsAttributes):
             argument of its own (``access_policy``, ``strict``, ``divergence``,
             ``features``, ``on_event``, ``on_durable_event``, ``on_warn``,
             ``on_execution_denied``, ``clock``, ``holder``, ``lease_ms``,
-            ``inline_sleep_max``, ``local_timers``, ``allow_flow_code_mismatch``):
-            pass one spelling or the other, not both.
+            ``inline_sleep_max``, ``local_timers``, ``allow_flow_code_mismatch``,
+            ``queues``): pass one spelling or the other, not both.
 
     ``on_event`` reports an event as the run folds it, before its write, so it
     can report an event that never became durable (a failed, refused or lost
@@ -100,13 +104,14 @@ class Runtime(StatsAttributes):
                  clock: Clock | None = None, holder: str | None = None,
                  lease_ms: int = 30_000, inline_sleep_max: float = 1.0,
                  local_timers: bool = True, allow_flow_code_mismatch: bool = False,
-                 options: RuntimeOptions | None = None) -> None:
+                 queues: Sequence[Queue] = (), options: RuntimeOptions | None = None) -> None:
         given: dict[str, Any] = {
             "access_policy": access_policy, "strict": strict, "divergence": divergence,
             "features": features, "on_event": on_event, "on_durable_event": on_durable_event,
             "on_warn": on_warn, "on_execution_denied": on_execution_denied, "clock": clock,
             "holder": holder, "lease_ms": lease_ms, "inline_sleep_max": inline_sleep_max,
-            "local_timers": local_timers, "allow_flow_code_mismatch": allow_flow_code_mismatch}
+            "local_timers": local_timers, "allow_flow_code_mismatch": allow_flow_code_mismatch,
+            "queues": queues}
         if options is None:
             options = RuntimeOptions(**given)
         else:
@@ -127,6 +132,9 @@ class Runtime(StatsAttributes):
                              divergence=options.divergence_mode(DEFAULT_DIVERGENCE),
                              holder=self.holder, warner=self.warner)
         self.timers = Timers(self.engine, local=options.local_timers)
+        # Declared queues, their passes and wakes (decision 0056).
+        self.queues = Admissions(self.engine, self.timers, options.queues,
+                                 local=options.local_timers)
         self.stats: RuntimeStats = self.engine.stats
         self.clock = self.engine.clock
         # The settings in force, as attributes (as before RuntimeOptions): set once
@@ -149,8 +157,11 @@ class Runtime(StatsAttributes):
     # ------------------------------------------------------------------ start
     async def start(self, flow_id: str | FlowDefinition, input: Any = None, *,
                     principal: Principal | None = None, execution_id: str | None = None,
-                    idempotency_key: str | None = None,
-                    drive: bool = True) -> ExecutionHandle:
+                    idempotency_key: str | None = None, drive: bool = True,
+                    start_at: datetime | None = None, start_in: timedelta | None = None,
+                    queue: str | None = None, key: str | None = None,
+                    priority: int | None = None,
+                    debounce: timedelta | None = None) -> ExecutionHandle:
         """Start an execution (idempotent by ``execution_id`` or ``idempotency_key``), drive it.
 
         A start that finds its execution already there returns a handle to it,
@@ -162,6 +173,12 @@ class Runtime(StatsAttributes):
 
         With ``drive=False`` the start is made durable and the lease released;
         a worker drives it (the fleet's dispatcher writes first, then enqueues).
+
+        ``start_at`` (an aware datetime) / ``start_in`` (a timedelta) start it later
+        (decision 0055); ``queue`` (a declared ``Queue``, with ``key`` and ``priority``)
+        starts it within the queue's limits (0056); ``debounce`` with ``key`` collapses
+        the starts of a window into one run with the last input (0057). Those starts
+        write the execution at once, parked, and run it later (``fleet.kernel.later``).
         """
         if isinstance(flow_id, FlowDefinition):
             flow_id = flow_id.flow_id
@@ -173,6 +190,14 @@ class Runtime(StatsAttributes):
         data = ensure_json(input, f"the input of flow {flow_id!r}")
         if execution_id is not None and idempotency_key is not None:
             raise ValidationError("give execution_id or idempotency_key, not both")
+        plan = plan_start(self.clock(), self.queues, start_at=start_at, start_in=start_in,
+                          queue=queue, key=key, priority=priority, debounce=debounce,
+                          execution_id=execution_id, idempotency_key=idempotency_key)
+        if plan is not None:
+            later = await start_later(self, definition, data, plan, principal=principal,
+                                      execution_id=execution_id,
+                                      idempotency_key=idempotency_key, drive=drive)
+            return ExecutionHandle(self, later.execution_id, later.run)
         # A fresh random id cannot exist yet: no need to ask the store.
         fresh = execution_id is None and idempotency_key is None
         if idempotency_key is not None:
@@ -422,6 +447,10 @@ class Runtime(StatsAttributes):
                               drive: bool = True) -> list[FiredTimer]:
         """Fire every timer due at ``now``: ``TIMER_FIRED``, then drive. The timers fired.
 
+        Delayed starts fire here too (their ``__fleet_start__`` timer), and every
+        declared queue gets a pass: the runs it admits now are among those returned
+        (their queue's timer, fired).
+
         Args:
             now: An aware ``datetime`` (default: the runtime's clock). A later
                 ``now`` fires timers early: ``datetime.now(timezone.utc) +
@@ -435,7 +464,9 @@ class Runtime(StatsAttributes):
                 fleet's timer service).
         """
         at = None if now is None else ms_from_datetime(now, "fire_due_timers(now=...)")
-        return await self.timers.fire_due(at, limit=limit, drive=drive)
+        fired = await self.timers.fire_due(at, limit=limit, drive=drive)
+        # Then one pass of every declared queue: what waits for a slot freed anywhere.
+        return fired + await self.queues.run_all(at, limit=limit - len(fired), drive=drive)
 
     async def recover_abandoned(self, *, now: datetime | None = None, limit: int = 100,
                                 updated_before: datetime | None = None,
@@ -499,6 +530,7 @@ class Runtime(StatsAttributes):
     async def close(self) -> None:
         """Stop local timers and wait for the runs this runtime drives."""
         self.timers.close()
+        self.queues.close()
         await self.engine.close()
 
     @property

@@ -49,12 +49,15 @@ class Timers:
         now = engine.clock() if now is None else now
         fired: list[FiredTimer] = []
         for due in await engine.store.due_timers(now, limit=limit):
-            if await self.fire(due.execution_id, due.timer_id, drive=drive):
+            if await self.fire(due.execution_id, due.timer_id, drive=drive, now=now):
                 fired.append(FiredTimer(due.execution_id, due.timer_id))
         return fired
 
-    async def fire(self, execution_id: str, timer_id: str, *, drive: bool = True) -> bool:
-        """Fire one timer if it is still due and waited on; True when this call fired it."""
+    async def fire(self, execution_id: str, timer_id: str, *, drive: bool = True,
+                   now: int | None = None) -> bool:
+        """Fire one timer if it is still waited on (and, given ``now``, still due then);
+        True when this call fired it. Judged under the fence: a due time moved on since
+        ``fire_due`` listed it (a debounced start, decision 0057) is not fired early."""
         engine = self.engine
         lease = await engine.take_if_free(execution_id)
         if lease is None:
@@ -65,6 +68,9 @@ class Timers:
             waiting = state.waiting or {}
             if (timer is None or timer.get("fired") or not state.parked
                     or waiting.get("on") != timer_id):
+                return False
+            due = timer.get("dueAt")
+            if now is not None and isinstance(due, int) and due > now:
                 return False
             fired = [(EventType.TIMER_FIRED, {"timerId": timer_id})]
             if drive:

@@ -50,6 +50,7 @@ from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.store.conformance_events import HOSTILE_STRINGS, T0, make_event, started
 from fleet.kernel.store.conformance_feed import FeedConformance
 from fleet.kernel.store.conformance_leases import LeaseConformance
+from fleet.kernel.store.conformance_queues import QueueConformance
 from fleet.kernel.store.conformance_values import SnapshotValueConformance, ValueConformance
 from fleet.kernel.store.spi import (
     EventStore,
@@ -79,7 +80,8 @@ def _wire(events: list[EventEnvelope]) -> list[str]:
     return [json.dumps(e.to_dict(), sort_keys=True) for e in events]
 
 
-class EventStoreConformance(FeedConformance, ValueConformance, LeaseConformance):
+class EventStoreConformance(FeedConformance, ValueConformance, LeaseConformance,
+                            QueueConformance):
     """The ``EventStore`` contract as tests; subclass it and provide ``store``."""
 
     lease_ms: ClassVar[int] = 250  # a short lease the kit waits out with pass_time

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.events import EventEnvelope
+from fleet.kernel.store.forwarding_queues import ForwardingQueues
 from fleet.kernel.store.spi import (
     ORIGIN,
     AppendRequest,
@@ -35,8 +36,9 @@ from fleet.kernel.store.spi import (
 )
 
 
-class ForwardingEventStore:
-    """An ``EventStore`` that forwards every call to ``inner``."""
+class ForwardingEventStore(ForwardingQueues):
+    """An ``EventStore`` that forwards every call to ``inner`` (queues too:
+    ``forwarding_queues``)."""
 
     def __init__(self, inner: EventStore) -> None:
         self.inner = inner

@@ -58,6 +58,7 @@ from fleet.kernel.store.spi import (
     encode_state,
     index_change,
 )
+from fleet.kernel.store.memory_queues import MemoryQueues
 from fleet.kernel.values import check_int64, check_ms, check_text
 
 __all__ = ["MemoryEventStore", "MemorySnapshotStore"]
@@ -91,7 +92,7 @@ class _Fence:
 
 
 
-class MemoryEventStore:
+class MemoryEventStore(MemoryQueues):
     """An ``EventStore`` held in process memory, for one asyncio loop.
 
     Args:

@@ -71,6 +71,7 @@ from fleet.kernel.store.spi import (
     check_limit,
     check_listing,
 )
+from fleet.kernel.store.sqlite_queues import SqliteQueues
 from fleet.kernel.store.sqlite_schema import FEED_SQL, SCHEMA_VERSION, migrate
 from fleet.kernel.store.sqlite_writes import Write as _Write
 from fleet.kernel.values import check_int64, check_ms, check_text
@@ -404,7 +405,7 @@ def _end_lease(conn: sqlite3.Connection, execution_id: str, token: int) -> bool:
                         (execution_id, token)).rowcount > 0
 
 
-class SqliteEventStore:
+class SqliteEventStore(SqliteQueues):
     """An ``EventStore`` in one SQLite file, safe for many stores and processes.
 
     Args:
