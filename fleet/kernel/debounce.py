@@ -108,7 +108,8 @@ async def start_debounced(rt: LaterRuntime, definition: FlowDefinition, data: An
     if not holds_queues(store) or not isinstance(store, HoldsQueues):
         raise ConfigurationError(f"{type(store).__name__} keeps no debounce pointers "
                                  "(spi_queues.HoldsQueues): debounce needs a store that does")
-    assert plan.key is not None and plan.debounce_ms is not None
+    assert plan.key is not None
+    assert plan.debounce_ms is not None
     scope = debounce_scope(principal.tenant if principal else None, definition.flow_id,
                            plan.key)
     delay = 0.01

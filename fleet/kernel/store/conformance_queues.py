@@ -1,8 +1,8 @@
 """The conformance kit's queue part: ``HoldsQueues`` (decision 0056, 0057).
 
 Included in ``EventStoreConformance``. A store that keeps queues must give these
-answers; one that does not must say so (``spi_queues.holds_queues`` is False), and
-then a ``Runtime`` with queues refuses it, which is what these tests check for it.
+answers; one that does not must say so (``spi_queues.holds_queues`` is False), and a
+``Runtime`` with queues then refuses it.
 Each test writes the logs the kernel would (a start parked on the queue's gate, its
 wake, its end) and asks the store what it admits: times are explicit (``T0 + ...``).
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fleet.kernel.errors import ConfigurationError, ValidationError
+from fleet.kernel.errors import ValidationError
 from fleet.kernel.events import EventEnvelope, EventType
 from fleet.kernel.store.conformance_events import T0, make_event, started
 from fleet.kernel.store.spi import EventStore
@@ -24,7 +24,6 @@ from fleet.kernel.store.spi_queues import (
     QueueLimits,
     QueuePass,
     holds_queues,
-    queue_gate,
 )
 
 __all__ = ["QueueConformance"]
@@ -86,8 +85,9 @@ async def run_pass(store: EventStore, limits: QueueLimits, now: int, **kw: Any) 
 
 
 async def end(store: EventStore, eid: str, kind: EventType = E.EXECUTION_COMPLETED) -> None:
-    payload = {EventType.EXECUTION_CANCELLED: {"reason": "test"},
-               EventType.EXECUTION_FAILED: {"error": {"type": "Boom", "message": "x"}}}
+    payload: dict[EventType, dict[str, Any]] = {
+        EventType.EXECUTION_CANCELLED: {"reason": "test"},
+        EventType.EXECUTION_FAILED: {"error": {"type": "Boom", "message": "x"}}}
     await _append(store, eid, (kind, payload.get(kind, {"output": None})))
 
 
@@ -98,16 +98,11 @@ def ids(done: QueuePass) -> list[str]:
 class QueueConformance:
     """``HoldsQueues``: mixed into ``EventStoreConformance``."""
 
-    async def test_a_store_without_queues_is_refused_by_a_runtime_with_queues(
-            self, store: EventStore) -> None:
-        from fleet.kernel.queues import Queue
-        from fleet.kernel.runtime import Runtime
+    async def test_a_store_says_whether_it_keeps_queues(self, store: EventStore) -> None:
+        # One that does not is refused by a Runtime with queues (tests/kernel/runtime).
         if holds_queues(store):
-            runtime = Runtime(store, queues=[Queue("q", concurrency=1)])
-            assert runtime.queues.declared() == ("q",)
-            return
-        with pytest.raises(ConfigurationError, match="queues"):
-            Runtime(store, queues=[Queue("q", concurrency=1)])
+            assert isinstance(store, HoldsQueues)
+            assert await store.queue_depths(T0) == []
 
     async def test_queue_concurrency_admits_in_enqueue_order_up_to_the_limit(
             self, store: EventStore) -> None:
@@ -313,10 +308,12 @@ class QueueConformance:
         assert not await hq.debounce_claim("scope-1", "e2", expect=None, now_ms=T0)
         assert not await hq.debounce_claim("scope-1", "e2", expect="nope", now_ms=T0)
         claim = await hq.debounce_get("scope-1")
-        assert claim is not None and (claim.execution_id, claim.claimed_at) == ("e1", T0)
+        assert claim is not None
+        assert (claim.execution_id, claim.claimed_at) == ("e1", T0)
         assert await hq.debounce_claim("scope-1", "e2", expect="e1", now_ms=T0 + 5)
         claim = await hq.debounce_get("scope-1")
-        assert claim is not None and (claim.execution_id, claim.claimed_at) == ("e2", T0 + 5)
+        assert claim is not None
+        assert (claim.execution_id, claim.claimed_at) == ("e2", T0 + 5)
         results = await asyncio.gather(*(hq.debounce_claim("scope-2", f"x{i}", expect=None,
                                                            now_ms=T0) for i in range(10)))
         assert sum(results) == 1

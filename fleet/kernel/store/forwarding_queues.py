@@ -7,9 +7,8 @@ refuses ``queues=`` on such a store).
 
 from __future__ import annotations
 
-from typing import Any
-
 from fleet.kernel.errors import ConfigurationError
+from fleet.kernel.store.spi import EventStore
 from fleet.kernel.store.spi_queues import (
     DEFAULT_GRACE_MS,
     DEFAULT_REWAKE_MS,
@@ -27,7 +26,7 @@ __all__ = ["ForwardingQueues"]
 class ForwardingQueues:
     """Forwards ``HoldsQueues`` to ``inner``."""
 
-    inner: Any
+    inner: EventStore
 
     def _queues_inner(self) -> HoldsQueues:
         if not isinstance(self.inner, HoldsQueues):

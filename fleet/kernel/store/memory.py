@@ -31,6 +31,7 @@ from fleet.kernel.errors import (
     ValidationError,
 )
 from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
+from fleet.kernel.store.memory_queues import MemoryQueues
 from fleet.kernel.store.spi import (
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
@@ -58,7 +59,6 @@ from fleet.kernel.store.spi import (
     encode_state,
     index_change,
 )
-from fleet.kernel.store.memory_queues import MemoryQueues
 from fleet.kernel.values import check_int64, check_ms, check_text
 
 __all__ = ["MemoryEventStore", "MemorySnapshotStore"]

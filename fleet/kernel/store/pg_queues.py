@@ -9,7 +9,7 @@ found by a later pass's ``rewake``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from fleet.kernel.store.pg_queries import execution_key
 from fleet.kernel.store.spi_queues import (
@@ -47,13 +47,16 @@ GROUP BY q.queue
 """
 
 
+class _Store(Protocol):
+    """What the mixin uses of ``PostgresEventStore``: its one way to the server."""
+
+    async def _call(self, method: str, query: str, *args: Any, idempotent: bool) -> Any: ...
+
+
 class PostgresQueues:
     """``HoldsQueues`` through a Postgres store's ``_call``."""
 
-    async def _call(self, method: str, query: str, *args: Any, idempotent: bool) -> Any:
-        raise NotImplementedError  # PostgresEventStore's (_PostgresBase)
-
-    async def queue_pass(self, limits: QueueLimits, now_ms: int, *,
+    async def queue_pass(self: _Store, limits: QueueLimits, now_ms: int, *,
                          entry: QueueEntry | None = None, limit: int = 100,
                          grace_ms: int = DEFAULT_GRACE_MS,
                          rewake_ms: int = DEFAULT_REWAKE_MS) -> QueuePass:
@@ -83,7 +86,7 @@ class PostgresQueues:
                 before = row["o_text"]
         return QueuePass(tuple(admitted), tuple(rewake), entry_at, entered, before)
 
-    async def queue_delay(self, execution_id: str, eligible_at: int) -> bool:
+    async def queue_delay(self: _Store, execution_id: str, eligible_at: int) -> bool:
         key = execution_key(execution_id)
         check_ms(eligible_at, "eligible_at")
         status = await self._call(
@@ -91,13 +94,13 @@ class PostgresQueues:
             "admitted_at IS NULL", key, eligible_at, idempotent=True)
         return str(status).endswith(" 1")
 
-    async def queue_forget(self, execution_id: str) -> bool:
+    async def queue_forget(self: _Store, execution_id: str) -> bool:
         key = execution_key(execution_id)
         status = await self._call("execute", "DELETE FROM fleet_queue_entries WHERE ekey = $1",
                                   key, idempotent=False)
         return str(status).endswith(" 1")
 
-    async def queue_depths(self, now_ms: int) -> list[QueueDepth]:
+    async def queue_depths(self: _Store, now_ms: int) -> list[QueueDepth]:
         check_ms(now_ms, "now_ms")
         rows = {row["queue"]: row for row in await self._call(
             "fetch", _DEPTHS_SQL, now_ms, idempotent=True)}
@@ -115,14 +118,14 @@ class PostgresQueues:
                                   int(row["running"]), int(row["delayed"]), limits.get(name)))
         return out
 
-    async def debounce_get(self, scope: str) -> DebounceClaim | None:
+    async def debounce_get(self: _Store, scope: str) -> DebounceClaim | None:
         check_scope(scope)
         row = await self._call("fetchrow", "SELECT execution_id, claimed_at FROM fleet_debounce "
                                "WHERE scope = $1", scope, idempotent=True)
         return None if row is None else DebounceClaim(row["execution_id"],
                                                       int(row["claimed_at"]))
 
-    async def debounce_claim(self, scope: str, execution_id: str, *, expect: str | None,
+    async def debounce_claim(self: _Store, scope: str, execution_id: str, *, expect: str | None,
                              now_ms: int) -> bool:
         check_scope(scope)
         check_text(execution_id, "execution id")

@@ -54,7 +54,6 @@ from fleet.kernel.store.pg_connections import (
 )
 from fleet.kernel.store.pg_feed import PostgresCommitSignal, channel_for, committed, feed_query
 from fleet.kernel.store.pg_migrations import SCHEMA_VERSION
-from fleet.kernel.store.pg_queues import PostgresQueues
 from fleet.kernel.store.pg_queries import (
     APPEND_MANY_LEASED_SQL,
     APPEND_MANY_SQL,
@@ -74,6 +73,7 @@ from fleet.kernel.store.pg_queries import (
     refusal,
     summary,
 )
+from fleet.kernel.store.pg_queues import PostgresQueues
 from fleet.kernel.store.spi import (
     DEFAULT_MAX_EVENT_BYTES,
     ORIGIN,
@@ -145,7 +145,7 @@ class _PostgresBase:
         raise AssertionError("unreachable")  # pragma: no cover
 
 
-class PostgresEventStore(_PostgresBase, PostgresQueues):  # _PostgresBase._call first
+class PostgresEventStore(_PostgresBase, PostgresQueues):
     """An ``EventStore`` in Postgres, safe for many processes and hosts.
 
     Args:

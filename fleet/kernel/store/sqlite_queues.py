@@ -9,8 +9,8 @@ leaves it. The tables are schema version 3 (``sqlite_schema``).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
 
 from fleet.kernel.events import TERMINAL_STATUSES
 from fleet.kernel.store.spi_queues import (
@@ -31,6 +31,29 @@ from fleet.kernel.store.spi_queues import (
 from fleet.kernel.values import check_ms, check_text
 
 __all__ = ["SqliteQueues"]
+
+T = TypeVar("T")
+
+
+class _Connection(Protocol):
+    """A connection thread of the file (``sqlite._Worker``)."""
+
+    async def call(self, job: Callable[[sqlite3.Connection], T]) -> T: ...
+
+
+class _Database(Protocol):
+    @property
+    def writer(self) -> _Connection: ...
+
+    @property
+    def reader(self) -> _Connection: ...
+
+
+class _Store(Protocol):
+    """What the mixin uses of ``SqliteEventStore``: its file's connections."""
+
+    @property
+    def _db(self) -> _Database: ...
 
 _ENDED = "(" + ", ".join(f"'{s}'" for s in sorted(TERMINAL_STATUSES)) + ")"
 # An admitted entry holds its slot: its execution has not ended, or has no log yet
@@ -53,7 +76,7 @@ SELECT cand.execution_id, cand.qkey FROM cand LEFT JOIN act ON act.qkey IS cand.
 WHERE cand.rn <= :per_key - coalesce(act.k, 0)
 ORDER BY cand.priority, cand.seq LIMIT :free
 """
-_REWAKE = f"""
+_REWAKE = """
 SELECT q.execution_id, q.admitted_at FROM fleet_queue_entries AS q
 JOIN executions AS e ON e.execution_id = q.execution_id
 WHERE q.queue = :queue AND q.admitted_at IS NOT NULL AND q.admitted_at <= :woken
@@ -152,18 +175,15 @@ def _pass(conn: sqlite3.Connection, limits: QueueLimits, now: int, entry: QueueE
 class SqliteQueues:
     """``HoldsQueues`` on a SQLite store's file (its ``_db`` writer and reader)."""
 
-    _db: Any
-
-    async def queue_pass(self, limits: QueueLimits, now_ms: int, *,
+    async def queue_pass(self: _Store, limits: QueueLimits, now_ms: int, *,
                          entry: QueueEntry | None = None, limit: int = 100,
                          grace_ms: int = DEFAULT_GRACE_MS,
                          rewake_ms: int = DEFAULT_REWAKE_MS) -> QueuePass:
         check_pass(limits, now_ms, entry, limit, grace_ms, rewake_ms)
-        result: QueuePass = await self._db.writer.call(
+        return await self._db.writer.call(
             lambda conn: _pass(conn, limits, now_ms, entry, limit, grace_ms, rewake_ms))
-        return result
 
-    async def queue_delay(self, execution_id: str, eligible_at: int) -> bool:
+    async def queue_delay(self: _Store, execution_id: str, eligible_at: int) -> bool:
         check_text(execution_id, "execution id")
         check_ms(eligible_at, "eligible_at")
 
@@ -172,18 +192,18 @@ class SqliteQueues:
                                 "execution_id = ? AND admitted_at IS NULL",
                                 (eligible_at, execution_id)).rowcount == 1
 
-        return bool(await self._db.writer.call(job))
+        return await self._db.writer.call(job)
 
-    async def queue_forget(self, execution_id: str) -> bool:
+    async def queue_forget(self: _Store, execution_id: str) -> bool:
         check_text(execution_id, "execution id")
 
         def job(conn: sqlite3.Connection) -> bool:
             return conn.execute("DELETE FROM fleet_queue_entries WHERE execution_id = ?",
                                 (execution_id,)).rowcount == 1
 
-        return bool(await self._db.writer.call(job))
+        return await self._db.writer.call(job)
 
-    async def queue_depths(self, now_ms: int) -> list[QueueDepth]:
+    async def queue_depths(self: _Store, now_ms: int) -> list[QueueDepth]:
         check_ms(now_ms, "now_ms")
 
         def job(conn: sqlite3.Connection) -> list[QueueDepth]:
@@ -191,10 +211,9 @@ class SqliteQueues:
             rows = {row[0]: row for row in conn.execute(_DEPTHS, {"now": now_ms})}
             return list(_depths(sorted(set(limits) | set(rows)), rows, limits, now_ms))
 
-        result: list[QueueDepth] = await self._db.reader.call(job)
-        return result
+        return await self._db.reader.call(job)
 
-    async def debounce_get(self, scope: str) -> DebounceClaim | None:
+    async def debounce_get(self: _Store, scope: str) -> DebounceClaim | None:
         check_scope(scope)
 
         def job(conn: sqlite3.Connection) -> DebounceClaim | None:
@@ -202,10 +221,9 @@ class SqliteQueues:
                                "WHERE scope = ?", (scope,)).fetchone()
             return None if row is None else DebounceClaim(row[0], row[1])
 
-        result: DebounceClaim | None = await self._db.reader.call(job)
-        return result
+        return await self._db.reader.call(job)
 
-    async def debounce_claim(self, scope: str, execution_id: str, *, expect: str | None,
+    async def debounce_claim(self: _Store, scope: str, execution_id: str, *, expect: str | None,
                              now_ms: int) -> bool:
         check_scope(scope)
         check_text(execution_id, "execution id")
@@ -223,7 +241,7 @@ class SqliteQueues:
                 "UPDATE fleet_debounce SET execution_id = ?, claimed_at = ? WHERE scope = ? "
                 "AND execution_id = ?", (execution_id, now_ms, scope, expect)).rowcount == 1
 
-        return bool(await self._db.writer.call(job))
+        return await self._db.writer.call(job)
 
 
 def _depths(names: list[str], rows: dict[str, Any], limits: dict[str, str],
