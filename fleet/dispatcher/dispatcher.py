@@ -37,11 +37,13 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.coalesce import Coalescer
+from fleet.dispatcher.later import LaterOptions, write_later
 from fleet.dispatcher.publish import (
     DrivePublisher,
     DriveRecord,
@@ -75,11 +77,17 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class DriveOrder:
-    """A drive to enqueue: which execution, and what routes it."""
+    """A drive to enqueue: which execution, and what routes it.
+
+    ``drive=False``: a start that waits (delayed, queued behind a limit, debounced):
+    nothing to enqueue for it; ``also``: the drives of runs its queue admitted besides.
+    """
 
     execution_id: str
     flow_id: str | None = None
     tenant: str | None = None
+    drive: bool = True
+    also: tuple[DriveOrder, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +99,18 @@ class Start:
     principal: Principal | None = None
     execution_id: str | None = None
     idempotency_key: str | None = None
+    # A start that runs later (decisions 0055-0057): see ``Runtime.start``.
+    start_at: datetime | None = None
+    start_in: timedelta | None = None
+    queue: str | None = None
+    key: str | None = None
+    priority: int | None = None
+    debounce: timedelta | None = None
+
+    @property
+    def later(self) -> LaterOptions:
+        return LaterOptions(self.start_at, self.start_in, self.queue, self.key,
+                            self.priority, self.debounce)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +261,7 @@ class Dispatcher:
                 ``FLEET_PUBLISH_TIMEOUT_S`` (retryable; none, some or all may be queued:
                 a drive twice is harmless).
         """
+        orders = [o for order in orders for o in (order, *order.also) if o.drive]
         if not orders:
             return
         drives = [PublishedDrive(o.execution_id, self.queue_for(o), o.flow_id, o.tenant,
@@ -311,20 +332,39 @@ class Dispatcher:
                             item.idempotency_key)
 
     async def write_starts(self, items: Sequence[Start]) -> list[DriveOrder]:
-        """The durable half of ``start_many``: the drives to enqueue next."""
-        requests = [self._start_request(item) for item in items]
+        """The durable half of ``start_many``: the drives to enqueue next, one per item (a
+        start that runs later: ``drive=False``, and ``also`` what its queue admitted)."""
         runtime = await self.runtime()
-        handles = await runtime.start_many(requests)
-        return [DriveOrder(handle.execution_id, request.flow_id,
-                           request.principal.tenant if request.principal else None)
-                for handle, request in zip(handles, requests, strict=True)]
+        orders: list[DriveOrder | None] = [None] * len(items)
+        for i, item in enumerate(items):
+            if not item.later.asked:
+                continue
+            written = await write_later(runtime, item.flow_id, item.input,
+                                        principal=item.principal,
+                                        execution_id=item.execution_id,
+                                        idempotency_key=item.idempotency_key,
+                                        later=item.later)
+            if written is not None:
+                also = tuple([await self._order(runtime, eid) for eid in written.woken])
+                orders[i] = DriveOrder(written.execution_id, item.flow_id,
+                                       item.principal.tenant if item.principal else None,
+                                       drive=written.drive, also=also)
+        plain = [i for i, order in enumerate(orders) if order is None]
+        if plain:
+            requests = [self._start_request(items[i]) for i in plain]
+            handles = await runtime.start_many(requests)
+            for i, handle, request in zip(plain, handles, requests, strict=True):
+                orders[i] = DriveOrder(handle.execution_id, request.flow_id,
+                                       request.principal.tenant if request.principal else None)
+        return [order for order in orders if order is not None]
 
     async def write_start(self, flow_id: str, input: Any = None, *,
                           principal: Principal | None = None, execution_id: str | None = None,
-                          idempotency_key: str | None = None) -> DriveOrder:
-        """The durable half of ``start``: the drive to enqueue next."""
+                          idempotency_key: str | None = None, **later: Any) -> DriveOrder:
+        """The durable half of ``start``: the drive to enqueue next (``later``: see
+        ``start``)."""
         (order,) = await self.write_starts([Start(flow_id, input, principal, execution_id,
-                                                  idempotency_key)])
+                                                  idempotency_key, **later)])
         return order
 
     async def write_resume(self, execution_id: str, gate: str, payload: Any = None, *,
@@ -365,19 +405,24 @@ class Dispatcher:
 
     # ------------------------------------------------------------ async API
     async def start(self, flow_id: str, input: Any = None, *, principal: Principal | None = None,
-                    execution_id: str | None = None,
-                    idempotency_key: str | None = None) -> str:
+                    execution_id: str | None = None, idempotency_key: str | None = None,
+                    start_at: datetime | None = None, start_in: timedelta | None = None,
+                    queue: str | None = None, key: str | None = None,
+                    priority: int | None = None, debounce: timedelta | None = None) -> str:
         """Start an execution of ``flow_id`` on the fleet; its id.
 
         Idempotent by ``execution_id`` or ``idempotency_key`` (not both). Starts in
         flight at once are written and published together
-        (``fleet.dispatcher.coalesce``); each gets its own answer.
+        (``fleet.dispatcher.coalesce``); each gets its own answer. ``start_at`` /
+        ``start_in``, ``queue`` (with ``key``, ``priority``) and ``debounce`` (with
+        ``key``) start it later, as ``Runtime.start`` does (``fleet.dispatcher.later``).
         """
         with self._call("start"):
             if self._starts is None:
                 self._starts = Coalescer(self._flush_starts)
-            return await self._starts.submit(Start(flow_id, input, principal, execution_id,
-                                                   idempotency_key))
+            return await self._starts.submit(Start(
+                flow_id, input, principal, execution_id, idempotency_key, start_at, start_in,
+                queue, key, priority, debounce))
 
     async def _flush_starts(self, items: Sequence[Start]) -> list[str | BaseException]:
         """One group of ``start`` calls: one write, one publish; an answer per call."""
@@ -591,11 +636,13 @@ class Dispatcher:
                         "idempotency key") from None
 
     def start_sync(self, flow_id: str, input: Any = None, *, principal: Principal | None = None,
-                   execution_id: str | None = None, idempotency_key: str | None = None) -> str:
-        """``start`` for code without an event loop (refused inside one)."""
+                   execution_id: str | None = None, idempotency_key: str | None = None,
+                   **later: Any) -> str:
+        """``start`` for code without an event loop (refused inside one); ``later``:
+        ``start_at``, ``start_in``, ``queue``, ``key``, ``priority``, ``debounce``."""
         return self._sync("start_sync", lambda: self.start(
             flow_id, input, principal=principal, execution_id=execution_id,
-            idempotency_key=idempotency_key))
+            idempotency_key=idempotency_key, **later))
 
     def start_many_sync(self, items: Sequence[Start]) -> list[str]:
         """``start_many`` for code without an event loop (refused inside one)."""
@@ -651,12 +698,12 @@ class Dispatcher:
 
     def write_start_sync(self, flow_id: str, input: Any = None, *,
                          principal: Principal | None = None, execution_id: str | None = None,
-                         idempotency_key: str | None = None) -> DriveOrder:
+                         idempotency_key: str | None = None, **later: Any) -> DriveOrder:
         """``write_start`` for code without an event loop (refused inside one)."""
         return self._sync("write_start_sync", lambda: self._tracked("write_start",
                           self.write_start(flow_id, input, principal=principal,
                                            execution_id=execution_id,
-                                           idempotency_key=idempotency_key)))
+                                           idempotency_key=idempotency_key, **later)))
 
     def write_resume_sync(self, execution_id: str, gate: str, payload: Any = None, *,
                           principal: Principal | None = None) -> DriveOrder:

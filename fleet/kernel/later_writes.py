@@ -23,7 +23,7 @@ from fleet.kernel.admissions import Admissions
 from fleet.kernel.engine import Engine, RunFuture
 from fleet.kernel.errors import DuplicateSequenceError, ExecutionBusyError, FleetError
 from fleet.kernel.events import EventEnvelope, EventType
-from fleet.kernel.flows import Features, FlowDefinition
+from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import fold_log
 from fleet.kernel.lease import Lease
 from fleet.kernel.queues import Queue
@@ -41,6 +41,7 @@ class LaterRuntime(Protocol):
     """What these starts use of ``fleet.kernel.runtime.Runtime`` (which imports this)."""
 
     engine: Engine
+    flows: FlowRegistry
     features: Features
     timers: Timers
     queues: Admissions

@@ -39,7 +39,7 @@ from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE, MESSAGE_GATE, Executi
 from fleet.kernel.gates import check_resumable, indoubt_answer
 from fleet.kernel.handle import ExecutionHandle
 from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
-from fleet.kernel.later import start_later
+from fleet.kernel.later import asks_later, start_later
 from fleet.kernel.migration import resume_as
 from fleet.kernel.observers import EventObserver, Warner, WarnSink
 from fleet.kernel.options import (
@@ -58,7 +58,6 @@ from fleet.kernel.run import Run as Run
 from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.runtime_counters import StatsAttributes
 from fleet.kernel.security import AccessPolicy, Principal
-from fleet.kernel.start_plan import plan_start
 from fleet.kernel.starts import StartRequest, start_many
 from fleet.kernel.store.spi import EventStore, FenceGrant, SnapshotStore
 from fleet.kernel.timers import FiredTimer, Timers
@@ -180,6 +179,13 @@ class Runtime(StatsAttributes):
         the starts of a window into one run with the last input (0057). Those starts
         write the execution at once, parked, and run it later (``fleet.kernel.later``).
         """
+        if asks_later(start_at, start_in, queue, key, priority, debounce):
+            later = await start_later(
+                self, flow_id, input, principal=principal, execution_id=execution_id,
+                idempotency_key=idempotency_key, drive=drive, start_at=start_at,
+                start_in=start_in, queue=queue, key=key, priority=priority, debounce=debounce)
+            if later is not None:
+                return ExecutionHandle(self, later.execution_id, later.run)
         if isinstance(flow_id, FlowDefinition):
             flow_id = flow_id.flow_id
         definition = self.flows.latest(flow_id)
@@ -190,14 +196,6 @@ class Runtime(StatsAttributes):
         data = ensure_json(input, f"the input of flow {flow_id!r}")
         if execution_id is not None and idempotency_key is not None:
             raise ValidationError("give execution_id or idempotency_key, not both")
-        plan = plan_start(self.clock(), self.queues, start_at=start_at, start_in=start_in,
-                          queue=queue, key=key, priority=priority, debounce=debounce,
-                          execution_id=execution_id, idempotency_key=idempotency_key)
-        if plan is not None:
-            later = await start_later(self, definition, data, plan, principal=principal,
-                                      execution_id=execution_id,
-                                      idempotency_key=idempotency_key, drive=drive)
-            return ExecutionHandle(self, later.execution_id, later.run)
         # A fresh random id cannot exist yet: no need to ask the store.
         fresh = execution_id is None and idempotency_key is None
         if idempotency_key is not None:
