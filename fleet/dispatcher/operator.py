@@ -36,11 +36,12 @@ from fleet.kernel.errors import (
     ExecutionNotFoundError,
     GateMismatchError,
 )
-from fleet.kernel.events import EventEnvelope
+from fleet.kernel.events import EventEnvelope, wall_clock_ms
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
 from fleet.kernel.runtime import Runtime
 from fleet.kernel.security import AccessPolicy, Principal
 from fleet.kernel.store.spi import EventStore
+from fleet.kernel.store.spi_queues import HoldsQueues, QueueDepth, holds_queues
 
 GATES: tuple[str, ...] = (DIVERGED_GATE, INDOUBT_GATE)
 
@@ -156,6 +157,16 @@ class Operator:
         async def go() -> list[ParkedExecution]:
             store, runtime = await self._open()
             return await list_parked(store, runtime, gates=gates, limit=limit)
+        return self._thread.run_coroutine(go(), timeout=60)
+
+    def queue_depths(self) -> list[QueueDepth]:
+        """Every queue's waiting runs, oldest wait, running and delayed runs, read from the
+        store now (decision 0056); none when the store keeps no queues."""
+        async def go() -> list[QueueDepth]:
+            store, _ = await self._open()
+            if not holds_queues(store) or not isinstance(store, HoldsQueues):
+                return []
+            return await store.queue_depths(wall_clock_ms())
         return self._thread.run_coroutine(go(), timeout=60)
 
     def events(self, execution_id: str, *, limit: int = 500) -> list[EventEnvelope]:

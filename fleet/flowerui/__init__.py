@@ -101,7 +101,7 @@ def install(settings: FleetSettings) -> FleetState:
     flower.app.default_handlers = [*ours, *flower.app.default_handlers]
     flower.urls.settings["template_loader"] = FleetTemplateLoader(
         flower.urls.settings["template_path"])
-    REGISTRY.register(FleetCollector(state.counters, state.parked_counts))
+    REGISTRY.register(FleetCollector(state.counters, state.parked_counts, state.queue_depths))
     _installed = state
     log.info("fleet: the Fleet page is at /fleet (Flower's navigation: Fleet)")
     return state

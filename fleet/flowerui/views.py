@@ -35,6 +35,7 @@ from fleet.config import FleetSettings
 from fleet.dispatcher.operator import GATES, Operator, ParkedExecution, RetryResult
 from fleet.kernel.errors import FleetError
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
+from fleet.kernel.store.spi_queues import QueueDepth
 from fleet.services.counters import ALARMS, WORKER_COUNTERS, CountersReader, FleetCounters
 
 log = logging.getLogger("fleet.flower")
@@ -82,10 +83,19 @@ class FleetState:
         return {"diverged": sum(1 for p in parked if p.gate == DIVERGED_GATE),
                 "in-doubt": sum(1 for p in parked if p.gate == INDOUBT_GATE)}
 
+    def queue_depths(self) -> list[QueueDepth]:
+        """Every queue as the store holds it now (decision 0056)."""
+        return self.operator.queue_depths()
+
     def snapshot(self) -> dict[str, Any]:
         """The page's data (also ``/fleet/api/status``)."""
         counters = self.counters()
         data = counters.to_dict()
+        data["queues"] = []
+        try:
+            data["queues"] = [q.to_dict() for q in self.queue_depths()]
+        except Exception as exc:  # noqa: BLE001 - shown on the page, the rest still served
+            data["problems"].append(f"queues: {type(exc).__name__}: {exc}")
         parked: list[ParkedExecution] = []
         try:
             parked = self.operator.parked(gates=GATES)

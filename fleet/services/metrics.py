@@ -15,19 +15,22 @@ Families: a counter ``fleet_<name>_total`` for each counter a process reports
 ``fleet_<name>`` for the gauges (``fleet_active``, ``fleet_lag_ms``...), and
 ``fleet_process_stale``, ``fleet_process_report_age_seconds``,
 ``fleet_stream_length``, ``fleet_stream_group_lag``, ``fleet_stream_dead_letters``,
-and ``fleet_executions_parked{gate="diverged"|"in-doubt"}`` (executions parked now).
+and ``fleet_executions_parked{gate="diverged"|"in-doubt"}`` (executions parked now), and
+per queue (decision 0056), read from the store: ``fleet_queue_waiting``,
+``fleet_queue_oldest_wait_seconds``, ``fleet_queue_running``, ``fleet_queue_delayed``.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from fleet.kernel.store.spi_queues import QueueDepth
 from fleet.services.counters import GAUGES, FleetCounters
 
 log = logging.getLogger("fleet.metrics")
@@ -55,13 +58,16 @@ def metric_name(counter: str) -> str:
 
 
 class FleetCollector(Collector):
-    """A collector over ``read()`` (a ``FleetCounters``), and ``parked()`` (executions
-    parked now by gate kind: ``{"diverged": n, "in-doubt": m}``), if given."""
+    """A collector over ``read()`` (a ``FleetCounters``), ``parked()`` (executions
+    parked now by gate kind: ``{"diverged": n, "in-doubt": m}``) and ``queues()``
+    (every queue's depth, ``spi_queues.QueueDepth``), if given."""
 
     def __init__(self, read: Callable[[], FleetCounters],
-                 parked: Callable[[], dict[str, int]] | None = None) -> None:
+                 parked: Callable[[], dict[str, int]] | None = None,
+                 queues: Callable[[], Sequence[QueueDepth]] | None = None) -> None:
         self.read = read
         self.parked = parked
+        self.queues = queues
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: its families depend on what processes report
@@ -112,6 +118,8 @@ class FleetCollector(Collector):
             yield length
             yield lag
             yield dead
+        if self.queues is not None:
+            yield from queue_families(self.queues)
         if self.parked is not None:
             try:
                 parked = self.parked()
@@ -125,4 +133,28 @@ class FleetCollector(Collector):
                 now.add_metric([kind], parked.get(kind, 0))
             yield now
 
-__all__ = ["HELP", "FleetCollector", "metric_name"]
+def queue_families(read: Callable[[], Sequence[QueueDepth]]) -> Iterator[Metric]:
+    """The queue gauges (``fleet.services.metrics``'s docstring), one sample per queue."""
+    try:
+        depths = read()
+    except Exception as exc:  # noqa: BLE001 - the rest is still served
+        log.warning("fleet metrics: cannot read the queues: %s: %s", type(exc).__name__, exc)
+        return
+    waiting = GaugeMetricFamily("fleet_queue_waiting", "runs waiting for a slot of their "
+                                "queue now (eligible, not admitted)", labels=["queue"])
+    oldest = GaugeMetricFamily("fleet_queue_oldest_wait_seconds", "how long the longest "
+                               "waiting run of the queue has waited (0: none waits)",
+                               labels=["queue"])
+    running = GaugeMetricFamily("fleet_queue_running", "admitted runs of the queue that have "
+                                "not ended (the slots taken)", labels=["queue"])
+    delayed = GaugeMetricFamily("fleet_queue_delayed", "queued runs not eligible yet (a "
+                                "delayed or debounced start)", labels=["queue"])
+    for depth in depths:
+        waiting.add_metric([depth.queue], depth.waiting)
+        oldest.add_metric([depth.queue], (depth.oldest_wait_ms or 0) / 1000)
+        running.add_metric([depth.queue], depth.running)
+        delayed.add_metric([depth.queue], depth.delayed)
+    yield from (waiting, oldest, running, delayed)
+
+
+__all__ = ["HELP", "FleetCollector", "metric_name", "queue_families"]

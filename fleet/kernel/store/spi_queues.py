@@ -136,6 +136,14 @@ class QueueDepth:
     delayed: int          # not eligible yet (a delayed or debounced queued start)
     limits: str | None = None  # the limits the last pass judged with (JSON)
 
+    def to_dict(self) -> dict[str, object]:
+        """As the Fleet page and ``/fleet/api/status`` show it."""
+        return {"queue": self.queue, "waiting": self.waiting,
+                "oldestWaitS": None if self.oldest_wait_ms is None
+                else round(self.oldest_wait_ms / 1000, 3),
+                "running": self.running, "delayed": self.delayed,
+                "limits": None if self.limits is None else json.loads(self.limits)}
+
 
 @dataclass(frozen=True, slots=True)
 class DebounceClaim:
