@@ -286,7 +286,8 @@ def test_a_delayed_start_from_the_command_line_runs_when_the_timer_service_fires
     eid = answer["executionId"]
     assert answer["waits"] is True
     row = fleet.store.summary(eid)
-    assert row is not None and (row.status, row.waiting_on) == ("parked", START_GATE)
+    assert row is not None
+    assert (row.status, row.waiting_on) == ("parked", START_GATE)
     fleet.store.until(eid, "completed", timeout=30)
     events = fleet.store.read(eid)
     fired = next(e for e in events if e.type is EventType.TIMER_FIRED)
@@ -315,7 +316,7 @@ def test_a_killed_worker_frees_its_queue_slot_after_its_lease(fleet: Fleet) -> N
         a = fleet.store.read(first)
         b = fleet.store.read(second)
         assert EventType.RECOVERED in {e.type for e in a}  # the sweeper re-drove it
-        a_start, a_end = _interval(a, _gate("crash"))
+        _, a_end = _interval(a, _gate("crash"))
         b_start, _ = _interval(b, _gate("crash"))
         assert b_start >= a_end  # admitted only once the first ended
         assert a_end >= killed_at * 1000 + LEASE_MS - 1000

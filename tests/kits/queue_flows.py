@@ -35,15 +35,21 @@ async def quick(ctx: Context, data: Any) -> Any:
     return data
 
 
+def _mark(path: Path) -> bool:
+    """Write ``path`` (whole or not at all) unless it exists; whether this call wrote it."""
+    if path.exists():
+        return False
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(f"{os.environ.get('FLEET_TEST_WORKER_NAME', '?')} {os.getpid()} "
+                   f"{time.time()}\n")
+    tmp.replace(path)
+    return True
+
+
 async def _stall(marker: str) -> dict[str, Any]:
     """The first attempt writes ``marker`` and stalls (its worker is killed meanwhile);
     any later attempt (on another worker, after the lease) returns at once."""
-    path = Path(marker)
-    if not path.exists():
-        tmp = path.with_name(f"{path.name}.{os.getpid()}")
-        tmp.write_text(f"{os.environ.get('FLEET_TEST_WORKER_NAME', '?')} {os.getpid()} "
-                       f"{time.time()}\n")
-        tmp.replace(path)
+    if await asyncio.to_thread(_mark, Path(marker)):
         await asyncio.sleep(120)
     return {"pid": os.getpid()}
 
