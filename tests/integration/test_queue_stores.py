@@ -109,7 +109,8 @@ async def test_the_fleet_page_and_metrics_read_the_queues_from_the_store(
     try:
         (desk,) = operator.queue_depths()
         assert (desk.queue, desk.waiting, desk.running, desk.delayed) == ("desk", 2, 1, 1)
-        assert desk.oldest_wait_ms is not None and desk.oldest_wait_ms >= 0
+        assert desk.oldest_wait_ms is not None
+        assert desk.oldest_wait_ms >= 0
         shown = desk.to_dict()
         assert shown["limits"] == {"concurrency": 1, "per_key": None, "priority": False,
                                    "rate_ms": None, "rate_n": None}
