@@ -104,7 +104,12 @@ class Admissions:
 
     # -- passes ------------------------------------------------------------------------
     async def enter(self, queue: Queue, entry: QueueEntry, now: int) -> QueuePass:
-        """A queued start's pass: enter ``entry`` and admit what fits (itself, or older)."""
+        """A queued start's pass: enter ``entry`` and admit what fits (itself, or older).
+
+        A queue without limits admits an eligible start at once, with no store call.
+        """
+        if not queue.limited and entry.eligible_at <= now:
+            return QueuePass(entry_at=now, entered=True)
         done = await self.store.queue_pass(queue.limits(), now, entry=entry)
         self._limits_changed(queue, done)
         return done
@@ -176,7 +181,7 @@ class Admissions:
         for timer_id in state.timers:
             if timer_id.startswith(QUEUE_GATE_PREFIX):
                 queue = self.by_name.get(timer_id[len(QUEUE_GATE_PREFIX):])
-                if queue is not None:
+                if queue is not None and queue.limited:
                     self._background(self.run(queue))
 
     def arm_pass(self, queue: Queue, at: int) -> None:

@@ -135,8 +135,8 @@ async def start_debounced(rt: LaterRuntime, definition: FlowDefinition, data: An
             continue  # another start claimed it first: join that window
         started = new_start(rt, definition, data, principal, execution_id, now)
         if plan.queue is not None:
-            return await write_queued(rt, plan.queue, started, plan, eligible_at=due,
-                                      drive=drive)
+            return await write_queued(rt, plan.queue, definition, started, plan,
+                                      eligible_at=due, drive=drive)
         await write_delayed(rt, started, due)
         return LaterStart(execution_id)
     raise ExecutionBusyError(f"the debounce window of key {plan.key!r} kept changing under this "

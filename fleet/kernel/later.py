@@ -89,7 +89,7 @@ async def start_later(rt: LaterRuntime, flow_id: str | FlowDefinition, input: An
         return LaterStart(eid, existed=True)
     started = new_start(rt, definition, data, principal, eid, rt.clock())
     if plan.queue is not None:
-        result = await write_queued(rt, plan.queue, started, plan,
+        result = await write_queued(rt, plan.queue, definition, started, plan,
                                     eligible_at=plan.due or 0, drive=drive)
     else:
         assert plan.due is not None  # plan_start makes no plan for an ordinary start

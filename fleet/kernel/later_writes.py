@@ -27,6 +27,7 @@ from fleet.kernel.flows import Features, FlowDefinition, FlowRegistry
 from fleet.kernel.fold import fold_log
 from fleet.kernel.lease import Lease
 from fleet.kernel.queues import Queue
+from fleet.kernel.run import Run
 from fleet.kernel.security import Principal
 from fleet.kernel.start_plan import START_GATE, StartPlan
 from fleet.kernel.starts import start_payload
@@ -111,8 +112,8 @@ async def write_delayed(rt: LaterRuntime, started: EventEnvelope, due: int) -> b
     return True
 
 
-async def write_queued(rt: LaterRuntime, queue: Queue, started: EventEnvelope,
-                       plan: StartPlan, *, eligible_at: int = 0,
+async def write_queued(rt: LaterRuntime, queue: Queue, definition: FlowDefinition,
+                       started: EventEnvelope, plan: StartPlan, *, eligible_at: int = 0,
                        drive: bool) -> LaterStart:
     """A queued start (see the module); ``existed`` when its id was taken."""
     engine, admissions = rt.engine, rt.queues
@@ -143,8 +144,10 @@ async def write_queued(rt: LaterRuntime, queue: Queue, started: EventEnvelope,
     if lease is None:
         result.existed = True
     elif fired and drive:
-        async with lease:
-            result.run = await engine.drive(execution_id, lease)
+        # Launched from what it wrote, as Engine.begin launches a start: no read.
+        run_lease = lease.pass_on()
+        result.run = engine.launch(Run(engine, definition, engine.journal(
+            fold_log(events), run_lease), run_lease))
         admissions.admitted += 1
     elif fired:
         result.woken.append(FiredTimer(execution_id, gate))

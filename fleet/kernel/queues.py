@@ -93,6 +93,13 @@ class Queue:
         return count, ms
 
     @property
+    def limited(self) -> bool:
+        """Whether any limit is set: a queue without one never makes a run wait, and
+        keeps no entries in the store (its start is admitted at once, with no pass)."""
+        return not (self.concurrency is None and self.per_key_concurrency is None
+                    and self.rate is None)
+
+    @property
     def gate(self) -> str:
         """The gate (and reserved timer) its waiting runs park on."""
         return queue_gate(self.name)

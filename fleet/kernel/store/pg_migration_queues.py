@@ -80,6 +80,11 @@ DECLARE
     c_ekey bytea;
     c_id text;
 BEGIN{READ_COMMITTED}
+    -- Its commit need not wait for the disk: whatever acts on a pass (the start's log
+    -- write, a wake) is a synchronous commit after it, and the WAL is flushed in order,
+    -- so that flush makes the pass durable too; a pass lost in a crash before any such
+    -- write was acted on by nobody (decision 0056).
+    PERFORM set_config('synchronous_commit', 'off', true);
     INSERT INTO fleet_queues (name, limits, updated_at) VALUES (p_queue, p_limits, p_now)
         ON CONFLICT (name) DO NOTHING;
     SELECT fq.limits INTO v_before FROM fleet_queues AS fq WHERE fq.name = p_queue FOR UPDATE;
