@@ -125,6 +125,11 @@ class MemoryQueues:
             candidates=(Candidate(e.execution_id, e.key) for e in candidates), limit=limit)
         for admission in admitted:
             state.entries[admission.execution_id].admitted_at = admission.at
+        entry_at = None
+        if entry is not None:  # a start's pass: what it entered, and nothing more
+            entry_at = state.entries[entry.execution_id].admitted_at
+            return QueuePass(tuple(admitted), (), entry_at, entered,
+                             None if before == mine else before)
         fresh = {a.execution_id for a in admitted}
         rewake: list[Admission] = []
         for e in sorted(ours, key=lambda e: (e.admitted_at or 0, e.seq)):
@@ -137,21 +142,12 @@ class MemoryQueues:
                 rewake.append(Admission(e.execution_id, e.admitted_at))
         keep_ms = limits.rate_ms or 0
         for e in ours:
-            # The entry passed stays (its caller writes its log next); waiting entries of
-            # ended runs go on passes without an entry (the timer service's).
-            if entry is not None and e.execution_id == entry.execution_id:
-                continue
             status, _ = self._status(e.execution_id)
             gone = status in TERMINAL_STATUSES or (status is None
                                                    and e.entered_at <= now_ms - grace_ms)
-            if gone and (e.admitted_at <= now_ms - keep_ms if e.admitted_at is not None
-                         else entry is None):
+            if gone and (e.admitted_at is None or e.admitted_at <= now_ms - keep_ms):
                 del state.entries[e.execution_id]
-        entry_at = None
-        if entry is not None:
-            kept = state.entries.get(entry.execution_id)
-            entry_at = None if kept is None else kept.admitted_at
-        return QueuePass(tuple(admitted), tuple(rewake), entry_at, entered,
+        return QueuePass(tuple(admitted), tuple(rewake), None, False,
                          None if before == mine else before)
 
     async def queue_delay(self, execution_id: str, eligible_at: int) -> bool:

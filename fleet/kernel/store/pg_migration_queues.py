@@ -10,9 +10,12 @@ so it sees every admission and every ended run committed before it), enters the
 entry it was given, counts the running entries (admitted, the execution not
 ended; an entry with no log for ``p_grace`` ms), takes the rate window's last
 admissions, admits the first eligible waiting entries in ``(priority, seq)`` order
-(per key, only as many as the key has room for: a window rank), each at the slot
-``spi_queues.plan_admissions`` gives, lists the admitted entries whose wake is not
-in the log, and prunes the entries of ended runs once they left the rate window.
+(per key, only as many as the key has room for: a window rank over the keys not
+full), each at the slot ``spi_queues.plan_admissions`` gives. A pass without an
+entry (the timer service's, a run's end) then lists the admitted entries whose wake
+is not in the log and prunes the entries of ended runs once they left the rate
+window; a start's pass leaves both to those, and stays short. A key is ``''`` when
+none was given.
 Its rows: ``('limits', NULL, NULL, <the row's limits before>)`` when they differ,
 ``('admitted', id, at, NULL)``, ``('rewake', id, at, NULL)``, and ``('entry', id,
 at, 'entered' | 'existed')`` for the entry passed.
@@ -44,7 +47,7 @@ CREATE TABLE fleet_queue_entries (
     ekey bytea PRIMARY KEY,
     execution_id text COLLATE "C" NOT NULL,
     queue text COLLATE "C" NOT NULL,
-    qkey text COLLATE "C",
+    qkey text COLLATE "C" NOT NULL,
     priority integer NOT NULL,
     seq bigint GENERATED ALWAYS AS IDENTITY,
     entered_at bigint NOT NULL,
@@ -132,9 +135,10 @@ BEGIN{READ_COMMITTED}
                                               ORDER BY q.priority, q.seq) AS rn
                     FROM fleet_queue_entries AS q
                     LEFT JOIN executions AS e ON e.ekey = q.ekey
-                    WHERE {_WAITING})
+                    WHERE {_WAITING}
+                      AND q.qkey NOT IN (SELECT a.qkey FROM act AS a WHERE a.k >= p_per_key))
                 SELECT cand.ekey, cand.execution_id FROM cand
-                LEFT JOIN act ON act.qkey IS NOT DISTINCT FROM cand.qkey
+                LEFT JOIN act ON act.qkey = cand.qkey
                 WHERE cand.rn <= p_per_key - coalesce(act.k, 0)
                 ORDER BY cand.priority, cand.seq LIMIT v_free;
         END IF;
@@ -157,6 +161,13 @@ BEGIN{READ_COMMITTED}
         END LOOP;
         CLOSE v_cur;
     END IF;
+    IF p_id IS NOT NULL THEN  -- a start's pass: what it entered, and nothing more
+        SELECT q.admitted_at INTO v_slot FROM fleet_queue_entries AS q WHERE q.ekey = p_ekey;
+        o_kind := 'entry'; o_id := p_id; o_at := v_slot;
+        o_text := CASE WHEN v_new IS NULL THEN 'existed' ELSE 'entered' END;
+        RETURN NEXT;
+        RETURN;
+    END IF;
     RETURN QUERY
         SELECT 'rewake'::text, q.execution_id::text, q.admitted_at, NULL::text
         FROM fleet_queue_entries AS q JOIN executions AS e ON e.ekey = q.ekey
@@ -170,16 +181,9 @@ BEGIN{READ_COMMITTED}
     DELETE FROM fleet_queue_entries AS q
     WHERE q.queue = p_queue AND q.admitted_at IS NOT NULL
       AND q.admitted_at <= p_now - coalesce(p_rate_ms, 0) AND {_GONE};
-    IF p_id IS NULL THEN
-        DELETE FROM fleet_queue_entries AS q WHERE q.ekey IN (
-            SELECT q.ekey FROM fleet_queue_entries AS q
-            WHERE q.queue = p_queue AND q.admitted_at IS NULL AND {_GONE} LIMIT 1000);
-    ELSE
-        SELECT q.admitted_at INTO v_slot FROM fleet_queue_entries AS q WHERE q.ekey = p_ekey;
-        o_kind := 'entry'; o_id := p_id; o_at := v_slot;
-        o_text := CASE WHEN v_new IS NULL THEN 'existed' ELSE 'entered' END;
-        RETURN NEXT;
-    END IF;
+    DELETE FROM fleet_queue_entries AS q WHERE q.ekey IN (
+        SELECT q.ekey FROM fleet_queue_entries AS q
+        WHERE q.queue = p_queue AND q.admitted_at IS NULL AND {_GONE} LIMIT 1000);
 END $$;
 """
 

@@ -66,7 +66,8 @@ class PostgresQueues:
             "fetch", _PASS_SQL, limits.name, limits.to_json(), now_ms, limits.concurrency,
             limits.per_key, limits.rate_n, limits.rate_ms, limit, grace_ms, rewake_ms,
             limits.gate, ekey, None if entry is None else entry.execution_id,
-            None if entry is None else entry.key, 0 if entry is None else entry.priority,
+            None if entry is None else entry.key or "",
+            0 if entry is None else entry.priority,
             0 if entry is None else entry.eligible_at, idempotent=False)
         admitted: list[Admission] = []
         rewake: list[Admission] = []

@@ -111,6 +111,7 @@ class QueuePass:
         admitted: Entries admitted by this pass, in admission order.
         rewake: Entries admitted earlier (at least ``rewake_ms`` ago) whose execution
             still waits on the queue's gate with no queue timer: their wake was lost.
+            Only a pass without an entry looks (a start's pass stays short).
         entry_at: The passed entry's admission time (by this pass or an earlier one);
             None while it waits, or when no entry was passed.
         entered: Whether the passed entry was new (False: it was there already).
@@ -173,9 +174,10 @@ class HoldsQueues(Protocol):
         caller writes next), in ``(priority, enqueue order)``, skipping keys at
         ``per_key``, while fewer than ``concurrency`` are running (admitted, and the
         execution not ended; an entry with no log counts for ``grace_ms`` after it
-        was entered), each at the time ``plan_admissions`` gives it. Entries of
-        ended executions leave once outside the rate window; entries with no log
-        after ``grace_ms``.
+        was entered), each at the time ``plan_admissions`` gives it. A pass without
+        an entry also lists the lost wakes (``QueuePass.rewake``) and removes the
+        entries of ended executions (once outside the rate window) and those with
+        no log after ``grace_ms``. A key of ``None`` and ``""`` are the same key.
         """
         ...
 

@@ -71,8 +71,9 @@ WITH act AS (SELECT q.qkey AS qkey, count(*) AS k {_FROM}
              WHERE q.queue = :queue AND q.admitted_at IS NOT NULL AND {_LIVE} GROUP BY q.qkey),
      cand AS (SELECT q.execution_id, q.qkey, q.priority, q.seq,
                      row_number() OVER (PARTITION BY q.qkey ORDER BY q.priority, q.seq) AS rn
-              {_FROM} WHERE q.queue = :queue AND {_WAITING})
-SELECT cand.execution_id, cand.qkey FROM cand LEFT JOIN act ON act.qkey IS cand.qkey
+              {_FROM} WHERE q.queue = :queue AND {_WAITING}
+                AND q.qkey NOT IN (SELECT a.qkey FROM act AS a WHERE a.k >= :per_key))
+SELECT cand.execution_id, cand.qkey FROM cand LEFT JOIN act ON act.qkey = cand.qkey
 WHERE cand.rn <= :per_key - coalesce(act.k, 0)
 ORDER BY cand.priority, cand.seq LIMIT :free
 """
@@ -85,15 +86,13 @@ WHERE q.queue = :queue AND q.admitted_at IS NOT NULL AND q.admitted_at <= :woken
                   AND t.timer_id = :gate)
 ORDER BY q.admitted_at, q.seq LIMIT :limit
 """
-# Entries of ended runs (or with no log past the grace) leave: admitted ones once
-# outside the rate window, waiting ones on passes without an entry; never the entry
-# passed (its caller writes its log next).
+# Entries of ended runs (or with no log past the grace) leave on passes without an
+# entry: admitted ones once outside the rate window.
 _GONE = f"""
   AND NOT EXISTS (SELECT 1 FROM executions AS e WHERE e.execution_id =
                   fleet_queue_entries.execution_id AND e.status NOT IN {_ENDED})
   AND (entered_at <= :since OR EXISTS (SELECT 1 FROM executions AS e WHERE
        e.execution_id = fleet_queue_entries.execution_id))
-  AND execution_id IS NOT :mine
 """
 _PRUNE_ADMITTED = ("DELETE FROM fleet_queue_entries WHERE queue = :queue AND admitted_at IS "
                    "NOT NULL AND admitted_at <= :kept" + _GONE)
@@ -128,7 +127,7 @@ def _pass(conn: sqlite3.Connection, limits: QueueLimits, now: int, entry: QueueE
         entered = conn.execute(
             "INSERT INTO fleet_queue_entries (execution_id, queue, qkey, priority, entered_at, "
             "eligible_at) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (execution_id) DO NOTHING",
-            (entry.execution_id, entry.queue, entry.key, entry.priority, now,
+            (entry.execution_id, entry.queue, entry.key or "", entry.priority, now,
              entry.eligible_at)).rowcount == 1
     args: dict[str, Any] = {"queue": limits.name, "now": now, "since": now - grace,
                             "gate": limits.gate,
@@ -154,22 +153,19 @@ def _pass(conn: sqlite3.Connection, limits: QueueLimits, now: int, entry: QueueE
                                    candidates=(Candidate(eid, key) for eid, key in rows))
         conn.executemany("UPDATE fleet_queue_entries SET admitted_at = ? WHERE execution_id = ?",
                          [(a.at, a.execution_id) for a in admitted])
+    changed = None if before == mine else before
+    if entry is not None:  # a start's pass: what it entered, and nothing more
+        (entry_at,) = conn.execute("SELECT admitted_at FROM fleet_queue_entries WHERE "
+                                   "execution_id = ?", (entry.execution_id,)).fetchone()
+        return QueuePass(tuple(admitted), (), entry_at, entered, changed)
     fresh = {a.execution_id for a in admitted}
     woken = [Admission(eid, at) for eid, at in conn.execute(
         _REWAKE, {**args, "woken": now - rewake, "limit": limit + len(fresh)})
         if eid not in fresh][:limit]
-    prune = {"queue": limits.name, "kept": now - (limits.rate_ms or 0), "since": now - grace,
-             "mine": entry.execution_id if entry is not None else None}
+    prune = {"queue": limits.name, "kept": now - (limits.rate_ms or 0), "since": now - grace}
     conn.execute(_PRUNE_ADMITTED, prune)
-    if entry is None:
-        conn.execute(_PRUNE_WAITING, prune)
-    entry_at = None
-    if entry is not None:
-        row = conn.execute("SELECT admitted_at FROM fleet_queue_entries WHERE execution_id = ?",
-                           (entry.execution_id,)).fetchone()
-        entry_at = None if row is None else row[0]
-    return QueuePass(tuple(admitted), tuple(woken), entry_at, entered,
-                     None if before == mine else before)
+    conn.execute(_PRUNE_WAITING, prune)
+    return QueuePass(tuple(admitted), tuple(woken), None, False, changed)
 
 
 class SqliteQueues:

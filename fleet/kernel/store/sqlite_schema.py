@@ -82,7 +82,7 @@ CREATE TABLE IF NOT EXISTS fleet_queues (
     name TEXT PRIMARY KEY, limits TEXT, updated_at INTEGER) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS fleet_queue_entries (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, execution_id TEXT NOT NULL UNIQUE,
-    queue TEXT NOT NULL, qkey TEXT, priority INTEGER NOT NULL, entered_at INTEGER NOT NULL,
+    queue TEXT NOT NULL, qkey TEXT NOT NULL, priority INTEGER NOT NULL, entered_at INTEGER NOT NULL,
     eligible_at INTEGER NOT NULL, admitted_at INTEGER);
 CREATE INDEX IF NOT EXISTS fleet_queue_waiting ON fleet_queue_entries (queue, priority, seq)
     WHERE admitted_at IS NULL;
