@@ -1,6 +1,6 @@
 """The cost of a queue's limit: starts/s and runs/s through limited queues beside none.
 
-    .venv/bin/python -m bench.queues [--url URL] [--starts 1500] [--inflight 32]
+    .venv/bin/python -m bench.queues [--url URL] [--starts 1500] [--inflight 32] [--rounds 3]
 
 One process, the kernel on Postgres as a fleet process opens it (group commit on), in
 a schema of its own (dropped at the end). Two measures per case:
@@ -11,10 +11,12 @@ a schema of its own (dropped at the end). Two measures per case:
 - ``runs/s``: ``start(...)`` driven here, until every run completed: a binding limit
   adds a pass and a wake per run (the run that ends admits the next one).
 
-The cases: no queue (the baseline), a queue without limits, a queue whose limit
+The cases: no queue (the baseline; and with only 8 runs in flight, the parallelism a
+limit of 8 allows, held by the caller), a queue without limits, a queue whose limit
 never binds (``concurrency=10_000``), one that binds (``concurrency=8``), one per key
-(``per_key_concurrency=1``, 100 keys). Prints a table and writes
-``bench/results/queues.json`` (with the load average: a shared machine's figures move).
+(``per_key_concurrency=1``, 100 keys). ``runs/s`` waits for each run's result. Prints
+a table and writes ``bench/results/queues.json`` (with the load average: a shared
+machine's figures move).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncio
 import json
 import os
 import secrets
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +52,9 @@ async def queued(ctx: Context, n: int) -> int:
 
 CASES: dict[str, tuple[Queue | None, Callable[[int], dict[str, Any]]]] = {
     "no queue": (None, lambda n: {}),
+    # The same parallelism as "concurrency 8", held by the caller (8 starts in flight):
+    # what a limit of 8 costs beyond running 8 at once.
+    "no queue, 8 in flight": (None, lambda n: {}),
     "queue, no limits": (Queue("free"), lambda n: {"queue": "free"}),
     "concurrency 10000 (never binds)": (Queue("wide", concurrency=10_000),
                                         lambda n: {"queue": "wide"}),
@@ -99,11 +105,13 @@ async def measure(url: str, case: str, starts: int, inflight: int) -> dict[str, 
                         lambda n: rt.start("bench-queued", n, drive=False, **kw(n)))
 
     runs = max(starts // 3, 100)
+    at_once = 8 if case == "no queue, 8 in flight" else inflight
+
+    async def run_one(rt: Runtime, n: int) -> Any:
+        return await (await rt.start("bench-queued", n, **kw(n))).result()
 
     async def drive(rt: Runtime) -> None:
-        handles = await _gathered(runs, inflight,
-                                  lambda n: rt.start("bench-queued", n, **kw(n)))
-        await asyncio.gather(*(h.result() for h in handles))
+        await _gathered(runs, at_once, lambda n: run_one(rt, n))
 
     written = starts / await _phase(url, queue, write)
     ran = runs / await _phase(url, queue, drive)
@@ -117,13 +125,27 @@ async def main() -> None:
     parser.add_argument("--starts", type=int, default=1500)
     parser.add_argument("--inflight", type=int, default=32)
     parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    # Rounds alternate the cases, and each figure is the median of its rounds: on a
+    # shared machine the load moves between rounds, not between cases of one round.
+    runs: dict[str, list[dict[str, Any]]] = {case: [] for case in args.cases}
+    for round_no in range(args.rounds):
+        for case in args.cases:
+            runs[case].append(await measure(args.url, case, args.starts, args.inflight))
+            row = runs[case][-1]
+            print(f"round {round_no + 1}: {case:<34}{row['starts_per_s']:>8} starts/s "
+                  f"{row['runs_per_s']:>8} runs/s", flush=True)
     rows = []
-    for case in args.cases:
-        rows.append(await measure(args.url, case, args.starts, args.inflight))
-        row = rows[-1]
-        print(f"{row['case']:<34}{row['starts_per_s']:>8} starts/s {row['runs_per_s']:>8} "
-              "runs/s", flush=True)
+    for case, measured in runs.items():
+        rows.append({"case": case, "starts": args.starts, "runs": measured[0]["runs"],
+                     "rounds": len(measured),
+                     "starts_per_s": round(statistics.median(m["starts_per_s"]
+                                                             for m in measured)),
+                     "runs_per_s": round(statistics.median(m["runs_per_s"] for m in measured))})
+    print(f"\n{'case (median of the rounds)':<34}{'starts/s':>9}{'runs/s':>9}")
+    for row in rows:
+        print(f"{row['case']:<34}{row['starts_per_s']:>9}{row['runs_per_s']:>9}")
     base = rows[0] if rows and rows[0]["case"] == "no queue" else None
     if base is not None:
         print("\nagainst no queue:")
@@ -133,7 +155,8 @@ async def main() -> None:
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({
         "command": "python -m bench.queues " + " ".join(
-            f"--{k} {v}" for k, v in (("starts", args.starts), ("inflight", args.inflight))),
+            f"--{k} {v}" for k, v in (("starts", args.starts), ("inflight", args.inflight),
+                                      ("rounds", args.rounds))),
         "loadavg": os.getloadavg(), "store": "postgres, group commit", "results": rows},
         indent=2) + "\n")
 
