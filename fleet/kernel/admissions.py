@@ -81,7 +81,15 @@ class Admissions:
                     f"{type(engine.store).__name__} keeps no queues (spi_queues.HoldsQueues): "
                     "a Runtime with queues= needs a store that does (memory, SQLite, "
                     "Postgres, and their decorators)")
-            engine.on_ended = self.ended
+            # Beside any listener already there (the hook is one callable: chained).
+            before = engine.on_ended
+
+            def ended(state: ExecutionState) -> None:
+                if before is not None:
+                    before(state)
+                self.ended(state)
+
+            engine.on_ended = ended
 
     def declared(self) -> tuple[str, ...]:
         return tuple(sorted(self.by_name))
@@ -115,11 +123,11 @@ class Admissions:
         return done
 
     async def run(self, queue: Queue, *, now: int | None = None, limit: int = 100,
-                  drive: bool = True) -> list[FiredTimer]:
-        """One pass of ``queue``; wake what it admitted (and lost wakes). The runs woken
-        now (due at once), which with ``drive=False`` the caller enqueues."""
+                  drive: bool = True, sweep: bool = True) -> list[FiredTimer]:
+        """One pass of ``queue``; wake what it admitted (and, sweeping, lost wakes). The
+        runs woken now (due at once), which with ``drive=False`` the caller enqueues."""
         now = self.engine.clock() if now is None else now
-        done = await self.store.queue_pass(queue.limits(), now, limit=limit)
+        done = await self.store.queue_pass(queue.limits(), now, limit=limit, sweep=sweep)
         self._limits_changed(queue, done)
         return await self.wake_all(queue, (*done.admitted, *done.rewake), now, drive=drive)
 
@@ -182,7 +190,7 @@ class Admissions:
             if timer_id.startswith(QUEUE_GATE_PREFIX):
                 queue = self.by_name.get(timer_id[len(QUEUE_GATE_PREFIX):])
                 if queue is not None and queue.limited:
-                    self._background(self.run(queue))
+                    self._background(self.run(queue, sweep=False))
 
     def arm_pass(self, queue: Queue, at: int) -> None:
         """Run a pass of ``queue`` at ``at`` (ms) from the loop (``local`` only): a

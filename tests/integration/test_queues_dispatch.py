@@ -22,7 +22,7 @@ from redis_server import url_with_db
 
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher, Start
-from fleet.kernel.errors import ValidationError
+from fleet.kernel.errors import GateMismatchError, ValidationError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -94,3 +94,19 @@ def test_a_bad_later_start_is_refused_alone(fleet: tuple[Dispatcher, redis.Redis
     with pytest.raises(ValidationError, match="negative"):
         dispatcher.start_sync("qf-quick", 1, start_in=timedelta(seconds=-5))
     assert queued(client, queue) == Counter()
+
+
+def test_a_waiting_runs_gate_cannot_be_resumed_through_the_dispatcher(
+        fleet: tuple[Dispatcher, redis.Redis, str]) -> None:
+    dispatcher, client, queue = fleet
+    one = f"one-{queue}"
+    dispatcher.start_sync("qf-quick", 1, queue=one)
+    waiting = dispatcher.start_sync("qf-quick", 2, queue=one)
+    later = dispatcher.start_sync("qf-quick", 3, start_in=timedelta(hours=1))
+    before = queued(client, queue)
+    for eid, gate in ((waiting, f"__fleet_queue__:{one}"), (later, "__fleet_start__")):
+        head = dispatcher.wait_sync(eid, until="parked").head
+        with pytest.raises(GateMismatchError, match="timer"):
+            dispatcher.resume_sync(eid, gate, "skip the line")
+        assert dispatcher.wait_sync(eid, until="parked").head == head  # nothing written
+    assert queued(client, queue) == before  # and no drive

@@ -216,6 +216,8 @@ class QueueConformance:
                                                                {"condition": cond})])
         soon = await hq.queue_pass(q, T0 + REWAKE - 1, rewake_ms=REWAKE)
         assert soon.rewake == ()
+        quiet = await hq.queue_pass(q, T0 + REWAKE, rewake_ms=REWAKE, sweep=False)
+        assert quiet.rewake == ()  # a run's end's pass leaves it to the timer service's
         late = await hq.queue_pass(q, T0 + REWAKE, rewake_ms=REWAKE)
         assert sorted(a.execution_id for a in late.rewake) == ["w1", "w2"]
         # A planned wake (its timer) is not lost; a fired one is not either.

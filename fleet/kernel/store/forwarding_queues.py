@@ -37,9 +37,11 @@ class ForwardingQueues:
     async def queue_pass(self, limits: QueueLimits, now_ms: int, *,
                          entry: QueueEntry | None = None, limit: int = 100,
                          grace_ms: int = DEFAULT_GRACE_MS,
-                         rewake_ms: int = DEFAULT_REWAKE_MS) -> QueuePass:
+                         rewake_ms: int = DEFAULT_REWAKE_MS,
+                         sweep: bool = True) -> QueuePass:
         return await self._queues_inner().queue_pass(limits, now_ms, entry=entry, limit=limit,
-                                                     grace_ms=grace_ms, rewake_ms=rewake_ms)
+                                                     grace_ms=grace_ms, rewake_ms=rewake_ms,
+                                                     sweep=sweep)
 
     async def queue_delay(self, execution_id: str, eligible_at: int) -> bool:
         return await self._queues_inner().queue_delay(execution_id, eligible_at)

@@ -85,7 +85,8 @@ class MemoryQueues:
     async def queue_pass(self, limits: QueueLimits, now_ms: int, *,
                          entry: QueueEntry | None = None, limit: int = 100,
                          grace_ms: int = DEFAULT_GRACE_MS,
-                         rewake_ms: int = DEFAULT_REWAKE_MS) -> QueuePass:
+                         rewake_ms: int = DEFAULT_REWAKE_MS,
+                         sweep: bool = True) -> QueuePass:
         check_pass(limits, now_ms, entry, limit, grace_ms, rewake_ms)
         await asyncio.sleep(0)
         state = self._queues
@@ -125,9 +126,9 @@ class MemoryQueues:
             candidates=(Candidate(e.execution_id, e.key) for e in candidates), limit=limit)
         for admission in admitted:
             state.entries[admission.execution_id].admitted_at = admission.at
-        entry_at = None
-        if entry is not None:  # a start's pass: what it entered, and nothing more
-            entry_at = state.entries[entry.execution_id].admitted_at
+        if entry is not None or not sweep:  # what it entered (if any), and nothing more
+            entry_at = None if entry is None else \
+                state.entries[entry.execution_id].admitted_at
             return QueuePass(tuple(admitted), (), entry_at, entered,
                              None if before == mine else before)
         fresh = {a.execution_id for a in admitted}

@@ -12,9 +12,9 @@ ended; an entry with no log for ``p_grace`` ms), takes the rate window's last
 admissions, admits the first eligible waiting entries in ``(priority, seq)`` order
 (per key, only as many as the key has room for: a window rank over the keys not
 full), each at the slot ``spi_queues.plan_admissions`` gives. A pass without an
-entry (the timer service's, a run's end) then lists the admitted entries whose wake
+entry that sweeps (the timer service's) then lists the admitted entries whose wake
 is not in the log and prunes the entries of ended runs once they left the rate
-window; a start's pass leaves both to those, and stays short. A key is ``''`` when
+window; a start's pass and a run's end's leave both to it, and stay short. A key is ``''`` when
 none was given.
 Its rows: ``('limits', NULL, NULL, <the row's limits before>)`` when they differ,
 ``('admitted', id, at, NULL)``, ``('rewake', id, at, NULL)``, and ``('entry', id,
@@ -68,7 +68,7 @@ _PASS = f"""
 CREATE FUNCTION fleet_queue_pass(p_queue text, p_limits text, p_now bigint, p_conc bigint,
     p_per_key bigint, p_rate_n integer, p_rate_ms bigint, p_limit integer, p_grace bigint,
     p_rewake bigint, p_gate text, p_ekey bytea, p_id text, p_key text, p_priority integer,
-    p_eligible bigint)
+    p_eligible bigint, p_sweep boolean)
 RETURNS TABLE (o_kind text, o_id text, o_at bigint, o_text text)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -166,6 +166,9 @@ BEGIN{READ_COMMITTED}
         o_kind := 'entry'; o_id := p_id; o_at := v_slot;
         o_text := CASE WHEN v_new IS NULL THEN 'existed' ELSE 'entered' END;
         RETURN NEXT;
+        RETURN;
+    END IF;
+    IF NOT p_sweep THEN  -- a run's end: admit, and leave the sweep to the timer service
         RETURN;
     END IF;
     RETURN QUERY

@@ -30,7 +30,7 @@ from fleet.kernel.values import check_ms, check_text
 __all__ = ["PostgresQueues"]
 
 _PASS_SQL = ("SELECT o_kind, o_id, o_at, o_text FROM fleet_queue_pass($1, $2, $3, $4, $5, $6, "
-             "$7, $8, $9, $10, $11, $12, $13, $14, $15, $16)")
+             "$7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)")
 _ENDED = "('cancelled', 'completed', 'continued', 'failed')"
 _IS_WAITING = (f"q.admitted_at IS NULL AND e.status = 'parked' AND e.waiting_on = "
                f"'{QUEUE_GATE_PREFIX}' || q.queue")
@@ -59,7 +59,8 @@ class PostgresQueues:
     async def queue_pass(self: _Store, limits: QueueLimits, now_ms: int, *,
                          entry: QueueEntry | None = None, limit: int = 100,
                          grace_ms: int = DEFAULT_GRACE_MS,
-                         rewake_ms: int = DEFAULT_REWAKE_MS) -> QueuePass:
+                         rewake_ms: int = DEFAULT_REWAKE_MS,
+                         sweep: bool = True) -> QueuePass:
         check_pass(limits, now_ms, entry, limit, grace_ms, rewake_ms)
         ekey = None if entry is None else execution_key(entry.execution_id)
         rows = await self._call(
@@ -68,7 +69,7 @@ class PostgresQueues:
             limits.gate, ekey, None if entry is None else entry.execution_id,
             None if entry is None else entry.key or "",
             0 if entry is None else entry.priority,
-            0 if entry is None else entry.eligible_at, idempotent=False)
+            0 if entry is None else entry.eligible_at, sweep, idempotent=False)
         admitted: list[Admission] = []
         rewake: list[Admission] = []
         entry_at: int | None = None

@@ -111,7 +111,7 @@ class QueuePass:
         admitted: Entries admitted by this pass, in admission order.
         rewake: Entries admitted earlier (at least ``rewake_ms`` ago) whose execution
             still waits on the queue's gate with no queue timer: their wake was lost.
-            Only a pass without an entry looks (a start's pass stays short).
+            Only a sweeping pass without an entry looks.
         entry_at: The passed entry's admission time (by this pass or an earlier one);
             None while it waits, or when no entry was passed.
         entered: Whether the passed entry was new (False: it was there already).
@@ -165,7 +165,8 @@ class HoldsQueues(Protocol):
     async def queue_pass(self, limits: QueueLimits, now_ms: int, *,
                          entry: QueueEntry | None = None, limit: int = 100,
                          grace_ms: int = DEFAULT_GRACE_MS,
-                         rewake_ms: int = DEFAULT_REWAKE_MS) -> QueuePass:
+                         rewake_ms: int = DEFAULT_REWAKE_MS,
+                         sweep: bool = True) -> QueuePass:
         """Enter ``entry`` (if given and new), then admit what ``limits`` allow at ``now_ms``.
 
         In one transaction under the queue's lock. Admitted, at most ``limit``: the
@@ -175,9 +176,11 @@ class HoldsQueues(Protocol):
         ``per_key``, while fewer than ``concurrency`` are running (admitted, and the
         execution not ended; an entry with no log counts for ``grace_ms`` after it
         was entered), each at the time ``plan_admissions`` gives it. A pass without
-        an entry also lists the lost wakes (``QueuePass.rewake``) and removes the
-        entries of ended executions (once outside the rate window) and those with
-        no log after ``grace_ms``. A key of ``None`` and ``""`` are the same key.
+        an entry, with ``sweep``, also lists the lost wakes (``QueuePass.rewake``) and
+        removes the entries of ended executions (once outside the rate window) and
+        those with no log after ``grace_ms`` (the timer service's passes sweep; a
+        start's and a run's end's stay short). A key of ``None`` and ``""`` are the
+        same key.
         """
         ...
 

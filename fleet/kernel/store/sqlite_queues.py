@@ -113,7 +113,7 @@ SELECT q.queue,
 
 
 def _pass(conn: sqlite3.Connection, limits: QueueLimits, now: int, entry: QueueEntry | None,
-          limit: int, grace: int, rewake: int) -> QueuePass:
+          limit: int, grace: int, rewake: int, sweep: bool) -> QueuePass:
     mine = limits.to_json()
     conn.execute("INSERT INTO fleet_queues (name, limits, updated_at) VALUES (?, ?, ?) "
                  "ON CONFLICT (name) DO NOTHING", (limits.name, mine, now))
@@ -158,6 +158,8 @@ def _pass(conn: sqlite3.Connection, limits: QueueLimits, now: int, entry: QueueE
         (entry_at,) = conn.execute("SELECT admitted_at FROM fleet_queue_entries WHERE "
                                    "execution_id = ?", (entry.execution_id,)).fetchone()
         return QueuePass(tuple(admitted), (), entry_at, entered, changed)
+    if not sweep:
+        return QueuePass(tuple(admitted), (), None, False, changed)
     fresh = {a.execution_id for a in admitted}
     woken = [Admission(eid, at) for eid, at in conn.execute(
         _REWAKE, {**args, "woken": now - rewake, "limit": limit + len(fresh)})
@@ -174,10 +176,11 @@ class SqliteQueues:
     async def queue_pass(self: _Store, limits: QueueLimits, now_ms: int, *,
                          entry: QueueEntry | None = None, limit: int = 100,
                          grace_ms: int = DEFAULT_GRACE_MS,
-                         rewake_ms: int = DEFAULT_REWAKE_MS) -> QueuePass:
+                         rewake_ms: int = DEFAULT_REWAKE_MS,
+                         sweep: bool = True) -> QueuePass:
         check_pass(limits, now_ms, entry, limit, grace_ms, rewake_ms)
         return await self._db.writer.call(
-            lambda conn: _pass(conn, limits, now_ms, entry, limit, grace_ms, rewake_ms))
+            lambda conn: _pass(conn, limits, now_ms, entry, limit, grace_ms, rewake_ms, sweep))
 
     async def queue_delay(self: _Store, execution_id: str, eligible_at: int) -> bool:
         check_text(execution_id, "execution id")
