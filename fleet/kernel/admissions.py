@@ -25,6 +25,8 @@ from fleet.kernel.errors import (
     ConfigurationError,
     DuplicateSequenceError,
     ExecutionBusyError,
+    FlowNotFoundError,
+    StoreUnavailableError,
     ValidationError,
 )
 from fleet.kernel.events import EventType
@@ -146,7 +148,17 @@ class Admissions:
                        drive: bool) -> list[FiredTimer]:
         woken: list[FiredTimer] = []
         for admission in admissions:
-            if await self.wake(queue, admission, now, drive=drive) and admission.at <= now:
+            try:
+                written = await self.wake(queue, admission, now, drive=drive)
+            except (FlowNotFoundError, StoreUnavailableError) as exc:
+                # Its code is not deployed here, or the store failed: the others are
+                # still woken; this one stays admitted and a later pass wakes it again.
+                self.engine.warner.warn(
+                    f"queue {queue.name!r}: the wake of {admission.execution_id!r} was not "
+                    f"written ({type(exc).__name__}: {exc}); a later pass tries again",
+                    key=f"queue-wake:{admission.execution_id}")
+                continue
+            if written and admission.at <= now:
                 woken.append(FiredTimer(admission.execution_id, queue.gate))
         return woken
 

@@ -328,3 +328,25 @@ async def test_a_queued_start_is_idempotent_and_enters_once(store: EventStore) -
                                         entry=QueueEntry(first.execution_id, "mail"))
     assert not again_pass.entered
     await rt.close()
+
+
+async def test_a_wake_that_cannot_be_written_here_is_warned_and_the_others_are_woken(
+        store: EventStore) -> None:
+    starter = runtime(store, None, Queue("mail", concurrency=2))
+    holders = [(await starter.start("q-hold", n, queue="mail")).execution_id for n in "ab"]
+    stranger = (await starter.start("q-nap", "needs q-nap", queue="mail")).execution_id
+    known = (await starter.start("q-echo", "runs here", queue="mail")).execution_id
+    await settle(starter)
+    for eid in holders:
+        await starter.cancel(eid)  # two slots free, no pass yet
+    warnings: list[str] = []
+    # A process that registers q-echo alone (q-nap's code is not deployed on it).
+    only_echo = Runtime(store, flows=[echo], queues=[Queue("mail", concurrency=2)],
+                        local_timers=False, on_warn=warnings.append)
+    fired = await only_echo.fire_due_timers()
+    assert [f.execution_id for f in fired] == [known]
+    assert await only_echo.result(known) == "runs here"
+    assert any(stranger in w and "FlowNotFoundError" in w for w in warnings), warnings
+    assert await status(starter, stranger) == ("parked", "__fleet_queue__:mail")
+    await starter.close()
+    await only_echo.close()
