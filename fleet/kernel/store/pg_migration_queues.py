@@ -1,4 +1,5 @@
-"""Postgres schema version 7: queues and debounce pointers (decision 0056, 0057).
+"""Postgres schema version 7 (8 once merged beside the timer claims' 7): queues and
+debounce pointers (decisions 0056, 0057).
 
 Split from ``pg_migrations`` (which lists it) to keep modules small. Never edit
 once released: a change is the next migration.
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from fleet.kernel.store.pg_sql import READ_COMMITTED
 
-__all__ = ["MIGRATION_7"]
+__all__ = ["MIGRATION_QUEUES"]
 
 _ENDED = "('cancelled', 'completed', 'continued', 'failed')"
 _LIVE = (f"(e.status NOT IN {_ENDED} OR (e.ekey IS NULL AND q.entered_at > p_now - p_grace))")
@@ -190,4 +191,4 @@ BEGIN{READ_COMMITTED}
 END $$;
 """
 
-MIGRATION_7 = _TABLES + _PASS
+MIGRATION_QUEUES = _TABLES + _PASS

@@ -27,7 +27,7 @@ COMMITTED, which it checks (``FL004``) rather than assumes.
 
 from __future__ import annotations
 
-from fleet.kernel.store.pg_migration_queues import MIGRATION_7
+from fleet.kernel.store.pg_migration_queues import MIGRATION_QUEUES
 from fleet.kernel.store.pg_migration_v6 import MIGRATION_6
 from fleet.kernel.store.pg_sql import CURRENT_TXID, READ_COMMITTED, RING, edit
 
@@ -646,7 +646,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (4, _V4_APPEND_LEASED),
     (5, _V5_APPEND_MANY_LEASED),
     (6, MIGRATION_6),
-    (7, MIGRATION_7),  # queues and debounce pointers (decision 0056)
+    (7, MIGRATION_QUEUES),  # queues and debounce pointers (decision 0056)
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
