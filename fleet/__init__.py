@@ -66,6 +66,7 @@ from fleet.kernel.fold import ExecutionState, fold, fold_log
 from fleet.kernel.heartbeat import current_attempt, heartbeat, last_heartbeat
 from fleet.kernel.options import RuntimeOptions, RuntimeStats
 from fleet.kernel.outcomes import OutcomeResult
+from fleet.kernel.queues import Queue
 from fleet.kernel.recovery import RecoveryReport
 from fleet.kernel.run_outcome import RunOutcome
 from fleet.kernel.runtime import ExecutionHandle, Runtime
@@ -133,6 +134,7 @@ __all__ = [
     "Policy",
     "PostgresEventStore",
     "Principal",
+    "Queue",
     "RecoveryReport",
     "ReplayError",
     "ReservedNameError",

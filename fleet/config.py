@@ -17,7 +17,8 @@ from pydantic import Field, field_validator
 from pydantic import ValidationError as PydanticValidationError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
-from fleet.kernel.errors import ConfigurationError
+from fleet.kernel.errors import ConfigurationError, ValidationError
+from fleet.kernel.queues import Queue, queues_from_mapping
 from fleet.kernel.store.factory import GroupCommit, StoreOptions
 
 #: The event loops a fleet process may run on (``FLEET_EVENT_LOOP``; ``fleet.host.loop``).
@@ -106,6 +107,12 @@ class FleetSettings(BaseSettings):
     routes: dict[str, str] = Field(
         default_factory=dict,
         description='JSON {"flow:<id>" or "tenant:<t>": queue}; heavy flows get own workers')
+    queues: dict[str, Any] = Field(
+        default_factory=dict,
+        description='JSON {"<queue>": {"concurrency": 3, "per_key_concurrency": 1, "rate": '
+        '[10, 1.0], "priority": true}}: the queues starts may name (start(..., queue=)), '
+        "with limits that hold across the fleet (the rate's period in seconds; decision "
+        "0056). Every process of a fleet needs the same value")
     worker_drives: int = Field(64, ge=1, description="concurrent drives per worker process")
     drive_batch: int = Field(
         16, ge=1, le=256, description="most drives one published message carries: drives "
@@ -318,6 +325,19 @@ class FleetSettings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    def queue_declarations(self) -> tuple[Queue, ...]:
+        """``FLEET_QUEUES`` as ``Queue`` objects (what every role's Runtime declares).
+
+        Raises:
+            ConfigurationError: a queue's settings are unusable; the message names
+                ``FLEET_QUEUES``, the queue and the field.
+        """
+        try:
+            return queues_from_mapping(self.queues)
+        except ValidationError as exc:
+            raise ConfigurationError(f"FLEET_QUEUES: {exc.message}; e.g. "
+                                     f"FLEET_QUEUES={SETTING_EXAMPLES['queues']!r}") from exc
+
     def store_options(self) -> StoreOptions:
         """What ``open_event_store(database_url, ...)`` takes beside the URL."""
         postgres = self.database_url.startswith(("postgresql://", "postgres://"))
@@ -363,6 +383,7 @@ SETTING_EXAMPLES: dict[str, str] = {
     "broker_max_retries": "10",
     "flows": "myapp.flows:onboard,myapp.flows:billing",
     "routes": '{"flow:report": "fleet.heavy", "tenant:acme": "fleet.acme"}',
+    "queues": '{"emails": {"concurrency": 3, "rate": [10, 1.0]}}',
     "heartbeat_dir": "/var/run/fleet",
     "dispatch_keys": '{"web-1": {"client": "web", "secret": "<random>", "tenants": ["acme"]}}',
     "dispatch_keys_file": "/etc/fleet/dispatch-keys.json",

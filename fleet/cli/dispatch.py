@@ -11,7 +11,9 @@ was written).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import Any
 
 import click
@@ -77,25 +79,75 @@ def flows_hint(exc: FlowNotFoundError, settings: FleetSettings) -> click.ClickEx
     return click.ClickException(f"{type(exc).__name__}: {exc}; {hint}")
 
 
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, option: str) -> timedelta:
+    """``90s``, ``15m``, ``2h``, ``1d``, ``250ms`` (or a number of seconds) as a timedelta."""
+    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?\s*", text)
+    if found is None:
+        raise click.BadParameter(f"{text!r} is not a duration; e.g. 90s, 15m, 2h, 1d",
+                                 param_hint=option)
+    return timedelta(seconds=float(found.group(1)) * _UNITS[found.group(2) or "s"])
+
+
+def parse_time(text: str, option: str) -> datetime:
+    """An ISO 8601 time with its zone (``2027-01-01T09:00:00+00:00``, ``...Z``)."""
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not an ISO 8601 time; e.g. "
+                                 "2027-01-01T09:00:00+00:00", param_hint=option) from None
+    if when.tzinfo is None:
+        raise click.BadParameter(f"{text!r} has no time zone: add one, e.g. +00:00 or Z",
+                                 param_hint=option)
+    return when
+
+
+def later_options(at: str | None, within: str | None, queue: str | None, key: str | None,
+                  priority: int | None, debounce: str | None) -> dict[str, Any]:
+    """``fleet start``'s options that make a start run later (decisions 0055-0057)."""
+    later: dict[str, Any] = {"queue": queue, "key": key, "priority": priority}
+    if at is not None:
+        later["start_at"] = parse_time(at, "--at")
+    if within is not None:
+        later["start_in"] = parse_duration(within, "--in")
+    if debounce is not None:
+        later["debounce"] = parse_duration(debounce, "--debounce")
+    return {name: value for name, value in later.items() if value is not None}
+
+
 @click.command()
 @click.argument("flow_id")
 @click.option("--input", "input_json", default=None, help="the flow input, as JSON")
 @click.option("--execution-id", default=None, help="idempotent: the same id starts once")
 @click.option("--idempotency-key", default=None,
               help="idempotent: names an execution id (per tenant and flow)")
+@click.option("--at", "at", default=None,
+              help="start at this time (ISO 8601 with a zone); it exists at once, parked")
+@click.option("--in", "within", default=None, help="start after this long: 90s, 15m, 2h, 1d")
+@click.option("--queue", default=None, help="start within this queue's limits (FLEET_QUEUES)")
+@click.option("--key", default=None, help="the queue partition or debounce key")
+@click.option("--priority", type=int, default=None, help="rank in a priority queue (lower first)")
+@click.option("--debounce", default=None,
+              help="collapse the starts of --key within this window into one run: 5s")
 @with_options(principal_options)
 @json_option
 def start(flow_id: str, input_json: str | None, execution_id: str | None,
-          idempotency_key: str | None, actor: str | None, tenant: str | None,
-          as_json: bool) -> None:
+          idempotency_key: str | None, at: str | None, within: str | None,
+          queue: str | None, key: str | None, priority: int | None, debounce: str | None,
+          actor: str | None, tenant: str | None, as_json: bool) -> None:
     """Start an execution of FLOW_ID on the fleet; prints its id.
 
     The flow's module must be importable here (FLEET_FLOWS): the start records
     its version and hash. The id is printed once the start is durable; exit
-    code 3 if the broker then did not take its drive (the start stands).
+    code 3 if the broker then did not take its drive (the start stands). With
+    --at/--in it waits for its time, with --queue for its queue's slot, with
+    --debounce for its window: the timer service or a worker drives it then.
     """
     data = json_arg(input_json, "--input")
     who = principal_from(actor, tenant)
+    later = later_options(at, within, queue, key, priority, debounce)
     settings = FleetSettings()
     if not settings.flows:  # refused before the store is opened (or created)
         raise flows_hint(FlowNotFoundError(f"no flow {flow_id!r} is registered"), settings)
@@ -103,7 +155,7 @@ def start(flow_id: str, input_json: str | None, execution_id: str | None,
         try:
             order = dispatcher.write_start_sync(flow_id, data, principal=who,
                                                 execution_id=execution_id,
-                                                idempotency_key=idempotency_key)
+                                                idempotency_key=idempotency_key, **later)
         except FlowNotFoundError as exc:
             raise flows_hint(exc, settings) from exc
         eid = order.execution_id
@@ -116,7 +168,8 @@ def start(flow_id: str, input_json: str | None, execution_id: str | None,
                 click.echo(json.dumps({"executionId": eid, "enqueued": False}))
             raise
     if as_json:
-        click.echo(json.dumps({"executionId": eid, "enqueued": True}))
+        click.echo(json.dumps({"executionId": eid, "enqueued": True,
+                               "waits": not order.drive}))
 
 
 @click.command()
@@ -179,4 +232,4 @@ def cancel(execution_id: str, reason: str, force: bool, actor: str | None,
 
 
 __all__ = ["NOT_ENQUEUED", "NotEnqueuedError", "cancel", "dispatch", "enqueue_or_explain",
-           "resume", "send", "start"]
+           "later_options", "parse_duration", "parse_time", "resume", "send", "start"]

@@ -36,13 +36,15 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
 from fleet.config import FleetSettings
 from fleet.dispatcher.asking import Asking
 from fleet.dispatcher.broker import producer_app
 from fleet.dispatcher.coalesce import Coalescer
+from fleet.dispatcher.later import write_later
+from fleet.dispatcher.orders import DriveOrder, Send, Start
 from fleet.dispatcher.publish import (
     DrivePublisher,
     DriveRecord,
@@ -51,6 +53,7 @@ from fleet.dispatcher.publish import (
     send_drive,
 )
 from fleet.dispatcher.routing import check_routes, route_queue
+from fleet.dispatcher.sync_calls import SyncCalls
 from fleet.dispatcher.traced import traced
 from fleet.host.kernel import build_runtime, open_store
 from fleet.host.loop import EventLoopThread, refuse_inside_loop
@@ -76,36 +79,6 @@ log = logging.getLogger("fleet.dispatcher")
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class DriveOrder:
-    """A drive to enqueue: which execution, and what routes it."""
-
-    execution_id: str
-    flow_id: str | None = None
-    tenant: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Start:
-    """One start of ``start_many``: what ``start`` takes."""
-
-    flow_id: str
-    input: Any = None
-    principal: Principal | None = None
-    execution_id: str | None = None
-    idempotency_key: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """One message of ``send_many``: what ``send`` takes."""
-
-    execution_id: str
-    key: str
-    payload: Any = None
-    principal: Principal | None = None
-
-
 def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
     """The execution id an idempotency key names (scoped to tenant and flow).
 
@@ -115,7 +88,7 @@ def idempotent_execution_id(flow_id: str, key: str, tenant: str | None) -> str:
     return kernel_ids.idempotent_execution_id(flow_id, key, tenant)
 
 
-class Dispatcher(Asking):
+class Dispatcher(Asking, SyncCalls):
     """Start, resume, send and cancel executions a worker fleet drives; wait for them.
 
     Build it from settings (it opens its own store and Runtime, built as every
@@ -253,6 +226,7 @@ class Dispatcher(Asking):
                 ``FLEET_PUBLISH_TIMEOUT_S`` (retryable; none, some or all may be queued:
                 a drive twice is harmless).
         """
+        orders = [o for order in orders for o in (order, *order.also) if o.drive]
         if not orders:
             return
         drives = [PublishedDrive(o.execution_id, self.queue_for(o), o.flow_id, o.tenant,
@@ -327,20 +301,39 @@ class Dispatcher(Asking):
                             item.idempotency_key)
 
     async def write_starts(self, items: Sequence[Start]) -> list[DriveOrder]:
-        """The durable half of ``start_many``: the drives to enqueue next."""
-        requests = [self._start_request(item) for item in items]
+        """The durable half of ``start_many``: the drives to enqueue next, one per item (a
+        start that runs later: ``drive=False``, and ``also`` what its queue admitted)."""
         runtime = await self.runtime()
-        handles = await runtime.start_many(requests)
-        return [DriveOrder(handle.execution_id, request.flow_id,
-                           request.principal.tenant if request.principal else None)
-                for handle, request in zip(handles, requests, strict=True)]
+        orders: list[DriveOrder | None] = [None] * len(items)
+        for i, item in enumerate(items):
+            if not item.later.asked:
+                continue
+            written = await write_later(runtime, item.flow_id, item.input,
+                                        principal=item.principal,
+                                        execution_id=item.execution_id,
+                                        idempotency_key=item.idempotency_key,
+                                        later=item.later)
+            if written is not None:
+                also = tuple([await self._order(runtime, eid) for eid in written.woken])
+                orders[i] = DriveOrder(written.execution_id, item.flow_id,
+                                       item.principal.tenant if item.principal else None,
+                                       drive=written.drive, also=also)
+        plain = [i for i, order in enumerate(orders) if order is None]
+        if plain:
+            requests = [self._start_request(items[i]) for i in plain]
+            handles = await runtime.start_many(requests)
+            for i, handle, request in zip(plain, handles, requests, strict=True):
+                orders[i] = DriveOrder(handle.execution_id, request.flow_id,
+                                       request.principal.tenant if request.principal else None)
+        return [order for order in orders if order is not None]
 
     async def write_start(self, flow_id: str, input: Any = None, *,
                           principal: Principal | None = None, execution_id: str | None = None,
-                          idempotency_key: str | None = None) -> DriveOrder:
-        """The durable half of ``start``: the drive to enqueue next."""
+                          idempotency_key: str | None = None, **later: Any) -> DriveOrder:
+        """The durable half of ``start``: the drive to enqueue next (``later``: see
+        ``start``)."""
         (order,) = await self.write_starts([Start(flow_id, input, principal, execution_id,
-                                                  idempotency_key)])
+                                                  idempotency_key, **later)])
         return order
 
     async def write_resume(self, execution_id: str, gate: str, payload: Any = None, *,
@@ -381,19 +374,24 @@ class Dispatcher(Asking):
 
     # ------------------------------------------------------------ async API
     async def start(self, flow_id: str, input: Any = None, *, principal: Principal | None = None,
-                    execution_id: str | None = None,
-                    idempotency_key: str | None = None) -> str:
+                    execution_id: str | None = None, idempotency_key: str | None = None,
+                    start_at: datetime | None = None, start_in: timedelta | None = None,
+                    queue: str | None = None, key: str | None = None,
+                    priority: int | None = None, debounce: timedelta | None = None) -> str:
         """Start an execution of ``flow_id`` on the fleet; its id.
 
         Idempotent by ``execution_id`` or ``idempotency_key`` (not both). Starts in
         flight at once are written and published together
-        (``fleet.dispatcher.coalesce``); each gets its own answer.
+        (``fleet.dispatcher.coalesce``); each gets its own answer. ``start_at`` /
+        ``start_in``, ``queue`` (with ``key``, ``priority``) and ``debounce`` (with
+        ``key``) start it later, as ``Runtime.start`` does (``fleet.dispatcher.later``).
         """
         with self._call("start"):
             if self._starts is None:
                 self._starts = Coalescer(self._flush_starts)
-            return await self._starts.submit(Start(flow_id, input, principal, execution_id,
-                                                   idempotency_key))
+            return await self._starts.submit(Start(
+                flow_id, input, principal, execution_id, idempotency_key, start_at, start_in,
+                queue, key, priority, debounce))
 
     async def _flush_starts(self, items: Sequence[Start]) -> list[str | BaseException]:
         """One group of ``start`` calls: one write, one publish; an answer per call."""
@@ -638,99 +636,6 @@ class Dispatcher(Asking):
                         f"Dispatcher.{what}: the dispatcher's loop stopped while the call "
                         "was in flight; retry it elsewhere with the same execution id or "
                         "idempotency key") from None
-
-    def start_sync(self, flow_id: str, input: Any = None, *, principal: Principal | None = None,
-                   execution_id: str | None = None, idempotency_key: str | None = None) -> str:
-        """``start`` for code without an event loop (refused inside one)."""
-        return self._sync("start_sync", lambda: self.start(
-            flow_id, input, principal=principal, execution_id=execution_id,
-            idempotency_key=idempotency_key))
-
-    def start_many_sync(self, items: Sequence[Start]) -> list[str]:
-        """``start_many`` for code without an event loop (refused inside one)."""
-        return self._sync("start_many_sync", lambda: self.start_many(items))
-
-    def resume_sync(self, execution_id: str, gate: str, payload: Any = None, *,
-                    principal: Principal | None = None) -> None:
-        """``resume`` for code without an event loop (refused inside one)."""
-        self._sync("resume_sync", lambda: self.resume(execution_id, gate, payload,
-                                                      principal=principal))
-
-    def retry_diverged_sync(self, execution_id: str, *,
-                            principal: Principal | None = None) -> None:
-        """``retry_diverged`` from sync code."""
-        self._sync("retry_diverged_sync",
-                   lambda: self.retry_diverged(execution_id, principal=principal))
-
-    def send_sync(self, execution_id: str, key: str, payload: Any = None, *,
-                  principal: Principal | None = None) -> bool:
-        """``send`` for code without an event loop (refused inside one)."""
-        return self._sync("send_sync", lambda: self.send(execution_id, key, payload,
-                                                         principal=principal))
-
-    def send_many_sync(self, items: Sequence[Send]) -> list[bool]:
-        """``send_many`` for code without an event loop (refused inside one)."""
-        return self._sync("send_many_sync", lambda: self.send_many(items))
-
-    def cancel_sync(self, execution_id: str, *, principal: Principal | None = None,
-                    reason: str = "", force: bool = False) -> None:
-        """``cancel`` for code without an event loop (refused inside one)."""
-        self._sync("cancel_sync", lambda: self.cancel(execution_id, principal=principal,
-                                                      reason=reason, force=force))
-
-    def wait_sync(self, execution_id: str, *, until: Literal["parked", "terminal"] = "terminal",
-                  timeout: float | None = None, principal: Principal | None = None,
-                  ) -> ExecutionSummary:
-        """``wait`` for code without an event loop (refused inside one)."""
-        return self._sync("wait_sync", lambda: self.wait(execution_id, until=until,
-                                                         timeout=timeout, principal=principal))
-
-    def result_sync(self, execution_id: str, *, timeout: float | None = None,
-                    principal: Principal | None = None) -> Any:
-        """``result`` for code without an event loop (refused inside one)."""
-        return self._sync("result_sync", lambda: self.result(execution_id, timeout=timeout,
-                                                             principal=principal))
-
-    def enqueue_drive_sync(self, execution_id: str, *, redrive: bool = False) -> None:
-        """``enqueue_drive`` for code without an event loop (refused inside one)."""
-        self._sync("enqueue_drive_sync", lambda: self.enqueue_drive(execution_id,
-                                                                    redrive=redrive))
-
-    def publish_sync(self, orders: Sequence[DriveOrder], *, redrive: bool = False) -> None:
-        """``publish`` for code without an event loop (refused inside one)."""
-        self._sync("publish_sync", lambda: self._publish_tracked(orders, redrive))
-
-    async def _publish_tracked(self, orders: Sequence[DriveOrder], redrive: bool) -> None:
-        with self._call("publish"):
-            await self.publish(orders, redrive=redrive)
-
-    def write_start_sync(self, flow_id: str, input: Any = None, *,
-                         principal: Principal | None = None, execution_id: str | None = None,
-                         idempotency_key: str | None = None) -> DriveOrder:
-        """``write_start`` for code without an event loop (refused inside one)."""
-        return self._sync("write_start_sync", lambda: self._tracked("write_start",
-                          self.write_start(flow_id, input, principal=principal,
-                                           execution_id=execution_id,
-                                           idempotency_key=idempotency_key)))
-
-    def write_resume_sync(self, execution_id: str, gate: str, payload: Any = None, *,
-                          principal: Principal | None = None) -> DriveOrder:
-        """``write_resume`` for code without an event loop (refused inside one)."""
-        return self._sync("write_resume_sync", lambda: self._tracked("write_resume",
-                          self.write_resume(execution_id, gate, payload, principal=principal)))
-
-    def write_send_sync(self, execution_id: str, key: str, payload: Any = None, *,
-                        principal: Principal | None = None) -> DriveOrder | None:
-        """``write_send`` for code without an event loop (refused inside one)."""
-        return self._sync("write_send_sync", lambda: self._tracked("write_send",
-                          self.write_send(execution_id, key, payload, principal=principal)))
-
-    async def _tracked(self, what: str, call: Coroutine[Any, Any, T]) -> T:
-        try:
-            with self._call(what):
-                return await call
-        finally:
-            call.close()  # a call refused before it ran is closed, never left unawaited
 
     def close(self) -> None:
         """Let calls in flight finish (up to ``close_timeout`` s), then close the loop

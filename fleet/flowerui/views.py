@@ -152,6 +152,8 @@ class FleetState:
         data["parked"] = [{**p.to_dict(), "worker": p.worker or by.get(p.execution_id)}
                           for p in parked]
         data["parked_now"] = dict(backlog.parked) if backlog is not None else None
+        # Every declared queue (decision 0056), read with the backlog off the page's thread.
+        data["queues"] = [] if backlog is None else [q.to_dict() for q in backlog.queues]
         data["backlog"] = [] if backlog is None else [
             {"queue": r.queue, "flow": r.flow_id, "unowned": r.unowned,
              "oldestUnownedS": r.oldest_unowned_s, "timersDue": r.timers_due,

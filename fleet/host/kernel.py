@@ -74,7 +74,9 @@ def build_runtime(settings: FleetSettings, store: EventStore, *, role: str,
     """A Runtime on ``store`` configured by ``settings``, with its flows loaded.
 
     Fleet runtimes never arm in-process timers: the timer service fires them (a
-    worker that parks on a sleep lets go of it). ``access_policy``: the reward
+    worker that parks on a sleep lets go of it). Every role declares ``FLEET_QUEUES``
+    (decision 0056): the dispatcher enters starts, workers admit the next run when one
+    ends, the timer service passes every queue. ``access_policy``: the reward
     attacher's (a producer may ``annotate``); default the kernel's.
     """
     options = RuntimeOptions(
@@ -82,7 +84,8 @@ def build_runtime(settings: FleetSettings, store: EventStore, *, role: str,
         divergence=parse_divergence(settings.divergence),
         features=Features(sha256_flow_hash=settings.sha256_flow_hash),
         lease_ms=settings.lease_ms, local_timers=False, holder=holder_name(role),
-        on_durable_event=on_durable_event, on_warn=on_warn or log.warning)
+        on_durable_event=on_durable_event, on_warn=on_warn or log.warning,
+        queues=settings.queue_declarations())
     return Runtime(store, flows=load_flows(settings.flows), options=options)
 
 

@@ -11,7 +11,10 @@ the flow's cleanup then runs as journaled steps, and the execution ends
 cancelling again changes nothing (``False``), as in Temporal.
 
 ``force=True`` is Temporal's terminate: the steps in flight are recorded
-cancelled and ``EXECUTION_CANCELLED`` is written at once, with no cleanup.
+cancelled and ``EXECUTION_CANCELLED`` is written at once, with no cleanup. A run
+whose body never ran (a delayed start, a run waiting for its queue's admission:
+decisions 0055, 0056) ends so too: there is no cleanup to run, and delivering the
+error would run the body's code up to its first call.
 Cancelling a finished execution raises ``ExecutionFinishedError`` either way.
 Decision 0033.
 """
@@ -29,6 +32,8 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventType
 from fleet.kernel.fold import ExecutionState, fold_log
 from fleet.kernel.security import Principal
+from fleet.kernel.start_plan import START_GATE
+from fleet.kernel.store.spi_queues import QUEUE_GATE_PREFIX
 from fleet.kernel.values import check_text
 from fleet.kernel.writes import make_events
 
@@ -73,7 +78,7 @@ async def cancel_execution(engine: Engine, execution_id: str, *, reason: str,
         state = await engine.fold(execution_id)
         if state.terminal:
             raise _finished(state)
-        if force:
+        if force or _never_ran(state):
             bodies: list[tuple[EventType, dict[str, Any]]] = [
                 (EventType.STEP_CANCELLED, {"stepId": step_id, "reason": "cancelled"})
                 for step_id, frame in state.frames.items()
@@ -98,6 +103,12 @@ async def cancel_execution(engine: Engine, execution_id: str, *, reason: str,
         if not drive:
             return True, None
         return True, await engine.drive(execution_id, lease)
+
+
+def _never_ran(state: ExecutionState) -> bool:
+    """Parked on the gate a delayed or queued start waits on before its body first runs."""
+    on = str((state.waiting or {}).get("on") or "") if state.parked else ""
+    return on == START_GATE or on.startswith(QUEUE_GATE_PREFIX)
 
 
 __all__ = ["MAX_REASON", "cancel_execution", "check_reason"]

@@ -20,12 +20,13 @@ from pydantic import ValidationError as PydanticValidationError
 from fleet.kernel.errors import CorruptLogError, NotSerializableError, UnstorableValueError
 from fleet.kernel.values import has_lone_surrogate, printable
 
-EVENT_SCHEMA = "1.3.0"
+EVENT_SCHEMA = "1.4.0"
 # 1.1.0: EXECUTION_DENIED.count. 1.2.0 (decision 0033): CANCEL_REQUESTED, CANCEL_DELIVERED,
 # FIRST_RESOLVED, TIMER_CANCELLED; a "first" park condition (its "waits"); CHILD_STARTED,
 # CHILD_ENDED, MESSAGE_SENT, VALUE_SET, UPDATE_REPLIED; EXECUTION_STARTED.parent and
 # .messages; MESSAGE_RECEIVED.sendId and .updateId; EXECUTION_RESUMED.sendId.
 # 1.3.0 (decision 0053): STEP_HEARTBEAT.
+# 1.4.0 (decision 0057): EXECUTION_DEBOUNCED.
 
 
 class EventType(StrEnum):
@@ -63,6 +64,7 @@ class EventType(StrEnum):
     VALUE_SET = "VALUE_SET"
     UPDATE_REPLIED = "UPDATE_REPLIED"
     STEP_HEARTBEAT = "STEP_HEARTBEAT"
+    EXECUTION_DEBOUNCED = "EXECUTION_DEBOUNCED"  # decision 0057
 
 
 def wall_clock_ms() -> int:
@@ -349,6 +351,14 @@ class StepHeartbeat(_Payload):
     details: Json = None
 
 
+class ExecutionDebounced(_Payload):
+    """A repeat start joined a debounce window: the run's new input and due time (0057)."""
+
+    input: Json = None
+    dueAt: int
+    by: str | None = None
+
+
 PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.EXECUTION_STARTED: ExecutionStarted,
     EventType.STEP_STARTED: StepStarted,
@@ -384,6 +394,7 @@ PAYLOAD_MODELS: dict[EventType, type[_Payload]] = {
     EventType.VALUE_SET: ValueSet,
     EventType.UPDATE_REPLIED: UpdateReplied,
     EventType.STEP_HEARTBEAT: StepHeartbeat,
+    EventType.EXECUTION_DEBOUNCED: ExecutionDebounced,
 }
 
 

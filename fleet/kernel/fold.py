@@ -411,6 +411,14 @@ def _step_heartbeat(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], se
     frame.updated_at = ts
 
 
+def _debounced(st: ExecutionState, ev: EventEnvelope, p: dict[str, Any], seq: int,
+               ts: int) -> None:
+    # A repeat start's input replaces the waiting run's (decision 0057); only the
+    # runtime writes it, and only before the run's body first ran.
+    if ev.kernel and not st.terminal:
+        st.input = p.get("input")
+
+
 _HANDLERS: dict[EventType, Any] = {
     EventType.EXECUTION_STARTED: _started,
     EventType.STEP_STARTED: _step_started,
@@ -446,6 +454,7 @@ _HANDLERS: dict[EventType, Any] = {
     EventType.VALUE_SET: _value_set,
     EventType.UPDATE_REPLIED: _update_replied,
     EventType.STEP_HEARTBEAT: _step_heartbeat,
+    EventType.EXECUTION_DEBOUNCED: _debounced,
 }
 
 

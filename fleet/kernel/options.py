@@ -41,6 +41,11 @@ The options, by group (every one has a default):
 - ``clock`` (None): milliseconds since the epoch; None is the wall clock. Tests
   pass a manual clock (give the same one to the store).
 
+**Queues** (decision 0056)
+
+- ``queues`` (()): the ``Queue`` declarations ``start(..., queue=)`` may name; a
+  fleet declares the same in every process (``FLEET_QUEUES``).
+
 **Observers** (ADR 0147)
 
 - ``on_event``: every event as the run folds it, before its write: immediate,
@@ -63,13 +68,14 @@ A consumer that throws never reaches a run; it is warned at most once a minute.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.flows import Features
 from fleet.kernel.observers import EventObserver, WarnSink
+from fleet.kernel.queues import Queue
 from fleet.kernel.security import AccessPolicy
 
 DivergenceMode = Literal["off", "warn", "fail"]
@@ -96,6 +102,8 @@ class RuntimeOptions:
     inline_sleep_max: float = 1.0
     local_timers: bool = True
     clock: Clock | None = None
+    # -- queues
+    queues: Sequence[Queue] = ()
     # -- observers
     on_event: EventObserver | None = None
     on_durable_event: EventObserver | None = None

@@ -21,6 +21,7 @@ from dataclasses import fields
 from datetime import datetime, timedelta
 from typing import Any
 
+from fleet.kernel.admissions import Admissions
 from fleet.kernel.cancellation import cancel_execution
 from fleet.kernel.context import RESERVED_PREFIX
 from fleet.kernel.delivery import resume_gate, send_message
@@ -38,6 +39,7 @@ from fleet.kernel.fold import DIVERGED_GATE, ExecutionState
 from fleet.kernel.fork import fork
 from fleet.kernel.handle import ExecutionHandle
 from fleet.kernel.ids import check_explicit_id, idempotent_execution_id
+from fleet.kernel.later import asks_later, start_later
 from fleet.kernel.migration import resume_as
 from fleet.kernel.observers import EventObserver, Warner, WarnSink
 from fleet.kernel.options import (
@@ -49,6 +51,7 @@ from fleet.kernel.options import (
 )
 from fleet.kernel.outcomes import OutcomeResult, record_outcome
 from fleet.kernel.queries import get_value, update
+from fleet.kernel.queues import Queue
 from fleet.kernel.recovery import RecoveryReport, recover_abandoned
 from fleet.kernel.results import Until
 from fleet.kernel.run import ReplayFrontier as ReplayFrontier
@@ -82,8 +85,8 @@ class Runtime(StatsAttributes, ScheduleMethods):
             argument of its own (``access_policy``, ``strict``, ``divergence``,
             ``features``, ``on_event``, ``on_durable_event``, ``on_warn``,
             ``on_execution_denied``, ``clock``, ``holder``, ``lease_ms``,
-            ``inline_sleep_max``, ``local_timers``, ``allow_flow_code_mismatch``):
-            pass one spelling or the other, not both.
+            ``inline_sleep_max``, ``local_timers``, ``allow_flow_code_mismatch``,
+            ``queues``): pass one spelling or the other, not both.
 
     ``on_event`` reports an event as the run folds it, before its write, so it
     can report an event that never became durable (a failed, refused or lost
@@ -103,13 +106,14 @@ class Runtime(StatsAttributes, ScheduleMethods):
                  clock: Clock | None = None, holder: str | None = None,
                  lease_ms: int = 30_000, inline_sleep_max: float = 1.0,
                  local_timers: bool = True, allow_flow_code_mismatch: bool = False,
-                 options: RuntimeOptions | None = None) -> None:
+                 queues: Sequence[Queue] = (), options: RuntimeOptions | None = None) -> None:
         given: dict[str, Any] = {
             "access_policy": access_policy, "strict": strict, "divergence": divergence,
             "features": features, "on_event": on_event, "on_durable_event": on_durable_event,
             "on_warn": on_warn, "on_execution_denied": on_execution_denied, "clock": clock,
             "holder": holder, "lease_ms": lease_ms, "inline_sleep_max": inline_sleep_max,
-            "local_timers": local_timers, "allow_flow_code_mismatch": allow_flow_code_mismatch}
+            "local_timers": local_timers, "allow_flow_code_mismatch": allow_flow_code_mismatch,
+            "queues": queues}
         if options is None:
             options = RuntimeOptions(**given)
         else:
@@ -132,6 +136,9 @@ class Runtime(StatsAttributes, ScheduleMethods):
         self.timers = Timers(self.engine, local=options.local_timers)
         # Child flows and messages between executions (fleet.kernel.family).
         self.family = Family(self.engine)
+        # Declared queues, their passes and wakes (decision 0056).
+        self.queues = Admissions(self.engine, self.timers, options.queues,
+                                 local=options.local_timers)
         self.stats: RuntimeStats = self.engine.stats
         # The settings in force, as attributes (as before RuntimeOptions): set once
         # here, read by the fleet and by tests; ``options`` holds them all.
@@ -153,8 +160,11 @@ class Runtime(StatsAttributes, ScheduleMethods):
     # ------------------------------------------------------------------ start
     async def start(self, flow_id: str | FlowDefinition, input: Any = None, *,
                     principal: Principal | None = None, execution_id: str | None = None,
-                    idempotency_key: str | None = None,
-                    drive: bool = True) -> ExecutionHandle:
+                    idempotency_key: str | None = None, drive: bool = True,
+                    start_at: datetime | None = None, start_in: timedelta | None = None,
+                    queue: str | None = None, key: str | None = None,
+                    priority: int | None = None,
+                    debounce: timedelta | None = None) -> ExecutionHandle:
         """Start an execution (idempotent by ``execution_id`` or ``idempotency_key``), drive it.
 
         A start that finds its execution already there returns a handle to it,
@@ -166,7 +176,20 @@ class Runtime(StatsAttributes, ScheduleMethods):
 
         With ``drive=False`` the start is made durable and the lease released;
         a worker drives it (the fleet's dispatcher writes first, then enqueues).
+
+        ``start_at`` (an aware datetime) / ``start_in`` (a timedelta) start it later
+        (decision 0055); ``queue`` (a declared ``Queue``, with ``key`` and ``priority``)
+        starts it within the queue's limits (0056); ``debounce`` with ``key`` collapses
+        the starts of a window into one run with the last input (0057). Those starts
+        write the execution at once, parked, and run it later (``fleet.kernel.later``).
         """
+        if asks_later(start_at, start_in, queue, key, priority, debounce):
+            later = await start_later(
+                self, flow_id, input, principal=principal, execution_id=execution_id,
+                idempotency_key=idempotency_key, drive=drive, start_at=start_at,
+                start_in=start_in, queue=queue, key=key, priority=priority, debounce=debounce)
+            if later is not None:
+                return ExecutionHandle(self, later.execution_id, later.run)
         if isinstance(flow_id, FlowDefinition):
             flow_id = flow_id.flow_id
         definition = self.flows.latest(flow_id)
@@ -402,6 +425,10 @@ class Runtime(StatsAttributes, ScheduleMethods):
                               drive: bool = True) -> list[FiredTimer]:
         """Fire every timer due at ``now``: ``TIMER_FIRED``, then drive. The timers fired.
 
+        Delayed starts fire here too (their ``__fleet_start__`` timer), and every
+        declared queue gets a pass: the runs it admits now are among those returned
+        (their queue's timer, fired).
+
         Args:
             now: An aware ``datetime`` (default: the runtime's clock). A later
                 ``now`` fires timers early: ``datetime.now(timezone.utc) +
@@ -415,7 +442,9 @@ class Runtime(StatsAttributes, ScheduleMethods):
                 fleet's timer service).
         """
         at = None if now is None else ms_from_datetime(now, "fire_due_timers(now=...)")
-        return await self.timers.fire_due(at, limit=limit, drive=drive)
+        fired = await self.timers.fire_due(at, limit=limit, drive=drive)
+        # Then one pass of every declared queue: what waits for a slot freed anywhere.
+        return fired + await self.queues.run_all(at, limit=limit - len(fired), drive=drive)
 
     async def recover_abandoned(self, *, now: datetime | None = None, limit: int = 100,
                                 updated_before: datetime | None = None,
@@ -479,6 +508,7 @@ class Runtime(StatsAttributes, ScheduleMethods):
     async def close(self) -> None:
         """Stop local timers and wait for the runs this runtime drives."""
         self.timers.close()
+        self.queues.close()
         await self.engine.close()
 
     @property

@@ -90,7 +90,7 @@ class Timers:
         fired: list[FiredTimer] = list(expired)
         for claim in claims:
             if await self._fire_under(engine.lease(claim.grant), claim.execution_id,
-                                      claim.timer_id, drive=True):
+                                      claim.timer_id, drive=True, now=now):
                 fired.append(FiredTimer(claim.execution_id, claim.timer_id, claim.flow_id,
                                         claim.tenant))
         return fired
@@ -128,8 +128,11 @@ class Timers:
         engine.stats.timers_fired += len(fired)
         return fired
 
-    async def fire(self, execution_id: str, timer_id: str, *, drive: bool = True) -> bool:
-        """Fire one timer if it is still due and waited on; True when this call fired it.
+    async def fire(self, execution_id: str, timer_id: str, *, drive: bool = True,
+                   now: int | None = None) -> bool:
+        """Fire one timer if it is still waited on (and, given ``now``, still due then);
+        True when this call fired it. Judged under the fence: a due time moved on since
+        it was listed (a debounced start, decision 0057) is not fired early.
 
         A flow's deadline timer fails the execution instead (``fleet.kernel.deadlines``).
         """
@@ -138,17 +141,21 @@ class Timers:
         lease = await self.engine.take_if_free(execution_id)
         if lease is None:
             return False
-        return await self._fire_under(lease, execution_id, timer_id, drive=drive)
+        return await self._fire_under(lease, execution_id, timer_id, drive=drive, now=now)
 
     async def _fire_under(self, lease: Lease, execution_id: str, timer_id: str, *,
-                          drive: bool) -> bool:
-        """Fire under a taken ``lease`` if the log still waits on the timer (folded)."""
+                          drive: bool, now: int | None = None) -> bool:
+        """Fire under a taken ``lease`` if the log still waits on the timer (folded) and,
+        given ``now``, it is still due then."""
         engine = self.engine
         async with lease:
             state = await engine.fold(execution_id)
             timer = state.timers.get(timer_id)
             if (timer is None or timer.get("fired") or timer.get("cancelled")
                     or not state.parked or not waits_for_timer(state, timer_id)):
+                return False
+            due = timer.get("dueAt")
+            if now is not None and isinstance(due, int) and due > now:
                 return False
             fired = [(EventType.TIMER_FIRED, {"timerId": timer_id})]
             if drive:

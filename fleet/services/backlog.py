@@ -32,6 +32,7 @@ from fleet.kernel.errors import ConfigurationError, StoreUnavailableError
 from fleet.kernel.fold import DIVERGED_GATE, INDOUBT_GATE
 from fleet.kernel.store.backlog import Backlog, ReportsBacklog
 from fleet.kernel.store.spi import EventStore
+from fleet.kernel.store.spi_queues import HoldsQueues, QueueDepth, holds_queues
 
 log = logging.getLogger("fleet.metrics")
 
@@ -62,6 +63,8 @@ class BacklogSnapshot:
     rows: tuple[QueueBacklog, ...]
     parked: dict[str, int] = field(default_factory=dict)
     at: float = field(default_factory=time.time)
+    #: Every declared queue's depth (decision 0056), when the store keeps queues.
+    queues: tuple[QueueDepth, ...] = ()
 
     def unowned(self, queue: str) -> int:
         return sum(r.unowned for r in self.rows if r.queue == queue)
@@ -90,8 +93,9 @@ class BacklogReader:
 
     A read never queries: it answers the snapshot the refresher made last (the first
     read waits for the first one). While anyone reads, the refresher queries the
-    store every ``refresh_s`` (one query at a time, on a loop thread and one
-    connection of its own); after ``idle_s`` without a read it stops querying until
+    store every ``refresh_s`` (the backlog, then the queues' depths; one query at a
+    time, on a loop thread and one connection of its own); after ``idle_s`` without a
+    read it stops querying until
     the next read. So a scrape costs the same however much waits, and the store sees
     one backlog query per ``refresh_s`` however many scrape (decision 0046).
 
@@ -202,7 +206,11 @@ class BacklogReader:
         for queue, flow in self._seen:
             rows.setdefault((queue, flow), QueueBacklog(queue, flow))
         parked = {kind: backlog.parked.get(gate, 0) for gate, kind in GATE_KINDS.items()}
-        return BacklogSnapshot(tuple(rows[k] for k in sorted(rows)), parked, now_ms / 1000)
+        queues: tuple[QueueDepth, ...] = ()
+        if holds_queues(store) and isinstance(store, HoldsQueues):
+            queues = tuple(await store.queue_depths(now_ms))
+        return BacklogSnapshot(tuple(rows[k] for k in sorted(rows)), parked, now_ms / 1000,
+                               queues)
 
     def close(self) -> None:
         """Stop the refresher, close the store and the loop."""

@@ -26,6 +26,8 @@ Families:
   ``fleet_executions_parked{gate="diverged"|"in-doubt"}`` (parked now), and
   ``fleet_backlog_age_seconds`` (how old those numbers are: the exporter reads the
   store every ``FLEET_METRICS_REFRESH_S``, and a scrape answers the latest read).
+* per queue (decision 0056), read from the store: ``fleet_queue_waiting``,
+  ``fleet_queue_oldest_wait_seconds``, ``fleet_queue_running``, ``fleet_queue_delayed``.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from fleet.kernel.store.spi_queues import QueueDepth
 from fleet.services.backlog import BacklogSnapshot
 from fleet.services.counters import GAUGES, MISSING, ROLES, FleetCounters
 
@@ -68,8 +71,8 @@ def metric_name(counter: str) -> str:
 
 class FleetCollector(Collector):
     """A collector over ``read()`` (a ``FleetCounters``) and ``backlog()`` (what waits
-    now, from the store), if given. A part that cannot be read is logged and left
-    out; the rest is still served."""
+    now, from the store, every queue's depth among it), if given. A part that cannot be
+    read is logged and left out; the rest is still served."""
 
     def __init__(self, read: Callable[[], FleetCounters],
                  backlog: Callable[[], BacklogSnapshot] | None = None) -> None:
@@ -97,6 +100,7 @@ class FleetCollector(Collector):
                             type(exc).__name__, exc)
                 return
             yield from backlog_families(snapshot)
+            yield from queue_families(snapshot.queues)
 
     def _processes(self, fleet: FleetCounters) -> Iterator[Metric]:
         families: dict[str, Any] = {}
@@ -182,4 +186,23 @@ def backlog_families(snapshot: BacklogSnapshot) -> Iterator[Metric]:
                             value=round(max(0.0, time.time() - snapshot.at), 3))
 
 
-__all__ = ["HELP", "FleetCollector", "backlog_families", "metric_name"]
+def queue_families(depths: Sequence[QueueDepth]) -> Iterator[Metric]:
+    """The queue gauges (the module's docstring), one sample per queue."""
+    waiting = GaugeMetricFamily("fleet_queue_waiting", "runs waiting for a slot of their "
+                                "queue now (eligible, not admitted)", labels=["queue"])
+    oldest = GaugeMetricFamily("fleet_queue_oldest_wait_seconds", "how long the longest "
+                               "waiting run of the queue has waited (0: none waits)",
+                               labels=["queue"])
+    running = GaugeMetricFamily("fleet_queue_running", "admitted runs of the queue that have "
+                                "not ended (the slots taken)", labels=["queue"])
+    delayed = GaugeMetricFamily("fleet_queue_delayed", "queued runs not eligible yet (a "
+                                "delayed or debounced start)", labels=["queue"])
+    for depth in depths:
+        waiting.add_metric([depth.queue], depth.waiting)
+        oldest.add_metric([depth.queue], (depth.oldest_wait_ms or 0) / 1000)
+        running.add_metric([depth.queue], depth.running)
+        delayed.add_metric([depth.queue], depth.delayed)
+    yield from (waiting, oldest, running, delayed)
+
+
+__all__ = ["HELP", "FleetCollector", "backlog_families", "metric_name", "queue_families"]

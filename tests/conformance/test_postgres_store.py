@@ -255,7 +255,8 @@ async def test_a_version_5_schema_is_upgraded_to_6_and_its_calls_keep_their_answ
         assert await store.head("v5-a") == 1  # first use migrates
         raw = await _raw(store, database_url)
         try:
-            # 6, and any later migration (7 adds fleet_claim_timers, decision 0048).
+            # 6, and any later migration (7 leases on the server clock, 8 fleet_claim_timers,
+            # 9 the backlog, 10 the queues).
             assert await raw.fetchval("SELECT max(version) FROM fleet_schema_version") == (
                 SCHEMA_VERSION) >= 6
             configs = dict(await raw.fetch(

@@ -56,6 +56,7 @@ from fleet.kernel.store.conformance_decorators import DecoratorConformance, Writ
 from fleet.kernel.store.conformance_events import HOSTILE_STRINGS, T0, make_event, started
 from fleet.kernel.store.conformance_feed import FeedConformance
 from fleet.kernel.store.conformance_leases import LeaseConformance
+from fleet.kernel.store.conformance_queues import QueueConformance
 from fleet.kernel.store.conformance_timers import TimerClaimConformance
 from fleet.kernel.store.conformance_values import SnapshotValueConformance, ValueConformance
 from fleet.kernel.store.spi import (
@@ -89,7 +90,8 @@ def _wire(events: list[EventEnvelope]) -> list[str]:
 class EventStoreConformance(FeedConformance, ValueConformance, LeaseConformance,
                             TimerClaimConformance,
                             DecoratorConformance,
-                            LeaseClockConformance):
+                            LeaseClockConformance,
+                            QueueConformance):
     """The ``EventStore`` contract as tests; subclass it and provide ``store``."""
 
     lease_ms: ClassVar[int] = 250  # a short lease the kit waits out with pass_time

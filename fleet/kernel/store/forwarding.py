@@ -33,6 +33,7 @@ from fleet.kernel.errors import ConfigurationError
 from fleet.kernel.events import EventEnvelope
 from fleet.kernel.store.backlog import Backlog, ReportsBacklog
 from fleet.kernel.store.claims import ClaimedTimer, claim_due_timers
+from fleet.kernel.store.forwarding_queues import ForwardingQueues
 from fleet.kernel.store.spi import (
     COMMIT_SIGNAL,
     COUNT_EXECUTIONS,
@@ -84,8 +85,9 @@ def forwarded_capabilities(cls: type, inner: EventStore) -> frozenset[str]:
                     if all(method in own for method in methods)}
 
 
-class ForwardingEventStore:
-    """An ``EventStore`` that forwards every call to ``inner``."""
+class ForwardingEventStore(ForwardingQueues):
+    """An ``EventStore`` that forwards every call to ``inner`` (queues too:
+    ``forwarding_queues``)."""
 
     #: Set per instance from the subclass and the inner store (``forwarded_capabilities``)
     #: unless a subclass declares it as a class attribute.

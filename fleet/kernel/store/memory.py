@@ -33,6 +33,7 @@ from fleet.kernel.errors import (
 from fleet.kernel.events import EventEnvelope, Status, wall_clock_ms
 from fleet.kernel.store.backlog import Backlog, backlog_groups, check_backlog
 from fleet.kernel.store.encoding import creation_anchor, encode_event, encode_state
+from fleet.kernel.store.memory_queues import MemoryQueues
 from fleet.kernel.store.spi import (
     APPEND_LEASED,
     APPEND_MANY,
@@ -113,7 +114,7 @@ class _Fence:
 
 
 
-class MemoryEventStore:
+class MemoryEventStore(MemoryQueues):
     """An ``EventStore`` held in process memory, for one asyncio loop.
 
     Args:

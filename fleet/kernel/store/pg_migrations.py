@@ -28,6 +28,7 @@ COMMITTED, which it checks (``FL004``) rather than assumes.
 from __future__ import annotations
 
 from fleet.kernel.store.pg_migration_backlog import MIGRATION_BACKLOG
+from fleet.kernel.store.pg_migration_queues import MIGRATION_QUEUES
 from fleet.kernel.store.pg_migration_v6 import MIGRATION_6
 from fleet.kernel.store.pg_migration_v7 import migration_7
 from fleet.kernel.store.pg_migration_v8 import MIGRATION_8, OLDEST_CODE_8
@@ -661,13 +662,15 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (7, migration_7(_V4_APPEND_LEASED)),
     (8, MIGRATION_8),
     (9, MIGRATION_BACKLOG),  # the backlog (decision 0046)
+    (10, MIGRATION_QUEUES),  # queues and debounce pointers (decision 0056)
 )
 
 #: Per migration, the oldest code that runs against it (decision 0049). 5 and 6 only
 #: add or rewrite functions that version 4 and 5 code keep calling (their comments
 #: say so); 7 adds functions beside those 6 calls, 8 one function, 9 three that read
-#: (the backlog). The older ones are their own: never proved otherwise.
+#: (the backlog), 10 tables and a function only queues use. The older ones are their
+#: own: never proved otherwise.
 OLDEST_CODE: dict[int, int] = {1: 1, 2: 2, 3: 3, 4: 4, 5: 4, 6: 5, 7: 6, 8: OLDEST_CODE_8,
-                               9: 6}
+                               9: 6, 10: 6}
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

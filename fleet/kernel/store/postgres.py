@@ -89,6 +89,7 @@ from fleet.kernel.store.pg_queries import (
     refusal,
     summary,
 )
+from fleet.kernel.store.pg_queues import PostgresQueues
 from fleet.kernel.store.spi import (
     APPEND_LEASED,
     APPEND_MANY,
@@ -167,7 +168,7 @@ class _PostgresBase:
         raise AssertionError("unreachable")  # pragma: no cover
 
 
-class PostgresEventStore(_PostgresBase):
+class PostgresEventStore(_PostgresBase, PostgresQueues):
     """An ``EventStore`` in Postgres, safe for many processes and hosts.
 
     Args:

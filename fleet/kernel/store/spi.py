@@ -68,6 +68,8 @@ from fleet.kernel.state import DEADLINE_TIMER
 from fleet.kernel.store.committed import ORIGIN as ORIGIN
 from fleet.kernel.store.committed import CommittedEvent as CommittedEvent
 from fleet.kernel.store.committed import Position as Position
+from fleet.kernel.store.spi_queues import HoldsQueues as HoldsQueues
+from fleet.kernel.store.spi_queues import holds_queues as holds_queues
 from fleet.kernel.values import (
     check_int64,
     check_ms,

@@ -79,6 +79,7 @@ from fleet.kernel.store.spi import (
     check_max_lease_ms,
     lease_live,
 )
+from fleet.kernel.store.sqlite_queues import SqliteQueues
 from fleet.kernel.store.sqlite_schema import BACKLOG_SQL, FEED_SQL, SCHEMA_VERSION, migrate
 from fleet.kernel.store.sqlite_writes import Write as _Write
 from fleet.kernel.values import INT64_MAX, check_int64, check_ms, check_text
@@ -412,7 +413,7 @@ def _end_lease(conn: sqlite3.Connection, execution_id: str, token: int) -> bool:
                         (execution_id, token)).rowcount > 0
 
 
-class SqliteEventStore:
+class SqliteEventStore(SqliteQueues):
     """An ``EventStore`` in one SQLite file, safe for many stores and processes.
 
     Args:

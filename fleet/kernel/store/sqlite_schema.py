@@ -11,6 +11,11 @@ inserts it. SQLite runs one write transaction at a time (for every process on
 the file), so positions are handed out in commit order, and a reader that
 asks for ``position > after`` can never miss a row that commits later. The
 counter only grows, so a position is never reused after a deletion.
+
+Version 3 adds the queues and debounce pointers (decision 0056, ``sqlite_queues``):
+``fleet_queues`` (a row per queue: the limits its last pass judged with),
+``fleet_queue_entries`` (one per queued execution; ``seq`` never reused, the
+enqueue order) and ``fleet_debounce``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from fleet.kernel.errors import SchemaVersionError
 
 __all__ = ["BACKLOG_SQL", "FEED_SQL", "SCHEMA_VERSION", "migrate", "next_positions"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _V1 = """
 CREATE TABLE IF NOT EXISTS events (
@@ -72,6 +77,22 @@ DROP TABLE fleet_backfill;
 CREATE UNIQUE INDEX events_by_position ON events (position);
 """
 
+_V3 = """
+CREATE TABLE IF NOT EXISTS fleet_queues (
+    name TEXT PRIMARY KEY, limits TEXT, updated_at INTEGER) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS fleet_queue_entries (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, execution_id TEXT NOT NULL UNIQUE,
+    queue TEXT NOT NULL, qkey TEXT NOT NULL, priority INTEGER NOT NULL, entered_at INTEGER NOT NULL,
+    eligible_at INTEGER NOT NULL, admitted_at INTEGER);
+CREATE INDEX IF NOT EXISTS fleet_queue_waiting ON fleet_queue_entries (queue, priority, seq)
+    WHERE admitted_at IS NULL;
+CREATE INDEX IF NOT EXISTS fleet_queue_admitted ON fleet_queue_entries (queue, admitted_at)
+    WHERE admitted_at IS NOT NULL;
+CREATE TABLE IF NOT EXISTS fleet_debounce (
+    scope TEXT PRIMARY KEY, execution_id TEXT NOT NULL, claimed_at INTEGER NOT NULL)
+    WITHOUT ROWID;
+"""
+
 FEED_SQL = """
 SELECT e.position, e.execution_id, e.sequence, e.type, e.body, x.tenant
 FROM events AS e LEFT JOIN executions AS x ON x.execution_id = e.execution_id
@@ -92,7 +113,7 @@ def migrate(conn: sqlite3.Connection, path: str) -> None:
         # Again under the write lock: another process may have migrated meanwhile.
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         # Statement by statement: executescript would commit the transaction first.
-        for step, script in ((1, _V1), (2, _V2)):
+        for step, script in ((1, _V1), (2, _V2), (3, _V3)):
             if version < step:
                 for statement in _statements(script):
                     conn.execute(statement)
