@@ -8,6 +8,7 @@ fleet the same way.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -236,3 +237,16 @@ def stop_fleet_processes(procs: list[tuple[subprocess.Popen[bytes], Any]],
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def fleet_bench_parser(doc: str | None, **kw: Any) -> argparse.ArgumentParser:
+    """The argument parser of a benchmark that runs a fleet: ``--db`` (a Postgres URL
+    whose user may create databases; ``FLEET_BENCH_ADMIN_URL``) and ``--redis``
+    (``FLEET_REDIS_URL``), its description the first line of ``doc``."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0], **kw)
+    parser.add_argument("--db", default=os.environ.get(
+        "FLEET_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
+        help="a Postgres URL whose user may create databases")
+    parser.add_argument("--redis", default=os.environ.get("FLEET_REDIS_URL",
+                                                          "redis://127.0.0.1:6379"))
+    return parser

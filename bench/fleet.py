@@ -67,6 +67,7 @@ from bench._common import (
     Worker,
     admin,
     bench_redis_url,
+    fleet_bench_parser,
     with_database,
     workers,
 )
@@ -400,12 +401,7 @@ def render(doc: dict[str, Any], console: Console) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--db", default=os.environ.get(
-        "FLEET_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-        help="a Postgres URL whose user may create databases")
-    parser.add_argument("--redis", default=os.environ.get("FLEET_REDIS_URL",
-                                                          "redis://127.0.0.1:6379"))
+    parser = fleet_bench_parser(__doc__)
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--workers", type=int, default=2)

@@ -40,7 +40,7 @@ import asyncpg
 from rich.console import Console
 from rich.table import Table
 
-from bench._common import RESULTS, admin, bench_redis_url, with_database
+from bench._common import RESULTS, admin, bench_redis_url, fleet_bench_parser, with_database
 from bench.fleet import fleet_env, running_fleet
 
 
@@ -185,12 +185,7 @@ def render(doc: dict[str, Any], console: Console) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--db", default=os.environ.get(
-        "FLEET_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-        help="a Postgres URL whose user may create databases")
-    parser.add_argument("--redis", default=os.environ.get("FLEET_REDIS_URL",
-                                                          "redis://127.0.0.1:6379"))
+    parser = fleet_bench_parser(__doc__)
     parser.add_argument("--parents", type=int, default=40)
     parser.add_argument("--children", type=int, default=10)
     parser.add_argument("--in-flight", type=int, default=8)

@@ -54,7 +54,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from bench._common import RESULTS, bench_redis_url, cpu_seconds, own_database
+from bench._common import RESULTS, bench_redis_url, cpu_seconds, fleet_bench_parser, own_database
 from bench.fleet import fleet_env, running_fleet
 from bench.pg_limit import insert_tps
 
@@ -251,12 +251,7 @@ def render(doc: dict[str, Any], console: Console) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--db", default=os.environ.get(
-        "FLEET_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-        help="a Postgres URL whose user may create databases")
-    parser.add_argument("--redis", default=os.environ.get("FLEET_REDIS_URL",
-                                                          "redis://127.0.0.1:6379"))
+    parser = fleet_bench_parser(__doc__)
     parser.add_argument("--workers", default="1,2,4")
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200)

@@ -42,7 +42,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from bench._common import RESULTS, admin, bench_redis_url, with_database
+from bench._common import RESULTS, admin, bench_redis_url, fleet_bench_parser, with_database
 from bench.fleet_flows import ALL as FLOWS
 from fleet.config import FleetSettings
 from fleet.dispatcher import Dispatcher, Start
@@ -190,12 +190,7 @@ LOAD_BEFORE = os.getloadavg()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--db", default=os.environ.get(
-        "FLEET_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-        help="a Postgres URL whose user may create databases")
-    parser.add_argument("--redis", default=os.environ.get("FLEET_REDIS_URL",
-                                                          "redis://127.0.0.1:6379"))
+    parser = fleet_bench_parser(__doc__)
     parser.add_argument("--n", type=int, default=3000, help="single submissions per row "
                         "(batch rows submit 4x as many)")
     parser.add_argument("--repeat", type=int, default=3)

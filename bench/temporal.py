@@ -70,6 +70,7 @@ from bench._common import (
     bench_redis_url,
     child_env,
     cpu_seconds,
+    fleet_bench_parser,
     free_port,
     own_database,
     package_version,
@@ -634,13 +635,7 @@ def render(doc: dict[str, Any]) -> Table:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.temporal",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--db", default=os.environ.get(
-        "FLEET_BENCH_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
-        help="a Postgres URL whose user may create databases")
-    parser.add_argument("--redis", default=os.environ.get("FLEET_REDIS_URL",
-                                                          "redis://127.0.0.1:6379"))
+    parser = fleet_bench_parser(__doc__, prog="python -m bench.temporal")
     parser.add_argument("--n", type=int, default=1000,
                         help="executions per measurement with more than 1 in flight")
     parser.add_argument("--n1", type=int, default=100, help="executions with 1 in flight")

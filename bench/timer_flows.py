@@ -2,9 +2,9 @@
 
 ``bench.timers`` runs ``fleet timers`` processes of a checkout (this one, or
 ``--peer DIR``) with this folder on ``PYTHONPATH`` and
-``FLEET_FLOWS=timer_flows:timer_nap`` (``bench.sweeper``: ``timer_flows:slow``); the parking runs in a child of the same
-checkout (``python -c "import timer_flows; timer_flows.park(...)"``), so each
-checkout writes its own schema version.
+``FLEET_FLOWS=timer_flows:timer_nap`` (``bench.sweeper``: ``timer_flows:slow``); the
+parking runs in a child of the same checkout (``python -c "import timer_flows;
+timer_flows.park(...)"``), so each checkout writes its own schema version.
 """
 
 from __future__ import annotations
