@@ -15,9 +15,12 @@ DOC = ROOT / "docs" / "security.md"
 
 
 def _defined() -> set[str]:
+    """Every test function and method: the suite's, and the store conformance kit's (its
+    classes run on every store, ``fleet/kernel/store/conformance*.py``)."""
     names: set[str] = set()
-    for path in (ROOT / "tests").rglob("*.py"):
-        names.update(re.findall(r"^(?:async )?def (test_\w+)\(", path.read_text(), re.M))
+    kit = (ROOT / "fleet" / "kernel" / "store").glob("conformance*.py")
+    for path in [*(ROOT / "tests").rglob("*.py"), *kit]:
+        names.update(re.findall(r"^\s*(?:async )?def (test_\w+)\(", path.read_text(), re.M))
     return names
 
 

@@ -17,7 +17,6 @@ import pytest
 
 from fleet import Context, Queue, Runtime, flow
 from fleet.config import FleetSettings
-from fleet.dispatcher.operator import Operator
 from fleet.kernel.errors import SchemaVersionError
 from fleet.kernel.store.conformance import started
 from fleet.kernel.store.pg_migrations import MIGRATIONS, VERSION_TABLE
@@ -25,6 +24,7 @@ from fleet.kernel.store.postgres import PostgresEventStore
 from fleet.kernel.store.spi_queues import QueueEntry, QueueLimits
 from fleet.kernel.store.sqlite import SqliteEventStore
 from fleet.kernel.store.sqlite_schema import SCHEMA_VERSION as SQLITE_VERSION
+from fleet.services.backlog import BacklogReader
 from fleet.services.counters import FleetCounters
 from fleet.services.metrics import FleetCollector
 
@@ -105,16 +105,19 @@ async def test_the_fleet_page_and_metrics_read_the_queues_from_the_store(
     finally:
         await runtime.close()
         await store.close()
-    operator = Operator(FleetSettings(database_url=url, queues={"desk": {"concurrency": 1}}))
+    # What Flower reads: the backlog reader's snapshot, refreshed off its loop, with the
+    # queues' depths among it (decision 0046); the page and /metrics answer from it.
+    reader = BacklogReader(FleetSettings(database_url=url, queues={"desk": {"concurrency": 1}}),
+                           lambda flow_id, tenant: "fleet.drive")
     try:
-        (desk,) = operator.queue_depths()
+        (desk,) = reader.read().queues
         assert (desk.queue, desk.waiting, desk.running, desk.delayed) == ("desk", 2, 1, 1)
         assert desk.oldest_wait_ms is not None
         assert desk.oldest_wait_ms >= 0
         shown = desk.to_dict()
         assert shown["limits"] == {"concurrency": 1, "per_key": None, "priority": False,
                                    "rate_ms": None, "rate_n": None}
-        collector = FleetCollector(lambda: FleetCounters(()), queues=operator.queue_depths)
+        collector = FleetCollector(lambda: FleetCounters(()), backlog=reader.read)
         samples = {(m.name, s.labels.get("queue")): s.value
                    for m in collector.collect() for s in m.samples}
         assert samples[("fleet_queue_waiting", "desk")] == 2
@@ -122,4 +125,4 @@ async def test_the_fleet_page_and_metrics_read_the_queues_from_the_store(
         assert samples[("fleet_queue_delayed", "desk")] == 1
         assert samples[("fleet_queue_oldest_wait_seconds", "desk")] >= 0
     finally:
-        operator.close()
+        reader.close()

@@ -63,7 +63,7 @@ def test_only_runs_that_may_run_now_are_published(
     second = dispatcher.start_sync("qf-quick", 2, queue=one)
     later = dispatcher.start_sync("qf-quick", 3, start_in=timedelta(hours=1))
     assert queued(client, queue) == Counter({first: 1})  # one waits for a slot, one for time
-    dispatcher.cancel_sync(first)  # a slot freed without a pass
+    dispatcher.cancel_sync(first, force=True)  # a slot freed without a pass (nor a drive)
     third = dispatcher.start_sync("qf-quick", 4, queue=one)
     # The third's pass admitted the older second (first come, first served).
     assert queued(client, queue) == Counter({first: 1, second: 1})
