@@ -21,6 +21,10 @@ Decision 0033.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import weakref
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fleet.kernel.engine import Engine, RunFuture
@@ -50,6 +54,27 @@ def check_reason(reason: Any) -> str:
     return check_text(reason, "cancel reason")
 
 
+# Cancels of one execution in one process, one at a time: a second (a parent's cancel and
+# then its end both close a child) then sees the first's request and changes nothing,
+# rather than taking the fence from the drive that delivers it, mid-step (its step would
+# run again, in doubt). Per engine (held weakly): execution id -> [lock, its users].
+_LOCKS: weakref.WeakKeyDictionary[Engine, dict[str, list[Any]]] = weakref.WeakKeyDictionary()
+
+
+@contextlib.asynccontextmanager
+async def _one_at_a_time(engine: Engine, execution_id: str) -> AsyncIterator[None]:
+    locks = _LOCKS.setdefault(engine, {})
+    entry = locks.setdefault(execution_id, [asyncio.Lock(), 0])
+    entry[1] += 1
+    try:
+        async with entry[0]:
+            yield
+    finally:
+        entry[1] -= 1
+        if entry[1] == 0:
+            locks.pop(execution_id, None)
+
+
 def _finished(state: ExecutionState) -> ExecutionFinishedError:
     return ExecutionFinishedError(
         f"execution {state.execution_id!r} already ended ({state.status})")
@@ -63,6 +88,14 @@ async def cancel_execution(engine: Engine, execution_id: str, *, reason: str,
     the caller enqueues it; or when nothing was recorded). ``system``: the kernel's own
     (a parent's children), not judged by the access policy."""
     reason = check_reason(reason)
+    async with _one_at_a_time(engine, execution_id):
+        return await _cancel(engine, execution_id, reason=reason, principal=principal,
+                             force=force, drive=drive, system=system)
+
+
+async def _cancel(engine: Engine, execution_id: str, *, reason: str,
+                  principal: Principal | None, force: bool, drive: bool,
+                  system: bool) -> tuple[bool, RunFuture | None]:
     state = await engine.fold(execution_id)
     if state.sequence < 0:
         raise ExecutionNotFoundError(f"no execution {execution_id!r}")

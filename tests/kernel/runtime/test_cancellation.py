@@ -249,6 +249,41 @@ async def test_cancelling_twice_changes_nothing_and_a_finished_one_is_refused(
     await runtime.close()
 
 
+async def test_two_cancels_at_once_deliver_one_and_run_the_cleanup_once(
+        stores: Stores) -> None:
+    """A parent's cancel and then its end both cancel a child, at once: the second must
+    see the first's request, not take the fence from the drive delivering it mid-step
+    (whose cleanup step would then run again, in doubt)."""
+    store = stores[0]
+    calls: list[str] = []
+
+    async def refund() -> str:
+        calls.append("refund")
+        await asyncio.sleep(0.05)  # still running when a second canceller would take over
+        return "refunded"
+
+    @flow("slow-refund")
+    async def body(ctx: Context, _: Any) -> str:
+        try:
+            return await ctx.wait("approval")
+        except asyncio.CancelledError:
+            await ctx.step("refund", refund)
+            raise
+
+    runtime = Runtime(store, flows=[body])
+    eid = await started(runtime, "slow-refund")
+    handles = await asyncio.gather(*(runtime.cancel(eid, reason=f"r{n}") for n in range(3)))
+    await asyncio.gather(*(h.outcome() for h in handles))
+    with pytest.raises(ExecutionCancelledError):
+        await runtime.result(eid)
+    assert calls == ["refund"]
+    log = kinds(await store.read(eid))
+    assert log.count("CANCEL_REQUESTED") == 1
+    assert log.count("STEP_STARTED") == 1
+    assert "EFFECT_INDOUBT" not in log
+    await runtime.close()
+
+
 async def test_force_after_a_graceful_request_ends_it_at_once(stores: Stores) -> None:
     store = stores[0]
     calls: list[str] = []
